@@ -1,0 +1,243 @@
+"""The operator graph every searcher works on. Pure Python + numpy: never import JAX here.
+
+An op is described as an einsum-like *iteration space*:
+
+* ``dims``: named loop dims with their sizes, in a fixed order, e.g. ``{"m": 64, "k": 32, "n": 16}``;
+* ``in_dims[i]``: for operand ``i``, the loop dim of each of its tensor dims (``None`` for a dim
+  that cannot follow a loop dim, e.g. a broadcast size-1 dim);
+* ``out_dims[j]``: the same for result ``j``;
+* loop dims that no result uses are *reductions*; splitting one leaves partial results that
+  are combined with ``op.reduce`` (an all-reduce, or a reduce-scatter into a split consumer).
+
+``MatMul`` is ``dims={m,k,n}, in_dims=[("m","k"), ("k","n")], out_dims=[("m","n")]``;
+``MatMul(transpose_b=True)`` is ``in_dims=[("m","k"), ("n","k")]``.
+
+Every graph input (data batch, parameter, constant) is the single result of a *source op*
+(``kind`` ``"data"``, ``"param"`` or ``"const"``) with no operands, so every tensor has
+exactly one producer and every edge is producer op -> consumer op.
+
+A *strategy* of an op assigns mesh axes to its loop dims: a tuple with one entry per loop dim
+(in ``dims`` order), each entry a tuple of mesh-axis indices (``()`` = not split). An axis is
+used by at most one loop dim of an op. The split count of a loop dim is the product of its
+axes' sizes; MindSpore's strategy tuple of operand ``i`` is, per tensor dim, the split count
+of the loop dim it maps to (:func:`ms_strategy`). The layout of a tensor under a strategy is,
+per tensor dim, the axes of its loop dim (:func:`operand_layout`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+Axes = tuple[int, ...]
+Strategy = tuple[Axes, ...]          # one entry per loop dim, in op.dims order
+TensorLayout = tuple[Axes, ...]      # one entry per tensor dim
+
+SOURCE_KINDS = frozenset({"data", "param", "const"})
+
+
+@dataclass(frozen=True)
+class DeviceMesh:
+    """The searcher's view of the device mesh: axis sizes, names and link speeds.
+
+    >>> DeviceMesh((2, 2, 2)).size
+    8
+    """
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...] = ()
+    bandwidth: tuple[float, ...] = ()   # bytes/s per axis; default 100 GB/s each
+    latency: tuple[float, ...] = ()     # seconds per collective per axis; default 5 us each
+
+    def __post_init__(self) -> None:
+        n = len(self.shape)
+        if not self.names:
+            object.__setattr__(self, "names", tuple(f"d{i}" for i in range(n)))
+        if not self.bandwidth:
+            object.__setattr__(self, "bandwidth", (100e9,) * n)
+        if not self.latency:
+            object.__setattr__(self, "latency", (5e-6,) * n)
+        if not (len(self.names) == len(self.bandwidth) == len(self.latency) == n):
+            raise ValueError("DeviceMesh: names, bandwidth and latency need one entry per axis")
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def count(self, axes: Iterable[int]) -> int:
+        """Number of devices spanned by ``axes``."""
+        return math.prod(self.shape[a] for a in axes)
+
+    @staticmethod
+    def prime(n: int) -> "DeviceMesh":
+        """One axis per prime factor of ``n`` (DESIGN's mesh rule): 8 -> (2, 2, 2), 12 -> (2, 2, 3)."""
+        return DeviceMesh(tuple(prime_factors(n)))
+
+
+def prime_factors(n: int) -> list[int]:
+    """Prime factors of ``n`` in ascending order (``[]`` for 1)."""
+    if n < 1:
+        raise ValueError(f"prime_factors: n must be >= 1, got {n}")
+    out, p = [], 2
+    while p * p <= n:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    if n > 1:
+        out.append(n)
+    return out
+
+
+@dataclass
+class Tensor:
+    id: int
+    shape: tuple[int, ...]
+    itemsize: int = 4
+    name: str = ""
+    producer: int = -1                 # op id; every tensor has exactly one
+    consumers: list[int] = field(default_factory=list)   # op ids, program order, repeats allowed
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclass
+class Op:
+    id: int
+    name: str
+    kind: str                                   # JAX primitive name, MindSpore op kind or a source kind
+    dims: dict[str, int]                        # loop dim -> size, ordered
+    inputs: list[int]                           # tensor ids
+    in_dims: list[tuple[str | None, ...]]       # per operand: loop dim per tensor dim
+    outputs: list[int]
+    out_dims: list[tuple[str | None, ...]]
+    reduce: str = "sum"                         # combiner of partial results: sum|max|min|prod|and|or
+    unsplittable: frozenset[str] = frozenset()  # loop dims that may not be split
+    flops: float | None = None                  # None: prod(dims) (x2 when there is a reduction)
+    fixed: Strategy | None = None               # a user strategy: searchers never change it
+    layer: str | None = None                    # repeated-layer key (ops of identical layers share it)
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return tuple(self.dims)
+
+    @property
+    def reduction_dims(self) -> tuple[str, ...]:
+        used = {d for od in self.out_dims for d in od if d is not None}
+        return tuple(d for d in self.dims if d not in used)
+
+    @property
+    def is_source(self) -> bool:
+        return self.kind in SOURCE_KINDS
+
+    def compute_flops(self) -> float:
+        if self.flops is not None:
+            return float(self.flops)
+        if self.is_source:
+            return 0.0
+        base = float(math.prod(self.dims.values()))
+        return 2.0 * base if self.reduction_dims else base
+
+
+@dataclass
+class Graph:
+    """A dataflow graph of ops in program order (every op after its operands' producers).
+
+    >>> g = Graph(DeviceMesh.prime(8))
+    >>> x = g.source("x", (64, 32), kind="data")
+    >>> w = g.source("w", (32, 16), kind="param")
+    >>> (y,) = g.add_op("mm/dot_general", "dot_general", {"m": 64, "k": 32, "n": 16},
+    ...                 [x, w], [("m", "k"), ("k", "n")], [("m", "n")])
+    >>> g.ops[-1].reduction_dims
+    ('k',)
+    """
+
+    mesh: DeviceMesh
+    ops: list[Op] = field(default_factory=list)
+    tensors: list[Tensor] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)   # tensor ids returned by the region
+
+    # -- building -----------------------------------------------------------------------------
+    def _tensor(self, shape: Sequence[int], itemsize: int, name: str, producer: int) -> int:
+        t = Tensor(len(self.tensors), tuple(int(s) for s in shape), itemsize, name, producer)
+        self.tensors.append(t)
+        return t.id
+
+    def source(self, name: str, shape: Sequence[int], kind: str = "data", itemsize: int = 4,
+               fixed: Strategy | None = None) -> int:
+        """Add a source op (graph input) and return the id of its tensor."""
+        if kind not in SOURCE_KINDS:
+            raise ValueError(f"Graph.source: kind must be one of {sorted(SOURCE_KINDS)}, got {kind!r}")
+        dims = {f"s{i}": int(s) for i, s in enumerate(shape)}
+        op = Op(len(self.ops), name, kind, dims, [], [], [], [tuple(dims)], fixed=fixed)
+        self.ops.append(op)
+        tid = self._tensor(shape, itemsize, name, op.id)
+        op.outputs.append(tid)
+        return tid
+
+    def add_op(self, name: str, kind: str, dims: dict[str, int], inputs: Sequence[int],
+               in_dims: Sequence[Sequence[str | None]], out_dims: Sequence[Sequence[str | None]],
+               out_shapes: Sequence[Sequence[int]] | None = None, itemsize: int = 4, **kw) -> list[int]:
+        """Add an op; returns its result tensor ids. ``out_shapes`` defaults to the loop-dim sizes."""
+        op = Op(len(self.ops), name, kind, dict(dims), list(inputs),
+                [tuple(d) for d in in_dims], [], [tuple(d) for d in out_dims], **kw)
+        if len(op.in_dims) != len(op.inputs):
+            raise ValueError(f"{name}: {len(op.inputs)} inputs but {len(op.in_dims)} in_dims")
+        for tid, idims in zip(op.inputs, op.in_dims):
+            t = self.tensors[tid]
+            if len(idims) != len(t.shape):
+                raise ValueError(f"{name}: operand {t.name or tid} has rank {len(t.shape)}, in_dims {idims}")
+            for size, d in zip(t.shape, idims):
+                if d is not None and dims[d] != size:
+                    raise ValueError(f"{name}: operand dim of size {size} mapped to loop dim {d}={dims[d]}")
+            t.consumers.append(op.id)
+        self.ops.append(op)
+        for j, od in enumerate(op.out_dims):
+            shape = out_shapes[j] if out_shapes is not None else [dims[d] if d else 1 for d in od]
+            op.outputs.append(self._tensor(shape, itemsize, f"{name}:{j}", op.id))
+        return list(op.outputs)
+
+    # -- queries ------------------------------------------------------------------------------
+    def producer(self, tid: int) -> Op:
+        return self.ops[self.tensors[tid].producer]
+
+    def edges(self) -> Iterable[tuple[int, int, int, int]]:
+        """(producer op, consumer op, tensor id, operand index) for every use of a tensor."""
+        for op in self.ops:
+            for i, tid in enumerate(op.inputs):
+                yield self.tensors[tid].producer, op.id, tid, i
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+
+# -- strategies and layouts -----------------------------------------------------------------
+def operand_layout(op: Op, strategy: Strategy, index: int) -> TensorLayout:
+    """Layout (axes per tensor dim) operand ``index`` must have under ``strategy``."""
+    where = dict(zip(op.dims, strategy))
+    return tuple(where[d] if d is not None else () for d in op.in_dims[index])
+
+
+def result_layout(op: Op, strategy: Strategy, index: int = 0) -> TensorLayout:
+    """Layout of result ``index`` under ``strategy`` after partial sums are resolved."""
+    where = dict(zip(op.dims, strategy))
+    return tuple(where[d] if d is not None else () for d in op.out_dims[index])
+
+
+def partial_axes(op: Op, strategy: Strategy) -> Axes:
+    """Mesh axes over which the results are partial (axes of split reduction dims)."""
+    where = dict(zip(op.dims, strategy))
+    return tuple(sorted(a for d in op.reduction_dims for a in where[d]))
+
+
+def ms_strategy(op: Op, strategy: Strategy, mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
+    """MindSpore's strategy tuple: per operand, the split count of each tensor dim."""
+    return tuple(tuple(mesh.count(ax) for ax in operand_layout(op, strategy, i))
+                 for i in range(len(op.inputs)))
+
+
+def replicated(op: Op) -> Strategy:
+    return tuple(() for _ in op.dims)
