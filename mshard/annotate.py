@@ -1,0 +1,145 @@
+"""Strategy annotations inside a traced region: one identity primitive, ``mshard_mark``.
+
+A primitive object with a strategy (``ops.MatMul().shard(...)``), a shard-wrapped function and a
+sharded Cell do not constrain anything while they are traced. They wrap each input and output
+in ``mshard_mark`` (an identity carrying an :class:`OpNote`), so the strategies sit in the jaxpr
+next to the exact tensors they govern. After tracing, the planner decides the mesh axes of every
+split (it sees producers and consumers), and the executor re-emits each mark as
+``with_sharding_constraint`` — or as nothing, in modes that ignore strategies.
+
+The mark is linear: its JVP marks the tangent and its transpose marks the cotangent (role
+``"ct"``), so gradients taken inside a region carry the same layouts. Outside a region nothing
+is marked: primitive objects and Cells run as plain JAX (PyNative style).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from .layout import TensorStrategy
+
+mark_p = Primitive("mshard_mark")
+mark_p.def_impl(lambda x, **_: x)
+mark_p.def_abstract_eval(lambda x, **_: x)
+mlir.register_lowering(mark_p, lambda ctx, x, **_: [x])
+
+
+def _mark_transpose(ct, x, *, note, role, index):
+    if type(ct) is ad.Zero:
+        return [ct]
+    return [mark_p.bind(ct, note=note, role="ct" if role == "in" else "ct_out", index=index)]
+
+
+ad.deflinear2(mark_p, _mark_transpose)
+batching.primitive_batchers[mark_p] = lambda args, dims, **kw: (mark_p.bind(args[0], **kw), dims[0])
+
+_uid = itertools.count()
+
+
+@dataclass(frozen=True, eq=False)
+class OpNote:
+    """What one annotated op asked for. Hashes by identity (it is a jaxpr parameter).
+
+    ``in_dims``/``out_dims`` give each tensor dim's loop dim (einsum letters) for primitive
+    objects; a shard-wrapped function or Cell has ``in_dims is None`` (its inside is propagated).
+    """
+
+    kind: str                                        # "MatMul", "Add", ..., or "shard"
+    given_name: str | None                           # the name= argument / Cell path, if any
+    in_strategy: tuple[TensorStrategy | None, ...]
+    out_strategy: tuple[TensorStrategy | None, ...] | None
+    in_shapes: tuple[tuple[int, ...], ...]
+    in_dims: tuple[tuple[str | None, ...], ...] | None = None
+    out_dims: tuple[tuple[str | None, ...], ...] | None = None
+    uid: int = field(default_factory=lambda: next(_uid))
+
+    @property
+    def loop_counts(self) -> dict[str, int]:
+        """Split count per loop dim, from the inputs' strategies (validated to agree)."""
+        out: dict[str, int] = {}
+        for dims, st in zip(self.in_dims or (), self.in_strategy):
+            if st is None:
+                continue
+            for d, c in zip(dims, st.counts):
+                if d is not None:
+                    out[d] = max(out.get(d, 1), c)
+        return out
+
+    @property
+    def reduction_dims(self) -> tuple[str, ...]:
+        used = {d for od in self.out_dims or () for d in od}
+        seen = []
+        for dims in self.in_dims or ():
+            for d in dims:
+                if d is not None and d not in used and d not in seen:
+                    seen.append(d)
+        return tuple(seen)
+
+
+def mark(x: Any, note: OpNote, role: str, index: int) -> Any:
+    return mark_p.bind(x, note=note, role=role, index=index)
+
+
+# -- what is being traced now ---------------------------------------------------------------------
+class _TraceState(threading.local):
+    def __init__(self) -> None:
+        self.region = None            # the RegionTrace being traced, or None (eager / plain JAX)
+
+
+_state = _TraceState()
+
+
+@dataclass
+class RegionTrace:
+    """Collected while a region is traced: Cell paths and the parameter plans of sharded Cells."""
+
+    device_num: int
+    module_paths: dict[int, str] = field(default_factory=dict)        # id(module) -> "dense1.inner"
+    param_plans: list[tuple[str, str, Any]] = field(default_factory=list)   # (cell path, key, strategy)
+
+
+def current_region() -> RegionTrace | None:
+    return _state.region
+
+
+class tracing_region:
+    """Context manager: mark annotations while a region is traced."""
+
+    def __init__(self, trace: RegionTrace):
+        self.trace = trace
+
+    def __enter__(self) -> RegionTrace:
+        self.saved, _state.region = _state.region, self.trace
+        return self.trace
+
+    def __exit__(self, *exc) -> None:
+        _state.region = self.saved
+
+
+# bumped by every .shard()/recompute(): a region's cache key includes it, so a changed strategy re-traces
+_epoch = [0]
+
+
+def bump_epoch() -> None:
+    _epoch[0] += 1
+
+
+def epoch() -> int:
+    return _epoch[0]
+
+
+def annotate_call(fn, args: Sequence[Any], note: OpNote, n_out: int | None = None):
+    """Run ``fn(*args)`` with every input and output marked by ``note`` (inside a region)."""
+    import jax
+    marked = [mark(a, note, "in", i) if st is not None or note.in_dims is not None else a
+              for i, (a, st) in enumerate(zip(args, note.in_strategy))]
+    out = fn(*marked)
+    leaves, tree = jax.tree.flatten(out)
+    leaves = [mark(o, note, "out", j) for j, o in enumerate(leaves)]
+    return jax.tree.unflatten(tree, leaves)

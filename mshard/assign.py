@@ -1,0 +1,424 @@
+"""Turn the strategies found in a traced region into concrete layouts on one mesh.
+
+Input: the region's jaxpr (with ``mshard_mark`` annotations), what each input is (data or a
+parameter path) and the context. Output: a :class:`RegionLayouts` — the mesh, the layout of every
+input, and the layout each mark must be constrained to (``None``: leave it to XLA).
+
+Split counts name no mesh axes; the axes are chosen here, walking the program in order, so a
+consumer takes the axes its producer already uses for the same dim (no redistribution), a
+parameter's split avoids the axes its first consumer's other operands use, and a split count
+seen before reuses the same axes. Layouts (and PartitionSpec/NamedSharding) name their axes and
+are taken as given.
+
+Nested jaxprs: calls (jit/pjit, custom_jvp/vjp, checkpoint/remat, closed_call) are walked inline
+with their inputs' layouts; loop and branch bodies (scan, while, cond) are walked for their marks
+with unknown input layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+from jax.extend import core as jcore
+
+from .annotate import OpNote, mark_p
+from .errors import DatasetStrategyError, LayoutError, ParameterPlanError, StrategyError
+from .layout import (DimAxes, RegionMesh, TensorStrategy, check_fits, choose_axes, to_tensor_strategy)
+
+CALL_PARAMS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+               "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+               "custom_vjp_call_jaxpr": "fun_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr"}
+
+
+def _as_jaxpr(j: Any) -> jcore.Jaxpr | None:
+    if isinstance(j, jcore.ClosedJaxpr):
+        return j.jaxpr
+    if isinstance(j, jcore.Jaxpr):
+        return j
+    return None
+
+
+def call_jaxpr(eqn) -> jcore.Jaxpr | None:
+    """The body of a call-like eqn whose invars map one to one onto the eqn's inputs."""
+    key = CALL_PARAMS.get(eqn.primitive.name)
+    return _as_jaxpr(eqn.params.get(key)) if key else None
+
+
+def sub_jaxprs(eqn) -> Iterator[jcore.Jaxpr]:
+    for v in eqn.params.values():
+        for item in (v if isinstance(v, (tuple, list)) else (v,)):
+            j = _as_jaxpr(item)
+            if j is not None:
+                yield j
+
+
+def iter_marks(jaxpr: jcore.Jaxpr) -> Iterator[Any]:
+    """Every mark eqn, in program order, including those in nested jaxprs."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is mark_p:
+            yield eqn
+        for sub in sub_jaxprs(eqn):
+            yield from iter_marks(sub)
+
+
+def notes_in(jaxpr: jcore.Jaxpr) -> list[OpNote]:
+    seen: dict[int, OpNote] = {}
+    for e in iter_marks(jaxpr):
+        seen.setdefault(e.params["note"].uid, e.params["note"])
+    return list(seen.values())
+
+
+def mark_key(eqn) -> tuple[int, str, int]:
+    role = eqn.params["role"]
+    return (eqn.params["note"].uid, "in" if role in ("in", "ct") else "out", eqn.params["index"])
+
+
+@dataclass
+class InputInfo:
+    kind: str                          # "data" | "param"
+    shape: tuple[int, ...]
+    name: str                          # parameter path or "arg0[1]"
+    strategy: TensorStrategy | None = None   # a fixed layout for this input (dataset tuple, parameter_plan)
+
+
+@dataclass
+class RegionLayouts:
+    mesh: RegionMesh
+    inputs: list[DimAxes]
+    marks: dict[tuple[int, str, int], DimAxes | None] = field(default_factory=dict)
+    op_names: dict[int, str] = field(default_factory=dict)
+    honour_marks: bool = True
+
+
+# -- mesh ------------------------------------------------------------------------------------------
+def region_mesh(notes: Sequence[OpNote], fixed: Sequence[TensorStrategy], device_num: int) -> RegionMesh:
+    meshes = {}
+    for n in notes:
+        for st in tuple(n.in_strategy) + tuple(n.out_strategy or ()):
+            if st is not None and st.mesh is not None:
+                meshes.setdefault(st.mesh, n.given_name or n.kind)
+    for st in fixed:
+        if st.mesh is not None:
+            meshes.setdefault(st.mesh, "parameter_plan")
+    if len(meshes) > 1:
+        desc = "; ".join(f"{m.shape} {m.names} (from {w})" for m, w in meshes.items())
+        raise LayoutError(f"one mesh per region: the strategies name different device matrices: {desc}. Use one "
+                          f"Layout (or one mesh for every NamedSharding) in a region.")
+    if meshes:
+        (mesh,) = meshes
+        if mesh.size != device_num:
+            raise LayoutError(f"Layout device_matrix {mesh.shape} covers {mesh.size} devices but device_num="
+                              f"{device_num}; make the device matrix's product equal device_num.")
+        return mesh
+    return RegionMesh.prime(device_num)
+
+
+def resolve_counts(st: TensorStrategy, mesh: RegionMesh, where: str) -> TensorStrategy:
+    """Give a PartitionSpec-derived strategy its counts on ``mesh`` (checking its axis names)."""
+    if st.axes is None or all(c > 0 for c in st.counts):
+        return st
+    for dim in st.axes:
+        for a in dim:
+            if a not in mesh.names:
+                raise LayoutError(f"{where}: PartitionSpec axis {a!r} is not an axis of the region mesh "
+                                  f"{dict(zip(mesh.names, mesh.shape))}; use a NamedSharding or a Layout "
+                                  f"that defines it.")
+    return TensorStrategy(tuple(mesh.count(a) for a in st.axes), st.axes, mesh)
+
+
+# -- the planner -------------------------------------------------------------------------------------
+class Assigner:
+    """Walks a jaxpr in program order and fixes the axes of every annotated split."""
+
+    def __init__(self, mesh: RegionMesh):
+        self.mesh = mesh
+        self.known: dict[Any, DimAxes] = {}             # jaxpr var -> layout
+        self.pending: dict[Any, tuple[TensorStrategy, str]] = {}   # var -> counts-only strategy, name
+        self.marks: dict[tuple[int, str, int], DimAxes | None] = {}
+        self.by_count: dict[int, tuple[str, ...]] = {}  # split count -> axes chosen for it before
+
+    # axes for one tensor given counts, preferring known axes per dim
+    def place(self, st: TensorStrategy, where: str, prefer: Sequence[DimAxes | None] = (),
+              avoid: set[str] = frozenset(), reuse: bool = False) -> DimAxes:
+        """``reuse``: a split count seen before takes the same axes even if they are in ``avoid``."""
+        st = resolve_counts(st, self.mesh, where)
+        if st.axes is not None:
+            return st.axes
+        out: list[tuple[str, ...]] = [()] * st.rank
+        used: set[str] = set()
+        order = sorted(range(st.rank), key=lambda d: -st.counts[d])
+        for d in order:
+            c = st.counts[d]
+            if c == 1:
+                continue
+            pref = [p[d] for p in prefer if p is not None and d < len(p) and p[d]]
+            if c in self.by_count and (reuse or not (set(self.by_count[c]) & avoid)):
+                pref.append(self.by_count[c])
+            free = [a for a in self.mesh.names if a not in used]
+            axes = choose_axes(c, free, self.mesh, pref, avoid)
+            if axes is None:
+                raise StrategyError(f"{where}: split {c} on dim {d} cannot be made from the free mesh axes "
+                                    f"{dict((a, self.mesh.axis_size(a)) for a in free)} of mesh "
+                                    f"{dict(zip(self.mesh.names, self.mesh.shape))}; choose splits whose product "
+                                    f"is a product of distinct mesh axes.")
+            out[d] = axes
+            used.update(axes)
+            self.by_count.setdefault(c, axes)
+        return tuple(out)
+
+    def layout_of(self, var, avoid: set[str] = frozenset()) -> DimAxes | None:
+        if isinstance(var, jcore.Literal):
+            return None
+        if var in self.pending:
+            st, name = self.pending.pop(var)
+            self.known[var] = self.place(st, name, avoid=avoid)
+        return self.known.get(var)
+
+    # -- ops --------------------------------------------------------------------------------------
+    def assign_op(self, note: OpNote, name: str, in_vars: Sequence[Any]) -> None:
+        """Fix loop-dim axes of a primitive object's strategy; record in/out mark layouts."""
+        if all(s is None for s in note.in_strategy) and not any(note.out_strategy or ()):
+            return
+        known = [self.layout_of(v) for v in in_vars]
+        loop: dict[str, tuple[str, ...]] = {}
+        for i, st in enumerate(note.in_strategy):
+            if st is None:
+                continue
+            st = resolve_counts(st, self.mesh, f"{name} input {i}")
+            if st.axes is None:
+                continue
+            for pos, (letter, axes) in enumerate(zip(note.in_dims[i], st.axes)):
+                if letter is None:
+                    continue
+                if letter in loop and loop[letter] != axes:
+                    raise StrategyError(f"{name}: inputs disagree on a shared dim: input {i} dim {pos} is split "
+                                        f"over {axes or 'no axes'} but another input uses {loop[letter] or 'no axes'}"
+                                        f" for the same dim; give both the same layout.")
+                loop[letter] = axes
+        counts = note.loop_counts
+        used = {a for ax in loop.values() for a in ax}
+        appearance = [l for dims in note.in_dims for l in dims if l is not None]
+
+        def has_pref(letter: str) -> bool:
+            return any(k is not None and l == letter and k[pos] and self.mesh.count(k[pos]) == counts[letter]
+                       for k, dims in zip(known, note.in_dims) for pos, l in enumerate(dims))
+        todo = [l for l in dict.fromkeys(appearance) if l in counts and l not in loop and counts[l] > 1]
+        for letter in sorted(todo, key=lambda l: (not has_pref(l), appearance.index(l))):
+            c = counts[letter]
+            prefer, avoid = [], set()
+            for k, dims in zip(known, note.in_dims):
+                if k is None:
+                    continue
+                for pos, l in enumerate(dims):
+                    if l == letter and k[pos]:
+                        prefer.append(k[pos])
+                    elif l is not None and l != letter:
+                        avoid.update(k[pos])
+            if c in self.by_count:
+                prefer.append(self.by_count[c])
+            free = [a for a in self.mesh.names if a not in used]
+            axes = choose_axes(c, free, self.mesh, prefer, avoid)
+            if axes is None:
+                raise StrategyError(f"{name}: the strategy splits its dims {counts} over more mesh axes than "
+                                    f"mesh {dict(zip(self.mesh.names, self.mesh.shape))} has free for a "
+                                    f"{c}-way split; the product of all of the op's splits must divide "
+                                    f"device_num={self.mesh.size}.")
+            loop[letter] = axes
+            used.update(axes)
+            self.by_count.setdefault(c, axes)
+        for i, dims in enumerate(note.in_dims):
+            self.marks[(note.uid, "in", i)] = (None if note.in_strategy[i] is None else
+                                               tuple(loop.get(l, ()) if l else () for l in dims))
+        partial = tuple(a for l in note.reduction_dims for a in loop.get(l, ()))
+        for j, dims in enumerate(note.out_dims):
+            natural = tuple(loop.get(l, ()) if l else () for l in dims)
+            ost = (note.out_strategy or (None,) * len(note.out_dims))[j]
+            if ost is None:
+                self.marks[(note.uid, "out", j)] = natural
+            else:
+                pref = tuple(n + tuple(a for a in partial if a not in n) for n in natural)
+                self.marks[(note.uid, "out", j)] = self.place(ost, f"{name} output {j}", prefer=[pref, natural])
+
+    def assign_shard(self, note: OpNote, name: str, in_vars: dict[int, Any]) -> None:
+        """A shard-wrapped function or Cell: each annotated input/output gets its layout."""
+        taken: set[str] = set()
+        for i, st in enumerate(note.in_strategy):
+            if st is None or i not in in_vars:
+                continue
+            k = self.layout_of(in_vars[i])
+            lay = self.place(st, f"{name} input {i}", prefer=[k] if k else [], avoid=set(taken),
+                             reuse=True)
+            self.marks[(note.uid, "in", i)] = lay
+            taken.update(a for d in lay for a in d)
+        for j, st in enumerate(note.out_strategy or ()):
+            self.marks[(note.uid, "out", j)] = (None if st is None else self.place(st, f"{name} output {j}"))
+
+    # -- the walk ---------------------------------------------------------------------------------
+    def walk(self, jaxpr: jcore.Jaxpr, names: dict[int, str]) -> None:
+        eqns = jaxpr.eqns
+        done: set[int] = set()
+        for pos, eqn in enumerate(eqns):
+            if eqn.primitive is mark_p:
+                note: OpNote = eqn.params["note"]
+                key = mark_key(eqn)
+                role = eqn.params["role"]
+                if role == "in" and note.uid not in done:
+                    done.add(note.uid)
+                    group = {e.params["index"]: e.invars[0] for e in eqns[pos:]
+                             if e.primitive is mark_p and e.params["note"] is note and e.params["role"] == "in"}
+                    name = names[note.uid]
+                    if note.in_dims is None:
+                        self.assign_shard(note, name, group)
+                    else:
+                        self.assign_op(note, name, [group.get(i) for i in range(len(note.in_dims))])
+                elif role == "out" and note.uid not in done and note.in_dims is None:
+                    done.add(note.uid)
+                    self.assign_shard(note, names[note.uid], {})
+                lay = self.marks.get(key)
+                if lay is not None:
+                    self.known[eqn.outvars[0]] = lay
+                else:
+                    src = self.layout_of(eqn.invars[0])
+                    if src is not None:
+                        self.known[eqn.outvars[0]] = src
+                continue
+            body = call_jaxpr(eqn)
+            if body is not None:
+                for outer, inner in zip(eqn.invars, body.invars):
+                    if isinstance(outer, jcore.Literal):
+                        continue
+                    if outer in self.pending:
+                        self.pending[inner] = self.pending[outer]
+                    elif outer in self.known:
+                        self.known[inner] = self.known[outer]
+                self.walk(body, names)
+                for outer, inner in zip(eqn.outvars, body.outvars):
+                    if not isinstance(inner, jcore.Literal) and inner in self.known:
+                        self.known[outer] = self.known[inner]
+                for outer, inner in zip(eqn.invars, body.invars):
+                    if not isinstance(outer, jcore.Literal) and outer in self.pending and inner not in self.pending:
+                        self.pending.pop(outer)
+                        self.known[outer] = self.known[inner]
+                continue
+            for sub in sub_jaxprs(eqn):
+                self.walk(sub, names)
+            self._propagate(eqn)
+
+    def _propagate(self, eqn) -> None:
+        """Resolve pending parameter splits at first use; carry layouts through elementwise-shaped ops."""
+        others = {a for v in eqn.invars if not isinstance(v, jcore.Literal) and v in self.known
+                  for d in self.known[v] for a in d}
+        ins = [self.layout_of(v, avoid=others) for v in eqn.invars]
+        for out in eqn.outvars:
+            shape = getattr(out.aval, "shape", None)
+            for v, lay in zip(eqn.invars, ins):
+                if lay is not None and getattr(v.aval, "shape", None) == shape:
+                    self.known[out] = lay
+                    break
+
+
+def op_names(jaxpr: jcore.Jaxpr) -> dict[int, str]:
+    """DESIGN's op names for annotated ops: ``scope/Kind`` with ``_1``, ``_2`` for repeats, in program order."""
+    names: dict[int, str] = {}
+    count: dict[str, int] = {}
+    for eqn in iter_marks(jaxpr):
+        note: OpNote = eqn.params["note"]
+        if note.uid in names:
+            continue
+        scope = str(eqn.source_info.name_stack)
+        if note.given_name and note.kind == "shard":
+            base = note.given_name
+        else:
+            base = f"{scope}/{note.kind}" if scope else note.kind
+        k = count.get(base, 0)
+        count[base] = k + 1
+        names[note.uid] = base if k == 0 else f"{base}_{k}"
+    return names
+
+
+def _first_uses(jaxpr: jcore.Jaxpr) -> dict[Any, Any]:
+    """Region inputs whose first use is an annotated mark with a strategy -> that mark eqn."""
+    first: dict[Any, Any] = {}
+    invars = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, jcore.Literal) or v not in invars or v in first:
+                continue
+            ok = (eqn.primitive is mark_p and eqn.params["role"] == "in"
+                  and eqn.params["note"].in_strategy[eqn.params["index"]] is not None)
+            first[v] = eqn if ok else None
+    return first
+
+
+def data_layout(info: InputInfo, dataset: Any, index: int, mesh: RegionMesh, assigner: Assigner,
+                taken: set[str] = frozenset()) -> DimAxes:
+    rank = len(info.shape)
+    if info.strategy is not None:
+        check_fits(info.strategy, info.shape, mesh.size, f"data input {info.name}")
+        return assigner.place(info.strategy, f"data input {info.name}", avoid=set(taken), reuse=True)
+    if dataset == "full_batch" or rank == 0:
+        return ((),) * rank
+    if dataset == "data_parallel":
+        if info.shape[0] % mesh.size:
+            raise DatasetStrategyError(
+                f"data input {info.name}: dataset_strategy 'data_parallel' splits dim 0 over {mesh.size} devices "
+                f"but its size is {info.shape[0]} (shape {info.shape}); use a batch size divisible by {mesh.size}, "
+                f"or dataset_strategy='full_batch'.")
+        return (tuple(mesh.names),) + ((),) * (rank - 1)
+    raise AssertionError(dataset)
+
+
+def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode: str, device_num: int,
+                dataset_strategy: Any, param_plans: Sequence[tuple[str, str, Any]] = ()) -> RegionLayouts:
+    """Layouts for a traced region under ``mode`` (see DESIGN §3)."""
+    jaxpr = closed.jaxpr
+    notes = notes_in(jaxpr)
+    names = op_names(jaxpr)
+    params = {info.name: i for i, info in enumerate(inputs) if info.kind == "param"}
+    fixed: dict[int, TensorStrategy] = {}
+    if mode in ("semi_auto_parallel", "auto_parallel"):
+        for cell, key, strategy in param_plans:
+            path = f"{cell}.{key}" if cell else key
+            if path not in params:
+                near = [p for p in params if p.endswith(key.split(".")[-1])][:5] or list(params)[:5]
+                raise ParameterPlanError(f"parameter_plan{' of Cell ' + repr(cell) if cell else ''}: key {key!r} "
+                                         f"matches no parameter; parameters include {near}. Use a parameter "
+                                         f"path like 'dense1.weight'.")
+            i = params[path]
+            st = to_tensor_strategy(strategy, f"parameter_plan[{key!r}]")
+            check_fits(st, inputs[i].shape, device_num, f"parameter_plan[{key!r}] (shape {inputs[i].shape})")
+            fixed[i] = st
+    if mode == "stand_alone":
+        mesh = RegionMesh(("d0",), (1,))
+        return RegionLayouts(mesh, [((),) * len(i.shape) for i in inputs], {}, names, honour_marks=False)
+    if mode in ("semi_auto_parallel", "auto_parallel"):
+        mesh = region_mesh(notes, list(fixed.values()) + [i.strategy for i in inputs if i.strategy], device_num)
+    else:
+        mesh = RegionMesh.prime(device_num)
+    assigner = Assigner(mesh)
+    in_layouts: list[DimAxes | None] = [None] * len(inputs)
+    first_use = _first_uses(jaxpr) if mode in ("semi_auto_parallel", "auto_parallel") else {}
+    taken: set[str] = set()
+    for i, info in enumerate(inputs):
+        if info.kind == "data" and info.strategy is None and first_use.get(jaxpr.invars[i]) is not None:
+            continue   # laid out as its first (annotated) consumer asks, decided in the walk
+        if info.kind == "data":
+            in_layouts[i] = data_layout(info, dataset_strategy, i, mesh, assigner, taken)
+            taken.update(a for d in in_layouts[i] for a in d)
+            assigner.known[jaxpr.invars[i]] = in_layouts[i]
+        elif i in fixed:
+            assigner.pending[jaxpr.invars[i]] = (fixed[i], f"parameter {info.name}")
+        else:
+            in_layouts[i] = ((),) * len(info.shape)
+            assigner.known[jaxpr.invars[i]] = in_layouts[i]
+    honour = mode in ("semi_auto_parallel", "auto_parallel")
+    if honour:
+        assigner.walk(jaxpr, names)
+    for i, info in enumerate(inputs):
+        if in_layouts[i] is None and info.kind == "data":
+            eqn = first_use[jaxpr.invars[i]]
+            in_layouts[i] = assigner.marks.get(mark_key(eqn)) or data_layout(info, dataset_strategy, i, mesh, assigner)
+        elif in_layouts[i] is None:
+            in_layouts[i] = assigner.layout_of(jaxpr.invars[i])
+    return RegionLayouts(mesh, in_layouts, assigner.marks, names, honour_marks=honour)

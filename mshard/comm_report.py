@@ -1,0 +1,149 @@
+"""``ms.comm_report``: the collectives of a region's compiled HLO — kind -> count and bytes.
+
+Bytes are the per-device size of each collective's result buffer as compiled (tuple-shaped,
+i.e. combined, collectives count once with all their elements); ``moved`` estimates the bytes
+each device sends with ring algorithms from the replica-group size k (all-reduce 2S(k-1)/k,
+all-gather S(k-1)/k of the gathered result, reduce-scatter S(k-1) of the scattered result,
+all-to-all S(k-1)/k).
+
+>>> import jax.numpy as jnp, mshard as ms
+>>> print(ms.comm_report(ms.jit(lambda x: x * 2), jnp.ones(8)).total_count)
+0
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+_LINE = re.compile(r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+                   r"(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?P<start>-start)?\(")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+@dataclass
+class Collective:
+    kind: str
+    nbytes: int
+    group_size: int
+    text: str
+
+    @property
+    def moved(self) -> float:
+        k = max(self.group_size, 1)
+        factor = {"all-reduce": 2 * (k - 1) / k, "all-gather": (k - 1) / k, "reduce-scatter": (k - 1),
+                  "all-to-all": (k - 1) / k, "collective-permute": 1.0}[self.kind]
+        return self.nbytes * factor
+
+
+def _nbytes(shape: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        total += n * _DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+def _group_size(line: str) -> int:
+    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
+    if m:
+        return len(m.group(1).split(","))
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+    if m:
+        return int(m.group(2))
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
+    return 2 if m else 1
+
+
+@dataclass
+class CommReport:
+    """Collectives found in compiled HLO. ``report.count("all-reduce")``, ``report.bytes("all-gather")``."""
+
+    collectives: list[Collective] = field(default_factory=list)
+
+    @staticmethod
+    def from_hlo(text: str) -> "CommReport":
+        out = []
+        for line in text.splitlines():
+            m = _LINE.search(line)
+            if m and "-done" not in line.split("=")[1].split("(")[0]:
+                out.append(Collective(m.group("kind"), _nbytes(m.group("shape")), _group_size(line), line.strip()))
+        return CommReport(out)
+
+    def count(self, kind: str) -> int:
+        return sum(c.kind == kind for c in self.collectives)
+
+    def bytes(self, kind: str) -> int:
+        return sum(c.nbytes for c in self.collectives if c.kind == kind)
+
+    def moved(self, kind: str) -> float:
+        return sum(c.moved for c in self.collectives if c.kind == kind)
+
+    @property
+    def total_count(self) -> int:
+        return len(self.collectives)
+
+    @property
+    def by_kind(self) -> dict[str, dict[str, float]]:
+        return {k: {"count": self.count(k), "bytes": self.bytes(k), "moved": self.moved(k)}
+                for k in KINDS if self.count(k)}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"by_kind": self.by_kind, "total_count": self.total_count}
+
+    def table(self):
+        from rich.table import Table
+        t = Table(title="collectives in compiled HLO (per device)")
+        for col in ("kind", "count", "bytes", "moved (ring est.)"):
+            t.add_column(col, justify="right" if col != "kind" else "left")
+        for k, v in self.by_kind.items():
+            t.add_row(k, str(v["count"]), f"{v['bytes']:,}", f"{v['moved']:,.0f}")
+        if not self.collectives:
+            t.add_row("(none)", "0", "0", "0")
+        return t
+
+    def __str__(self) -> str:
+        from rich.console import Console
+        console = Console(width=100, record=True, force_terminal=False)
+        with console.capture() as cap:
+            console.print(self.table())
+        return cap.get()
+
+    def _repr_html_(self) -> str:
+        rows = "".join(f"<tr><td>{k}</td><td>{v['count']}</td><td>{v['bytes']:,}</td></tr>"
+                       for k, v in self.by_kind.items()) or "<tr><td>(none)</td><td>0</td><td>0</td></tr>"
+        return f"<table><tr><th>kind</th><th>count</th><th>bytes</th></tr>{rows}</table>"
+
+
+def hlo_text(f: Callable, *args) -> str:
+    """Compiled HLO of any mshard callable (ms.jit region, shard-wrapped function, Cell) or a jax.jit function."""
+    from flax import nnx
+    from .nn.cell import Cell, _cell_region
+    from .region import Region
+    from .shard import ShardedFunction
+    if isinstance(f, Cell):
+        lowered = (_cell_region(f) if getattr(f, "_mshard_shard", None) else Region(lambda c, *a: c(*a))).lower(f, *args)
+    elif isinstance(f, (Region, ShardedFunction)) or hasattr(f, "lower") and hasattr(f, "_mshard_region"):
+        lowered = f.lower(*args)
+    elif hasattr(f, "lower"):
+        lowered = f.lower(*args)
+    elif isinstance(f, nnx.Module):
+        lowered = Region(lambda c, *a: c(*a)).lower(f, *args)
+    else:
+        lowered = Region(f).lower(*args)
+    return lowered.compile().as_text()
+
+
+def comm_report(f: Callable, *args) -> CommReport:
+    """Collectives of ``f(*args)``'s compiled HLO: kind -> count, bytes (see module doc).
+
+    ``f`` is any mshard callable (``ms.jit`` region, shard-wrapped function, Cell, TrainOneStepCell)
+    or a ``jax.jit`` function.
+    """
+    return CommReport.from_hlo(hlo_text(f, *args))

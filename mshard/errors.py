@@ -1,0 +1,65 @@
+"""One error hierarchy for mshard, rooted in :class:`MshardError`.
+
+Every message names the op or parameter, the bad value, what was expected and the fix.
+Each class subclasses ``ValueError`` or ``TypeError`` so existing ``except`` clauses work.
+
+>>> import mshard as ms
+>>> try:
+...     ms.set_auto_parallel_context(parallel_mode="semi_auto")
+... except ms.errors.ContextError as e:
+...     print(type(e).__mro__[1].__name__)
+MshardError
+"""
+
+
+class MshardError(Exception):
+    """Base of every error mshard raises on purpose."""
+
+
+class ContextError(MshardError, ValueError):
+    """A bad key or value for set_auto_parallel_context / set_algo_parameters / set_cost_model_context.
+
+    ``ms.set_auto_parallel_context(parallel_mode="semi_auto")`` -> unknown parallel_mode.
+    """
+
+
+class ContextTypeError(MshardError, TypeError):
+    """A context value of the wrong type, e.g. ``device_num="8"``."""
+
+
+class StrategyError(MshardError, ValueError):
+    """A strategy that cannot hold: a split that does not divide the dim, a split product that does not
+    divide device_num, inputs of one op that disagree on a shared dim, a strategy of the wrong length.
+
+    ``ops.MatMul().shard(((2, 3), (3, 1)))`` on 8 devices -> 3 does not divide 8.
+    """
+
+
+class StrategyTypeError(MshardError, TypeError):
+    """A strategy that is not a tuple of positive ints, a Layout call, a PartitionSpec or a NamedSharding."""
+
+
+class LayoutError(MshardError, ValueError):
+    """A bad Layout: unknown alias, alias used twice in one tensor, device matrix not matching device_num."""
+
+
+class ParameterPlanError(MshardError, ValueError):
+    """A parameter_plan key that matches no parameter, or a plan that does not fit the parameter."""
+
+
+class DatasetStrategyError(MshardError, ValueError):
+    """A dataset_strategy that does not fit the batch (rank, divisibility)."""
+
+
+class PlanError(MshardError, ValueError):
+    """A strategy file or plan that cannot be read or does not fit the region."""
+
+
+class CheckpointError(MshardError, ValueError):
+    """A checkpoint whose strategy or shapes do not match, or a corrupt/truncated checkpoint."""
+
+
+__all__ = [
+    "MshardError", "ContextError", "ContextTypeError", "StrategyError", "StrategyTypeError", "LayoutError",
+    "ParameterPlanError", "DatasetStrategyError", "PlanError", "CheckpointError",
+]

@@ -1,0 +1,126 @@
+"""``nn.Cell``: a Flax NNX Module that speaks MindSpore (shard, recompute, pipeline_stage).
+
+>>> import jax.numpy as jnp
+>>> from flax import nnx
+>>> from mshard import nn
+>>> class Net(nn.Cell):
+...     def __init__(self, rngs):
+...         self.dense1 = nn.Dense(4, 8, rngs=rngs)
+...     def __call__(self, x):
+...         return self.dense1(x)
+>>> Net(nnx.Rngs(0))(jnp.ones((2, 4))).shape
+(2, 8)
+
+Differences from MindSpore: a Cell is an ``nnx.Module``; its parameters are ``nnx.Param``
+variables and parameter paths are attribute paths (``"dense1.weight"``). A Cell with a shard
+configuration called outside a region runs as its own jitted region (MindSpore's PyNative shard).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from .. import annotate
+from ..errors import ParameterPlanError, StrategyTypeError
+from ..layout import normalize_in_strategy
+
+
+def _wrap_call(call: Callable) -> Callable:
+    @functools.wraps(call)
+    def __call__(self, *args, **kwargs):
+        cfg = getattr(self, "_mshard_shard", None)
+        trace = annotate.current_region()
+        if trace is None:
+            if cfg is not None and not kwargs:
+                return _cell_region(self)(self, *args)
+            return call(self, *args, **kwargs)
+        path = trace.module_paths.get(id(self), "")
+        scope = path.rsplit(".", 1)[-1] if path else None
+        body = functools.partial(call, self)
+        if getattr(self, "_mshard_recompute", None) is not None:
+            body = jax.checkpoint(body, policy=self._mshard_recompute or None)
+        with jax.named_scope(scope) if scope else _null():
+            if cfg is None:
+                return body(*args, **kwargs)
+            from ..shard import ShardedFunction
+            in_s, out_s, plan = cfg
+            sf = ShardedFunction(lambda *a: body(*a, **kwargs), in_s, out_s, dict(plan),
+                                 name=path or type(self).__name__, cell_path=path)
+            return sf(*args)
+    __call__._mshard_wrapped = True
+    return __call__
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return None
+
+
+_regions: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def _cell_region(cell: "Cell"):
+    from ..region import Region
+    cfg = cell._mshard_shard
+    key = cfg
+    entry = _regions.get(cell)
+    if entry is None or entry[0] != key:
+        data_strategy = (None,) + tuple(normalize_in_strategy(cfg[0], None, type(cell).__name__))
+        entry = (key, Region(lambda c, *a: c(*a), data_strategy=data_strategy, name=type(cell).__name__))
+        _regions[cell] = entry
+    return entry[1]
+
+
+class Cell(nnx.Module):
+    """Base class of mshard models; subclass it like ``nnx.Module`` (or MindSpore's ``nn.Cell``)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        call = cls.__dict__.get("__call__")
+        if call is not None and not getattr(call, "_mshard_wrapped", False):
+            cls.__call__ = _wrap_call(call)
+
+    def shard(self, in_strategy: Any, out_strategy: Any = None, parameter_plan: dict | None = None,
+              device: str = "CPU", level: int = 0) -> "Cell":
+        """Strategies for this Cell's inputs/outputs and a ``parameter_plan`` ``{"dense1.weight": (1, 8)}``.
+
+        Inside a region the Cell's inside is propagated from these layouts (MindSpore's functional shard).
+        Parameter paths are relative to this Cell; a key matching no parameter is an error.
+        """
+        where = f"{type(self).__name__}.shard"
+        normalize_in_strategy(in_strategy, None, where)
+        if parameter_plan is not None and not isinstance(parameter_plan, dict):
+            raise StrategyTypeError(f"{where}: parameter_plan must be a dict like {{'dense1.weight': (1, 8)}}, got "
+                                    f"{parameter_plan!r}.")
+        paths = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(self))}
+        for key in parameter_plan or {}:
+            if key not in paths:
+                raise ParameterPlanError(f"{where}: parameter_plan key {key!r} matches no parameter of "
+                                         f"{type(self).__name__}; its parameters are {sorted(paths)[:8]}.")
+        self._mshard_shard = (tuple(in_strategy) if isinstance(in_strategy, (tuple, list)) else (in_strategy,),
+                              None if out_strategy is None else tuple(out_strategy),
+                              tuple(sorted((parameter_plan or {}).items())))
+        annotate.bump_epoch()
+        return self
+
+    def recompute(self, policy: Callable | None = None) -> "Cell":
+        """Recompute this Cell's activations in the backward pass (``jax.checkpoint`` around ``__call__``)."""
+        self._mshard_recompute = policy if policy is not None else False
+        annotate.bump_epoch()
+        return self
+
+    @property
+    def pipeline_stage(self) -> int:
+        return getattr(self, "_mshard_stage", 0)
+
+    @pipeline_stage.setter
+    def pipeline_stage(self, stage: int) -> None:
+        self._mshard_stage = int(stage)

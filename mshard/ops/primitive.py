@@ -1,0 +1,160 @@
+"""The base of MindSpore-style primitive objects: ``ops.MatMul(transpose_b=True).shard(((4, 2), (1, 2)))``.
+
+A primitive object is one op in the plan. Its strategy covers its own tensor inputs, one split
+tuple each, as in MindSpore; its iteration space (``spec``) says how the inputs' and outputs' dims
+map to loop dims, so the strategy is checked (divisibility, device count, shared dims agreeing,
+dims the op cannot split) when it is called inside a region, before JAX sees anything.
+Outside a region it runs as plain JAX.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+
+from .. import annotate
+from ..annotate import OpNote
+from ..errors import StrategyError
+from ..layout import TensorStrategy, check_fits, normalize_in_strategy
+
+Dims = tuple[str | None, ...]
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+class Primitive:
+    """Base class; subclasses define ``compute`` and ``spec`` (and ``n_tensors`` if they take attributes)."""
+
+    n_tensors: int | None = None      # leading tensor arguments; the rest are attributes (None: all)
+
+    def __init__(self, name: str | None = None):
+        self.name = name
+        self.in_strategy: tuple[TensorStrategy | None, ...] | None = None
+        self.out_strategy: tuple[TensorStrategy | None, ...] | None = None
+
+    @property
+    def kind(self) -> str:
+        return type(self).__name__
+
+    def __repr__(self) -> str:
+        st = "" if self.in_strategy is None else f".shard({tuple(s.counts if s else None for s in self.in_strategy)})"
+        return f"{self.kind}({self.name or ''}){st}"
+
+    def shard(self, in_strategy: Any, out_strategy: Any = None) -> "Primitive":
+        """Set MindSpore's strategy: one split tuple (or Layout call / PartitionSpec) per tensor input."""
+        where = f"{self.kind}{' ' + repr(self.name) if self.name else ''}"
+        self.in_strategy = normalize_in_strategy(in_strategy, self.n_tensors, where)
+        self.out_strategy = (None if out_strategy is None else
+                             normalize_in_strategy(out_strategy, None, where + " out_strategy"))
+        annotate.bump_epoch()
+        return self
+
+    # -- to be defined by subclasses ------------------------------------------------------------
+    def compute(self, *args):
+        raise NotImplementedError
+
+    def spec(self, shapes: Sequence[tuple[int, ...]], attrs: Sequence[Any]) -> tuple[
+            tuple[Dims, ...], tuple[Dims, ...], frozenset[str]]:
+        """(loop dims per input dim, loop dims per output dim, loop dims that must not be split)."""
+        raise NotImplementedError
+
+    # -- calling -----------------------------------------------------------------------------------
+    def __call__(self, *args):
+        k = len(args) if self.n_tensors is None else self.n_tensors
+        tensors, attrs = list(args[:k]), args[k:]
+        trace = annotate.current_region()
+        fn = (lambda *t: self.compute(*t, *attrs))
+        if trace is None:
+            return fn(*tensors)
+        shapes = [tuple(jax.numpy.shape(t)) for t in tensors]
+        in_dims, out_dims, fixed = self.spec(shapes, attrs)
+        note = self._note(shapes, in_dims, out_dims, fixed, trace.device_num)
+        with jax.named_scope(self.name) if self.name else _null():
+            out = annotate.annotate_call(fn, tensors, note)
+        self._check_outputs(note, out)
+        if self.out_strategy is not None:
+            outs = jax.tree.leaves(out)
+            if len(self.out_strategy) != len(outs):
+                raise StrategyError(f"{self._where()}: out_strategy has {len(self.out_strategy)} entries but the op "
+                                    f"has {len(outs)} output(s).")
+            for j, (o, st) in enumerate(zip(outs, self.out_strategy)):
+                if st is not None:
+                    check_fits(st, o.shape, trace.device_num, f"{self._where()} output {j}")
+        return out
+
+    def _check_outputs(self, note: OpNote, out) -> None:
+        """A split carried to an output dim must divide it (e.g. MindSpore's reshape rule)."""
+        counts = note.loop_counts
+        for j, (o, dims) in enumerate(zip(jax.tree.leaves(out), note.out_dims)):
+            for d, (size, letter) in enumerate(zip(o.shape, dims)):
+                c = counts.get(letter, 1) if letter else 1
+                if c > 1 and size % c:
+                    raise StrategyError(f"{self._where()}: the strategy splits a dim {c} ways but output {j} dim {d} "
+                                        f"has size {size} (shape {tuple(o.shape)}); it cannot keep that split. Use a "
+                                        f"split that divides {size}.")
+
+    def _where(self) -> str:
+        return f"{self.kind}{' ' + repr(self.name) if self.name else ''}"
+
+    def _note(self, shapes, in_dims, out_dims, fixed, device_num) -> OpNote:
+        where = self._where()
+        strategy = self.in_strategy
+        if strategy is not None:
+            if len(strategy) != len(shapes):
+                raise StrategyError(f"{where}: strategy has {len(strategy)} entries but the op takes {len(shapes)} "
+                                    f"tensor input(s); give one split tuple per input.")
+            counts: dict[str, tuple[int, int, int]] = {}
+            for i, (st, shape, dims) in enumerate(zip(strategy, shapes, in_dims)):
+                if st is None:
+                    continue
+                check_fits(st, shape, device_num, f"{where} input {i}")
+                for d, (letter, c) in enumerate(zip(dims, st.counts)):
+                    if c < 0:          # PartitionSpec: counts known once the mesh is
+                        continue
+                    if letter is None and c != 1:
+                        raise StrategyError(f"{where} input {i}: dim {d} (size {shape[d]}) is broadcast, so its split "
+                                            f"must be 1, got {c} in {st.counts}.")
+                    if letter in fixed and c != 1:
+                        raise StrategyError(f"{where} input {i}: {self.kind} cannot split dim {d} (split {c} in "
+                                            f"{st.counts}); MindSpore's {self.kind} needs 1 there.")
+                    if letter is not None:
+                        if letter in counts and counts[letter][0] != c:
+                            c0, i0, d0 = counts[letter]
+                            raise StrategyError(f"{where}: inputs disagree on a shared dim: input {i0} dim {d0} is split "
+                                                f"{c0} but input {i} dim {d} is split {c} in {st.counts}; the shared "
+                                                f"dim needs the same split in both.")
+                        counts.setdefault(letter, (c, i, d))
+            total = math.prod(c for c, _, _ in counts.values())
+            if all(st is None or st.mesh is None for st in strategy) and device_num % total:
+                raise StrategyError(f"{where}: strategy {tuple(s.counts if s else None for s in strategy)} uses "
+                                    f"{total} devices in all, which {'exceeds' if total > device_num else 'does not divide'}"
+                                    f" device_num={device_num}; the product of the op's splits must divide it.")
+        return OpNote(self.kind, self.name, strategy or (None,) * len(shapes), self.out_strategy, tuple(shapes),
+                      tuple(in_dims), tuple(out_dims))
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return None
+
+
+# -- spec helpers ---------------------------------------------------------------------------------
+def broadcast_spec(shapes: Sequence[tuple[int, ...]]) -> tuple[tuple[Dims, ...], tuple[Dims, ...]]:
+    """numpy broadcasting: output dim k is loop dim k; a size-1 input dim under a larger output dim is None."""
+    rank = max((len(s) for s in shapes), default=0)
+    out_shape = [1] * rank
+    for s in shapes:
+        for k, size in enumerate(s):
+            j = rank - len(s) + k
+            out_shape[j] = max(out_shape[j], size)
+    letters = LETTERS[:rank]
+    ins = []
+    for s in shapes:
+        off = rank - len(s)
+        ins.append(tuple(None if (size == 1 and out_shape[off + k] != 1) else letters[off + k]
+                         for k, size in enumerate(s)))
+    return tuple(ins), (tuple(letters),)

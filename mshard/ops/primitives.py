@@ -1,0 +1,459 @@
+"""MindSpore's primitive objects (DESIGN §2), each with MindSpore's constructor arguments.
+
+>>> import jax.numpy as jnp
+>>> from mshard import ops
+>>> ops.MatMul(transpose_b=True)(jnp.ones((4, 3)), jnp.ones((2, 3))).shape
+(4, 2)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from .primitive import LETTERS, Primitive, broadcast_spec
+
+_NONE: frozenset[str] = frozenset()
+
+
+# -- elementwise ---------------------------------------------------------------------------------
+class _Elementwise(Primitive):
+    fn: Any = None
+
+    def compute(self, *xs):
+        return type(self).fn(*xs)
+
+    def spec(self, shapes, attrs):
+        ins, outs = broadcast_spec(shapes)
+        return ins, outs, _NONE
+
+
+def _elementwise(name: str, fn, doc: str) -> type:
+    return type(name, (_Elementwise,), {"fn": staticmethod(fn), "__doc__": doc})
+
+
+Add = _elementwise("Add", jnp.add, "x + y with broadcasting; strategy ((a, b), (a, b)) or ((a, b), (b,)).")
+Sub = _elementwise("Sub", jnp.subtract, "x - y with broadcasting.")
+Mul = _elementwise("Mul", jnp.multiply, "x * y with broadcasting.")
+RealDiv = _elementwise("RealDiv", jnp.divide, "x / y with broadcasting.")
+Maximum = _elementwise("Maximum", jnp.maximum, "elementwise max.")
+Minimum = _elementwise("Minimum", jnp.minimum, "elementwise min.")
+ReLU = _elementwise("ReLU", jax.nn.relu, "max(x, 0).")
+GeLU = _elementwise("GeLU", jax.nn.gelu, "GELU (tanh approximation, as MindSpore's GeLU).")
+Tanh = _elementwise("Tanh", jnp.tanh, "tanh.")
+Sigmoid = _elementwise("Sigmoid", jax.nn.sigmoid, "logistic sigmoid.")
+Exp = _elementwise("Exp", jnp.exp, "exp.")
+Log = _elementwise("Log", jnp.log, "natural log.")
+Sqrt = _elementwise("Sqrt", jnp.sqrt, "square root.")
+Square = _elementwise("Square", jnp.square, "x * x.")
+BiasAdd = _elementwise("BiasAdd", jnp.add, "x + bias over the last dim (NC layout as MindSpore's 2-D case).")
+
+
+class Cast(Primitive):
+    """``Cast()(x, dtype)``; strategy over x."""
+
+    n_tensors = 1
+
+    def compute(self, x, dtype):
+        return x.astype(dtype)
+
+    def spec(self, shapes, attrs):
+        ins, outs = broadcast_spec(shapes)
+        return ins, outs, _NONE
+
+
+# -- matmul ----------------------------------------------------------------------------------------
+class MatMul(Primitive):
+    """``MatMul(transpose_a=False, transpose_b=False)``: 2-D x @ w. Strategy ((m, k), (k, n)).
+
+    With transpose_b=True the weight is [n, k] and the strategy is ((m, k), (n, k)), as in MindSpore.
+    """
+
+    def __init__(self, transpose_a: bool = False, transpose_b: bool = False, name: str | None = None):
+        super().__init__(name)
+        self.transpose_a, self.transpose_b = transpose_a, transpose_b
+
+    def compute(self, x, w):
+        x = x.T if self.transpose_a else x
+        w = w.T if self.transpose_b else w
+        return x @ w
+
+    def spec(self, shapes, attrs):
+        a = ("k", "m") if self.transpose_a else ("m", "k")
+        b = ("n", "k") if self.transpose_b else ("k", "n")
+        return (a, b), (("m", "n"),), _NONE
+
+
+class BatchMatMul(MatMul):
+    """``BatchMatMul(transpose_a, transpose_b)``: [..., m, k] @ [..., k, n]; batch dims broadcast."""
+
+    def compute(self, x, w):
+        x = jnp.swapaxes(x, -1, -2) if self.transpose_a else x
+        w = jnp.swapaxes(w, -1, -2) if self.transpose_b else w
+        return jnp.matmul(x, w)
+
+    def spec(self, shapes, attrs):
+        bx, bw = shapes[0][:-2], shapes[1][:-2]
+        bins, bout = broadcast_spec([bx, bw])
+        a = ("k", "m") if self.transpose_a else ("m", "k")
+        b = ("n", "k") if self.transpose_b else ("k", "n")
+        rename = {c: c.upper() for c in LETTERS}
+        bx_d = tuple(rename[c] if c else None for c in bins[0])
+        bw_d = tuple(rename[c] if c else None for c in bins[1])
+        bo = tuple(rename[c] for c in bout[0])
+        return (bx_d + a, bw_d + b), (bo + ("m", "n"),), _NONE
+
+
+# -- reductions and normalisations -----------------------------------------------------------------
+def _axes(axis, rank: int) -> tuple[int, ...]:
+    if axis is None or axis == ():
+        return tuple(range(rank))
+    axis = (axis,) if isinstance(axis, int) else tuple(axis)
+    return tuple(a % rank for a in axis)
+
+
+class _Reduce(Primitive):
+    n_tensors = 1
+    fn: Any = None
+
+    def __init__(self, keep_dims: bool = False, name: str | None = None):
+        super().__init__(name)
+        self.keep_dims = keep_dims
+
+    def compute(self, x, axis=()):
+        return type(self).fn(x, axis=_axes(axis, x.ndim), keepdims=self.keep_dims)
+
+    def spec(self, shapes, attrs):
+        rank = len(shapes[0])
+        red = _axes(attrs[0] if attrs else (), rank)
+        ins = tuple(LETTERS[:rank])
+        outs = tuple((None if self.keep_dims else "") if k in red else LETTERS[k] for k in range(rank))
+        outs = tuple(o for o in outs if o != "")
+        return (ins,), (outs,), _NONE
+
+
+ReduceSum = type("ReduceSum", (_Reduce,), {"fn": staticmethod(jnp.sum), "__doc__": "ReduceSum(keep_dims)(x, axis)."})
+ReduceMean = type("ReduceMean", (_Reduce,), {"fn": staticmethod(jnp.mean), "__doc__": "ReduceMean(keep_dims)(x, axis)."})
+ReduceMax = type("ReduceMax", (_Reduce,), {"fn": staticmethod(jnp.max), "__doc__": "ReduceMax(keep_dims)(x, axis)."})
+
+
+class Softmax(Primitive):
+    """``Softmax(axis=-1)``; the softmax axis cannot be split (as in MindSpore)."""
+
+    fn = staticmethod(jax.nn.softmax)
+
+    def __init__(self, axis: int = -1, name: str | None = None):
+        super().__init__(name)
+        self.axis = axis
+
+    def compute(self, x):
+        return type(self).fn(x, axis=self.axis)
+
+    def spec(self, shapes, attrs):
+        rank = len(shapes[0])
+        d = tuple(LETTERS[:rank])
+        return (d,), (d,), frozenset({d[self.axis % rank]})
+
+
+class LogSoftmax(Softmax):
+    """``LogSoftmax(axis=-1)``."""
+
+    fn = staticmethod(jax.nn.log_softmax)
+
+
+class LayerNorm(Primitive):
+    """``LayerNorm(begin_norm_axis=1, begin_params_axis=1, epsilon=1e-7)``: returns (y, mean, variance).
+
+    The normalised dims cannot be split (as in MindSpore). Inputs (x, gamma, beta).
+    """
+
+    def __init__(self, begin_norm_axis: int = 1, begin_params_axis: int = 1, epsilon: float = 1e-7,
+                 name: str | None = None):
+        super().__init__(name)
+        self.begin_norm_axis, self.begin_params_axis, self.epsilon = begin_norm_axis, begin_params_axis, epsilon
+
+    def compute(self, x, gamma, beta):
+        axes = tuple(range(self.begin_norm_axis % x.ndim, x.ndim))
+        mean = jnp.mean(x, axis=axes, keepdims=True)
+        var = jnp.var(x, axis=axes, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(var + self.epsilon) * gamma + beta
+        return y, mean, var
+
+    def spec(self, shapes, attrs):
+        rank = len(shapes[0])
+        d = tuple(LETTERS[:rank])
+        bn, bp = self.begin_norm_axis % rank, self.begin_params_axis % rank
+        stat = tuple(c if k < bn else None for k, c in enumerate(d))
+        return (d, d[bp:], d[bp:]), (d, stat, stat), frozenset(d[bn:])
+
+
+class SoftmaxCrossEntropyWithLogits(Primitive):
+    """Returns (loss [batch], dlogits [batch, classes]) for logits and one-hot labels, as MindSpore."""
+
+    def compute(self, logits, labels):
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        loss = -jnp.sum(labels * logp, axis=-1)
+        return loss, jnp.exp(logp) - labels
+
+    def spec(self, shapes, attrs):
+        return (("b", "c"), ("b", "c")), (("b",), ("b", "c")), _NONE
+
+
+# -- shape ops -----------------------------------------------------------------------------------------
+class Transpose(Primitive):
+    """``Transpose()(x, perm)``; strategy over x."""
+
+    n_tensors = 1
+
+    def compute(self, x, perm):
+        return jnp.transpose(x, perm)
+
+    def spec(self, shapes, attrs):
+        d = LETTERS[:len(shapes[0])]
+        return (tuple(d),), (tuple(d[p] for p in attrs[0]),), _NONE
+
+
+class Reshape(Primitive):
+    """``Reshape()(x, shape)``: dims are grouped into runs of equal products; within a merged or split run only
+    the leading dim may be split (MindSpore's reshape rule)."""
+
+    n_tensors = 1
+
+    def compute(self, x, shape):
+        return jnp.reshape(x, shape)
+
+    def spec(self, shapes, attrs):
+        src = shapes[0]
+        dst = tuple(jax.numpy.empty(src, dtype=jnp.int8).reshape(attrs[0]).shape) if -1 in tuple(attrs[0]) \
+            else tuple(attrs[0])
+        ins, outs, fixed = [], [], set()
+        i = j = 0
+        n = 0
+        while i < len(src) or j < len(dst):
+            a, b = [i], [j]
+            pa = src[i] if i < len(src) else 1
+            pb = dst[j] if j < len(dst) else 1
+            while pa != pb:
+                if pa < pb:
+                    i += 1
+                    a.append(i)
+                    pa *= src[i]
+                else:
+                    j += 1
+                    b.append(j)
+                    pb *= dst[j]
+            letter = f"r{n}"
+            n += 1
+            lead_ok = src[a[0]] % dst[b[0]] == 0 or dst[b[0]] % src[a[0]] == 0 if a[0] < len(src) and b[0] < len(dst) else False
+            for k, ai in enumerate(a):
+                if ai < len(src):
+                    ins.append(letter if k == 0 else None)
+            for k, bj in enumerate(b):
+                if bj < len(dst):
+                    outs.append(letter if k == 0 else None)
+            if not lead_ok:
+                fixed.add(letter)
+            i += 1
+            j += 1
+        return (tuple(ins),), (tuple(outs),), frozenset(fixed)
+
+
+class ExpandDims(Primitive):
+    """``ExpandDims()(x, axis)``."""
+
+    n_tensors = 1
+
+    def compute(self, x, axis):
+        return jnp.expand_dims(x, axis)
+
+    def spec(self, shapes, attrs):
+        rank = len(shapes[0])
+        d = list(LETTERS[:rank])
+        out = list(d)
+        out.insert(attrs[0] % (rank + 1), None)
+        return (tuple(d),), (tuple(out),), _NONE
+
+
+class Squeeze(Primitive):
+    """``Squeeze(axis=())``."""
+
+    def __init__(self, axis=(), name: str | None = None):
+        super().__init__(name)
+        self.axis = axis
+
+    def compute(self, x):
+        ax = _axes(self.axis, x.ndim) if self.axis != () else tuple(k for k, s in enumerate(x.shape) if s == 1)
+        return jnp.squeeze(x, ax)
+
+    def spec(self, shapes, attrs):
+        s = shapes[0]
+        ax = _axes(self.axis, len(s)) if self.axis != () else tuple(k for k, n in enumerate(s) if n == 1)
+        d = tuple(LETTERS[:len(s)])
+        return (d,), (tuple(c for k, c in enumerate(d) if k not in ax),), _NONE
+
+
+class Concat(Primitive):
+    """``Concat(axis=0)(x1, x2, ...)``; the concat axis cannot be split."""
+
+    def __init__(self, axis: int = 0, name: str | None = None):
+        super().__init__(name)
+        self.axis = axis
+
+    def __call__(self, *args):
+        if len(args) == 1 and isinstance(args[0], (tuple, list)):
+            args = tuple(args[0])
+        return super().__call__(*args)
+
+    def compute(self, *xs):
+        return jnp.concatenate(xs, axis=self.axis)
+
+    def spec(self, shapes, attrs):
+        rank = len(shapes[0])
+        ax = self.axis % rank
+        d = tuple("cat" if k == ax else LETTERS[k] for k in range(rank))
+        per_in = tuple(tuple(f"cat{i}" if k == ax else LETTERS[k] for k in range(rank)) for i in range(len(shapes)))
+        return per_in, (d,), frozenset({"cat"} | {f"cat{i}" for i in range(len(shapes))})
+
+
+class StridedSlice(Primitive):
+    """``StridedSlice()(x, begin, end, strides)``; sliced dims cannot be split."""
+
+    n_tensors = 1
+
+    def compute(self, x, begin, end, strides):
+        return x[tuple(slice(b, e, s) for b, e, s in zip(begin, end, strides))]
+
+    def spec(self, shapes, attrs):
+        s = shapes[0]
+        begin, end, strides = attrs
+        full = [b == 0 and e >= n and st == 1 for b, e, st, n in zip(begin, end, strides, s)] + [True] * (len(s) - len(begin))
+        d = tuple(LETTERS[k] if full[k] else f"s{k}" for k in range(len(s)))
+        o = tuple(LETTERS[k] if full[k] else f"o{k}" for k in range(len(s)))
+        return (d,), (o,), frozenset(f"s{k}" for k in range(len(s)) if not full[k])
+
+
+class Gather(Primitive):
+    """``Gather()(params, indices, axis)`` — the embedding lookup when axis=0 and params is [vocab, dim].
+
+    Strategy ((v, d), (b, s)); splitting the vocab v needs a masked lookup plus an all-reduce (XLA does it).
+    """
+
+    n_tensors = 2
+
+    def compute(self, params, indices, axis=0):
+        return jnp.take(params, indices, axis=axis)
+
+    def spec(self, shapes, attrs):
+        p, i = shapes
+        axis = (attrs[0] if attrs else 0) % len(p)
+        pd = tuple("v" if k == axis else f"p{k}" for k in range(len(p)))
+        idd = tuple(f"i{k}" for k in range(len(i)))
+        out = pd[:axis] + idd + pd[axis + 1:]
+        return (pd, idd), (out,), _NONE
+
+
+class OneHot(Primitive):
+    """``OneHot(axis=-1)(indices, depth, on_value, off_value)``; strategy over indices."""
+
+    n_tensors = 1
+
+    def __init__(self, axis: int = -1, name: str | None = None):
+        super().__init__(name)
+        self.axis = axis
+
+    def compute(self, indices, depth, on_value=1.0, off_value=0.0):
+        oh = jax.nn.one_hot(indices, depth, axis=self.axis)
+        return oh * (on_value - off_value) + off_value
+
+    def spec(self, shapes, attrs):
+        d = tuple(LETTERS[:len(shapes[0])])
+        out = list(d)
+        out.insert(self.axis % (len(d) + 1), "depth")
+        return (d,), (tuple(out),), _NONE
+
+
+# -- convolution and pooling (NCHW, as MindSpore) ---------------------------------------------------
+def _pair(v) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+class Conv2D(Primitive):
+    """``Conv2D(out_channel, kernel_size, pad_mode="valid", pad=0, stride=1, dilation=1, group=1)``, NCHW/OIHW.
+
+    Strategy ((n, c, h, w), (o, c, 1, 1)); h and w may be split only with pad_mode="same" and stride 1
+    (XLA exchanges the halos).
+    """
+
+    def __init__(self, out_channel: int, kernel_size, mode: int = 1, pad_mode: str = "valid", pad=0, stride=1,
+                 dilation=1, group: int = 1, data_format: str = "NCHW", name: str | None = None):
+        super().__init__(name)
+        self.out_channel, self.kernel_size = out_channel, _pair(kernel_size)
+        self.pad_mode, self.pad, self.stride, self.dilation, self.group = pad_mode, pad, _pair(stride), _pair(dilation), group
+
+    def compute(self, x, w):
+        pad = self.pad_mode.upper() if self.pad_mode in ("same", "valid") else [( _pair(self.pad)[0],) * 2,
+                                                                                (_pair(self.pad)[1],) * 2]
+        return jax.lax.conv_general_dilated(x, w, self.stride, pad, rhs_dilation=self.dilation,
+                                            feature_group_count=self.group,
+                                            dimension_numbers=("NCHW", "OIHW", "NCHW"))
+
+    def spec(self, shapes, attrs):
+        halo = self.pad_mode == "same" and self.stride == (1, 1)
+        h, w = ("h", "w") if halo else ("hi", "wi")
+        ho, wo = ("h", "w") if halo else ("ho", "wo")
+        fixed = frozenset({"kh", "kw"} | (set() if halo else {"hi", "wi", "ho", "wo"}))
+        return (("n", "c", h, w), ("o", "c", "kh", "kw")), (("n", "o", ho, wo),), fixed
+
+
+class _Pool(Primitive):
+    reducer: str = "max"
+
+    def __init__(self, kernel_size=1, strides=1, pad_mode: str = "valid", data_format: str = "NCHW",
+                 name: str | None = None):
+        super().__init__(name)
+        self.kernel_size, self.strides, self.pad_mode = _pair(kernel_size), _pair(strides), pad_mode.upper()
+
+    def compute(self, x):
+        win, st = (1, 1) + self.kernel_size, (1, 1) + self.strides
+        if self.reducer == "max":
+            return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, win, st, self.pad_mode)
+        s = jax.lax.reduce_window(x, 0.0, jax.lax.add, win, st, self.pad_mode)
+        return s / (self.kernel_size[0] * self.kernel_size[1])
+
+    def spec(self, shapes, attrs):
+        tiled = self.kernel_size == self.strides and all(
+            n % k == 0 for n, k in zip(shapes[0][2:], self.kernel_size))
+        if tiled:
+            return (("n", "c", "h", "w"),), (("n", "c", "h", "w"),), _NONE
+        return (("n", "c", "hi", "wi"),), (("n", "c", "ho", "wo"),), frozenset({"hi", "wi", "ho", "wo"})
+
+
+MaxPool = type("MaxPool", (_Pool,), {"reducer": "max", "__doc__": "``MaxPool(kernel_size, strides, pad_mode)``, NCHW."})
+AvgPool = type("AvgPool", (_Pool,), {"reducer": "avg", "__doc__": "``AvgPool(kernel_size, strides, pad_mode)``, NCHW."})
+
+
+class BatchNorm(Primitive):
+    """``BatchNorm(is_training=False, epsilon=1e-5)``: inputs (x, scale, bias, mean, variance), NCHW; returns y.
+
+    In training the batch statistics are reduced over n, h, w (XLA all-reduces when those are split).
+    """
+
+    def __init__(self, is_training: bool = False, epsilon: float = 1e-5, momentum: float = 0.1,
+                 data_format: str = "NCHW", name: str | None = None):
+        super().__init__(name)
+        self.is_training, self.epsilon = is_training, epsilon
+
+    def compute(self, x, scale, bias, mean, variance):
+        shape = (1, -1) + (1,) * (x.ndim - 2)
+        if self.is_training:
+            axes = (0,) + tuple(range(2, x.ndim))
+            mean, variance = jnp.mean(x, axis=axes), jnp.var(x, axis=axes)
+        inv = jax.lax.rsqrt(variance.reshape(shape) + self.epsilon)
+        return (x - mean.reshape(shape)) * inv * scale.reshape(shape) + bias.reshape(shape)
+
+    def spec(self, shapes, attrs):
+        rest = tuple(LETTERS[7:7 + len(shapes[0]) - 2])
+        x = ("n", "c") + rest
+        return (x, ("c",), ("c",), ("c",), ("c",)), (x,), _NONE

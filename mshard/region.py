@@ -1,0 +1,244 @@
+"""``ms.jit``: a jitted region that is traced once per (shapes, dtypes, context), planned, and run.
+
+Arguments that are nnx Modules (Cells) are parameters: their state is split off, placed on its
+planned sharding once (written back into the module, so later calls move nothing) and updated
+after the call (a region may change its modules' state). Other array arguments are data and follow
+``dataset_strategy``; non-array leaves (ints, strings, None) are static.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from . import annotate
+from . import context as ctxmod
+from .assign import InputInfo, RegionLayouts, plan_region
+from .execute import emit
+from .layout import TensorStrategy, spec_of
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or (
+        hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type))
+
+
+def _path_str(path) -> str:
+    """A state leaf's key path -> ``"dense1.weight"`` (the Variable's ``.value`` attribute dropped)."""
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+    return ".".join(parts)
+
+
+@dataclass
+class _Compiled:
+    closed: Any
+    layouts: RegionLayouts
+    jitted: Callable
+    in_shardings: list
+    module_out_shardings: list
+    out_tree: Any
+
+
+class Region:
+    """The jitted region ``ms.jit(fn)``. In auto modes the search runs when it is first traced.
+
+    >>> import jax.numpy as jnp, mshard as ms
+    >>> f = ms.jit(lambda x: jnp.tanh(x) * 2)
+    >>> float(f(jnp.zeros(8)).sum())
+    0.0
+    """
+
+    def __init__(self, fn: Callable, *, data_strategy: tuple | None = None, name: str | None = None):
+        self.fn = fn
+        self.data_strategy = data_strategy        # per-arg layouts for data args (a shard root's in_strategy)
+        self.name = name or getattr(fn, "__name__", "region")
+        self._cache: dict[Any, _Compiled] = {}
+        functools.update_wrapper(self, fn, updated=())
+
+    # -- arguments ---------------------------------------------------------------------------------
+    def _split_args(self, args: tuple, kwargs: dict):
+        modules, mod_pos = [], []
+        flat_data, data_names, data_pos = [], [], []
+        statics = []
+        treedef_args = []
+        for i, a in enumerate(args):
+            if isinstance(a, nnx.Module):
+                modules.append(a)
+                mod_pos.append(i)
+                treedef_args.append(("module", len(modules) - 1))
+            else:
+                leaves, tree = jax.tree.flatten_with_path(a)
+                spec = []
+                for path, leaf in leaves:
+                    if _is_array(leaf):
+                        spec.append(("data", len(flat_data)))
+                        data_names.append(f"arg{i}{jax.tree_util.keystr(path)}")
+                        data_pos.append(i)
+                        flat_data.append(leaf)
+                    else:
+                        spec.append(("static", leaf))
+                        statics.append(leaf)
+                treedef_args.append(("tree", tree, tuple(spec)))
+        if kwargs:
+            raise TypeError(f"ms.jit region {self.name!r}: pass arguments positionally (got keywords "
+                            f"{sorted(kwargs)}); keyword arguments are not supported yet.")
+        return modules, flat_data, data_names, data_pos, treedef_args
+
+    def _key(self, modules, flat_data, treedef_args):
+        graphdefs, states = [], []
+        for m in modules:
+            g, s = nnx.split(m)
+            graphdefs.append(g)
+            states.append(s)
+        avals = tuple((tuple(x.shape), str(x.dtype)) for x in flat_data)
+        st_avals = tuple(tuple((tuple(v.shape), str(v.dtype)) for v in jax.tree.leaves(s)) for s in states)
+        tree_key = tuple((t[0], t[1], tuple(("static", repr(s[1])) if s[0] == "static" else s for s in t[2]))
+                         if t[0] == "tree" else t for t in treedef_args)
+        ctx = ctxmod.current()
+        key = (tuple(graphdefs), st_avals, avals, tree_key, ctx.cache_key(), repr(ctxmod.get_algo_parameters()),
+               repr(ctxmod.get_cost_model_context()), annotate.epoch())
+        return key, graphdefs, states
+
+    # -- tracing and planning ---------------------------------------------------------------------
+    def _build(self, graphdefs, states, flat_data, data_names, data_pos, treedef_args) -> _Compiled:
+        ctx = ctxmod.current()
+        n = ctx.devices if ctx.parallel_mode != "stand_alone" else 1
+        state_leaves, state_trees, param_names = [], [], []
+        for gi, s in enumerate(states):
+            leaves, tree = jax.tree.flatten_with_path(s)
+            state_trees.append(tree)
+            for path, leaf in leaves:
+                param_names.append(_path_str(path) if len(states) == 1 else f"{gi}.{_path_str(path)}")
+                state_leaves.append(leaf)
+        n_state = len(state_leaves)
+        counts = [len(jax.tree.leaves(s)) for s in states]
+        trace = annotate.RegionTrace(device_num=n)
+        fn = self.fn
+
+        def pure(*flat):
+            st_flat, data = flat[:n_state], flat[n_state:]
+            mods, off = [], 0
+            for g, tree, c in zip(graphdefs, state_trees, counts):
+                mods.append(nnx.merge(g, jax.tree.unflatten(tree, st_flat[off:off + c])))
+                off += c
+            for m in mods:
+                prefix = ""
+                for path, sub in nnx.iter_graph(m):
+                    if isinstance(sub, nnx.Module):
+                        trace.module_paths[id(sub)] = (prefix + ".".join(map(str, path))) if path else ""
+            args = []
+            for t in treedef_args:
+                if t[0] == "module":
+                    args.append(mods[t[1]])
+                else:
+                    _, tree, spec = t
+                    args.append(jax.tree.unflatten(tree, [data[s[1]] if s[0] == "data" else s[1] for s in spec]))
+            out = fn(*args)
+            new_states = [jax.tree.leaves(nnx.state(m)) for m in mods]
+            return out, [x for s in new_states for x in s]
+
+        flat_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_leaves + list(flat_data)]
+        with annotate.tracing_region(trace):
+            closed, out_shape = jax.make_jaxpr(pure, return_shape=True)(*flat_avals)
+        out_tree = jax.tree.structure(out_shape)
+        infos = [InputInfo("param", tuple(x.shape), nm) for x, nm in zip(state_leaves, param_names)]
+        for x, nm, pos in zip(flat_data, data_names, data_pos):
+            st = None
+            if self.data_strategy is not None and pos < len(self.data_strategy):
+                st = self.data_strategy[pos]
+            elif isinstance(ctx.dataset_strategy, tuple) and pos < len(ctx.dataset_strategy):
+                st = TensorStrategy(ctx.dataset_strategy[pos])
+            infos.append(InputInfo("data", tuple(x.shape), nm, st))
+        layouts = plan_region(closed, infos, mode=ctx.parallel_mode, device_num=n,
+                              dataset_strategy=ctx.dataset_strategy, param_plans=trace.param_plans)
+        mesh = layouts.mesh.jax_mesh()
+        in_sh = [NamedSharding(mesh, spec_of(lay)) for lay in layouts.inputs]
+        run = emit(closed, layouts)
+        n_out = len(jax.tree.leaves(out_shape))
+        mod_out = in_sh[:n_state]
+        out_sh = [None] * (n_out - n_state) + mod_out
+
+        def flat_fn(*flat):
+            return run(*flat)
+
+        jitted = jax.jit(flat_fn, in_shardings=in_sh, out_shardings=out_sh)
+        return _Compiled(closed, layouts, jitted, in_sh, mod_out, out_tree)
+
+    def _prepare(self, args, kwargs):
+        modules, flat_data, data_names, data_pos, treedef_args = self._split_args(args, kwargs)
+        key, graphdefs, states = self._key(modules, flat_data, treedef_args)
+        comp = self._cache.get(key)
+        if comp is None:
+            comp = self._build(graphdefs, states, flat_data, data_names, data_pos, treedef_args)
+            self._cache[key] = comp
+        return comp, modules, states, flat_data
+
+    def _place(self, comp: _Compiled, modules, states):
+        """Put parameters on their planned shardings once, writing them back into the modules."""
+        flat, off = [], 0
+        for m, s in zip(modules, states):
+            leaves, tree = jax.tree.flatten(s)
+            shs = comp.in_shardings[off:off + len(leaves)]
+            off += len(leaves)
+            placed = [x if getattr(x, "sharding", None) == sh else jax.device_put(x, sh)
+                      for x, sh in zip(leaves, shs)]
+            if any(p is not x for p, x in zip(placed, leaves)):
+                nnx.update(m, jax.tree.unflatten(tree, placed))
+            flat.extend(placed)
+        return flat
+
+    def __call__(self, *args, **kwargs):
+        comp, modules, states, flat_data = self._prepare(args, kwargs)
+        flat_state = self._place(comp, modules, states)
+        outs = comp.jitted(*flat_state, *flat_data)
+        return self._finish(comp, modules, states, outs)
+
+    def _finish(self, comp, modules, states, outs):
+        n_state = sum(len(jax.tree.leaves(s)) for s in states)
+        user, new_state = outs[:len(outs) - n_state], outs[len(outs) - n_state:]
+        off = 0
+        for m, s in zip(modules, states):
+            leaves, tree = jax.tree.flatten(s)
+            new = new_state[off:off + len(leaves)]
+            off += len(leaves)
+            if any(a is not b for a, b in zip(new, leaves)):
+                nnx.update(m, jax.tree.unflatten(tree, list(new)))
+        out_tree = comp.out_tree
+        # out_tree is (user_out, [state leaves]); rebuild the user part
+        user_tree = out_tree.children()[0]
+        return jax.tree.unflatten(user_tree, list(user))
+
+    def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+        """``jax.stages.Lowered`` of this region for these arguments (``.compile().as_text()`` gives HLO)."""
+        comp, modules, states, flat_data = self._prepare(args, kwargs)
+        flat_state = [x for s in states for x in jax.tree.leaves(s)]
+        return comp.jitted.lower(*flat_state, *flat_data)
+
+    def layouts(self, *args) -> RegionLayouts:
+        """The planned layouts (mesh, inputs, marks) for these arguments (traces, does not run)."""
+        return self._prepare(args, {})[0].layouts
+
+    def jaxpr(self, *args):
+        return self._prepare(args, {})[0].closed
+
+
+def jit(fn: Callable) -> Region:
+    """The jitted region: ``ms.jit(fn)(*args)``; cached per (shapes, dtypes, context).
+
+    >>> import jax.numpy as jnp, mshard as ms
+    >>> ms.jit(lambda a, b: a @ b).lower(jnp.ones((8, 4)), jnp.ones((4, 2))).compile() is not None
+    True
+    """
+    return fn if isinstance(fn, Region) else Region(fn)

@@ -1,0 +1,120 @@
+"""``ms.shard``: MindSpore's functional shard, as a call and as a decorator.
+
+Inside a region the wrapped function's inputs and outputs are marked with their strategies and
+its inside is propagated (by XLA's SPMD propagation from those layouts), as in MindSpore's
+functional shard. Called outside a region, the shard-wrapped function is its own region: it is
+jitted with the in_strategy as the layout of its arguments.
+
+>>> import jax.numpy as jnp, mshard as ms
+>>> ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+>>> @ms.shard(in_strategy=((2, 1), (1, 4)))
+... def matmul(x, w):
+...     return x @ w
+>>> matmul(jnp.ones((8, 16)), jnp.ones((16, 8))).shape
+(8, 8)
+>>> ms.reset_auto_parallel_context()
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+
+from . import annotate
+from .annotate import OpNote, annotate_call
+from .errors import StrategyError
+from .layout import check_fits, normalize_in_strategy
+from .region import Region
+
+
+def _out_strategy(out_strategy, where: str):
+    if out_strategy is None:
+        return None
+    return normalize_in_strategy(out_strategy, None, where + " out_strategy")
+
+
+class ShardedFunction:
+    """A function with MindSpore strategies for its inputs/outputs (and parameters when it is a Cell call)."""
+
+    def __init__(self, fn: Callable, in_strategy, out_strategy=None, parameter_plan=None, name: str | None = None,
+                 cell_path: str = ""):
+        self.fn = fn
+        self.cell_path = cell_path
+        self.name = name or getattr(fn, "__name__", "shard")
+        where = f"shard({self.name})"
+        self.in_strategy = normalize_in_strategy(in_strategy, None, where)
+        self.out_strategy = _out_strategy(out_strategy, where)
+        self.parameter_plan = dict(parameter_plan or {})
+        self._region: Region | None = None
+        functools.update_wrapper(self, fn, updated=())
+
+    def _note(self, args, device_num: int) -> OpNote:
+        where = f"shard({self.name})"
+        if len(self.in_strategy) != len(args):
+            raise StrategyError(f"{where}: in_strategy has {len(self.in_strategy)} entries but the function is "
+                                f"called with {len(args)} argument(s); give one strategy (or None) per argument.")
+        shapes = []
+        for i, (a, st) in enumerate(zip(args, self.in_strategy)):
+            shape = tuple(getattr(a, "shape", ()))
+            if st is not None:
+                if not hasattr(a, "shape"):
+                    raise StrategyError(f"{where}: input {i} has strategy {st.counts} but is {type(a).__name__}, "
+                                        f"not an array; use None for non-array arguments.")
+                check_fits(st, shape, device_num, f"{where} input {i}")
+            shapes.append(shape)
+        return OpNote("shard", self.name, self.in_strategy, self.out_strategy, tuple(shapes))
+
+    def __call__(self, *args):
+        trace = annotate.current_region()
+        if trace is None:
+            if self._region is None:
+                self._region = Region(self, data_strategy=self.in_strategy, name=self.name)
+            return self._region(*args)
+        note = self._note(args, trace.device_num)
+        trace.param_plans.extend((self.cell_path, k, v) for k, v in self.parameter_plan.items())
+        out = annotate_call(self.fn, args, note)
+        if self.out_strategy is not None:
+            n_out = len(jax.tree.leaves(out))
+            if len(self.out_strategy) != n_out:
+                raise StrategyError(f"shard({self.name}): out_strategy has {len(self.out_strategy)} entries but the "
+                                    f"function returns {n_out} array(s).")
+            for j, (o, st) in enumerate(zip(jax.tree.leaves(out), self.out_strategy)):
+                if st is not None:
+                    check_fits(st, o.shape, trace.device_num, f"shard({self.name}) output {j}")
+        return out
+
+    # the region API, for a shard-wrapped function used directly
+    def lower(self, *args):
+        if self._region is None:
+            self._region = Region(self, data_strategy=self.in_strategy, name=self.name)
+        return self._region.lower(*args)
+
+    def region(self) -> Region:
+        if self._region is None:
+            self._region = Region(self, data_strategy=self.in_strategy, name=self.name)
+        return self._region
+
+
+def shard(fn: Callable | None = None, in_strategy: Any = None, out_strategy: Any = None,
+          parameter_plan: dict | None = None, device: str = "CPU", level: int = 0):
+    """MindSpore's ``shard``: give a function (or Cell) input/output strategies.
+
+    Use as ``ms.shard(fn, in_strategy, out_strategy)`` or as ``@ms.shard(in_strategy=...)``.
+    For a Cell it is ``cell.shard(...)``. ``device``/``level`` are accepted for MindSpore
+    compatibility and ignored.
+
+    >>> import jax.numpy as jnp, mshard as ms
+    >>> f = ms.shard(lambda x: x * 2, in_strategy=((8,),))
+    >>> f(jnp.ones(16)).shape
+    (16,)
+    """
+    from flax import nnx
+    if fn is None:
+        return lambda f: shard(f, in_strategy, out_strategy, parameter_plan)
+    if in_strategy is None:
+        raise StrategyError("shard: in_strategy is required (one strategy per input, e.g. ((2, 1), (1, 4))).")
+    if isinstance(fn, nnx.Module) and hasattr(fn, "shard"):
+        return fn.shard(in_strategy, out_strategy, parameter_plan)
+    return ShardedFunction(fn, in_strategy, out_strategy, parameter_plan)
