@@ -51,6 +51,10 @@ def _nbytes(shape: str) -> int:
 
 
 def _group_size(line: str) -> int:
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line)
+    if m:
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        return int(np.prod([sizes[a] for a in re.findall(r"'([^']+)'", m.group(2))] or [1]))
     m = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
     if m:
         return len(m.group(1).split(","))

@@ -49,6 +49,7 @@ class _Compiled:
     in_shardings: list
     module_out_shardings: list
     out_tree: Any
+    changed: list          # indices of state leaves the region writes (only these come back)
 
 
 class Region:
@@ -167,14 +168,18 @@ class Region:
         in_sh = [NamedSharding(mesh, spec_of(lay)) for lay in layouts.inputs]
         run = emit(closed, layouts)
         n_out = len(jax.tree.leaves(out_shape))
-        mod_out = in_sh[:n_state]
-        out_sh = [None] * (n_out - n_state) + mod_out
+        n_user = n_out - n_state
+        outvars, invars = closed.jaxpr.outvars, closed.jaxpr.invars
+        changed = [j for j in range(n_state) if outvars[n_user + j] is not invars[j]]
+        mod_out = [in_sh[j] for j in changed]
+        out_sh = [None] * n_user + mod_out
 
         def flat_fn(*flat):
-            return run(*flat)
+            outs = run(*flat)
+            return list(outs[:n_user]) + [outs[n_user + j] for j in changed]
 
         jitted = jax.jit(flat_fn, in_shardings=in_sh, out_shardings=out_sh)
-        return _Compiled(closed, layouts, jitted, in_sh, mod_out, out_tree)
+        return _Compiled(closed, layouts, jitted, in_sh, mod_out, out_tree, changed)
 
     def _prepare(self, args, kwargs):
         modules, flat_data, data_names, data_pos, treedef_args = self._split_args(args, kwargs)
@@ -206,15 +211,18 @@ class Region:
         return self._finish(comp, modules, states, outs)
 
     def _finish(self, comp, modules, states, outs):
-        n_state = sum(len(jax.tree.leaves(s)) for s in states)
-        user, new_state = outs[:len(outs) - n_state], outs[len(outs) - n_state:]
-        off = 0
-        for m, s in zip(modules, states):
-            leaves, tree = jax.tree.flatten(s)
-            new = new_state[off:off + len(leaves)]
-            off += len(leaves)
-            if any(a is not b for a, b in zip(new, leaves)):
-                nnx.update(m, jax.tree.unflatten(tree, list(new)))
+        n_changed = len(comp.changed)
+        user, written = outs[:len(outs) - n_changed], outs[len(outs) - n_changed:]
+        if n_changed:
+            new_by_index = dict(zip(comp.changed, written))
+            off = 0
+            for m, s in zip(modules, states):
+                leaves, tree = jax.tree.flatten(s)
+                idx = range(off, off + len(leaves))
+                off += len(leaves)
+                if any(i in new_by_index for i in idx):
+                    new = [new_by_index.get(i, x) for i, x in zip(idx, leaves)]
+                    nnx.update(m, jax.tree.unflatten(tree, new))
         out_tree = comp.out_tree
         # out_tree is (user_out, [state leaves]); rebuild the user part
         user_tree = out_tree.children()[0]

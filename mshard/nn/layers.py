@@ -4,7 +4,7 @@
 >>> from flax import nnx
 >>> from mshard import nn
 >>> d = nn.Dense(4, 8, rngs=nnx.Rngs(0))
->>> d.weight.value.shape      # MindSpore layout: [out_channels, in_channels]
+>>> d.weight[...].shape      # MindSpore layout: [out_channels, in_channels]
 (8, 4)
 """
 
@@ -45,9 +45,9 @@ class Dense(Cell):
         lead = x.shape[:-1]
         if x.ndim != 2:
             x = x.reshape(-1, x.shape[-1])
-        y = self.matmul(x, self.weight.value)
+        y = self.matmul(x, self.weight[...])
         if self.bias is not None:
-            y = self.bias_add(y, self.bias.value)
+            y = self.bias_add(y, self.bias[...])
         if self.activation is not None:
             y = self.activation(y)
         return y.reshape(*lead, self.out_channels) if len(lead) != 1 else y

@@ -1,0 +1,244 @@
+"""Trace a jaxpr into a :class:`searchers.Graph` of iteration-space ops.
+
+:func:`jaxpr_to_graph` walks a closed jaxpr in program order:
+
+* every region input becomes a source op of the kind the caller gives (``data``/``param``/
+  ``const``), every closed-over constant and every literal operand a ``const`` source op;
+* every equation becomes one op whose iteration space comes from :mod:`mshard.rules`
+  (unknown primitives get the safe default and a one-time warning); its ``kind`` is the
+  primitive name (``mshard_mark`` markers included, as elementwise identity ops);
+* equations of the primitives in :data:`mshard.rules.INLINE` (``jit``, ``custom_jvp_call``,
+  ``custom_vjp_call``, ``remat2``, ...) are not ops: their sub-jaxpr is walked in their place,
+  its inputs bound to the outer operands' tensors and the outer results to its results' tensors.
+  ``scan``/``while``/``cond`` stay one op each (see :mod:`mshard.rules`).
+
+Op names follow DESIGN's rule, ``scope/primitive`` where scope is the equation's name stack
+(for an inlined equation the enclosing equation's name stack, then its own); a name already
+taken gets ``_1``, ``_2``, ... in program order. Literal sources are named
+``<consumer op name>/literal<operand index>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+from jax.extend import core as jcore  # Literal, Jaxpr, ClosedJaxpr
+
+from searchers import DeviceMesh, Graph
+
+from . import rules
+
+__all__ = ["TracedEqn", "TraceResult", "jaxpr_to_graph"]
+
+
+@dataclass(frozen=True)
+class TracedEqn:
+    """One equation that became an op. ``path``: the inlined equations enclosing it, outermost
+    first (``()`` for a top-level equation). ``inputs``/``outputs``: its op's tensor ids."""
+
+    eqn: Any
+    op: int
+    name: str
+    path: tuple[Any, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+    @property
+    def primitive(self) -> str:
+        return self.eqn.primitive.name
+
+
+@dataclass
+class TraceResult:
+    """The graph of a traced region and the way back from it to the jaxpr.
+
+    ``var_tensor`` maps every jaxpr ``Var`` (by identity; the inner vars of inlined sub-jaxprs
+    included) to its tensor id. A sub-jaxpr inlined at several places (a shared ``jit``) maps
+    its inner vars to the tensors of the last place; :attr:`eqns` is exact for every place.
+    """
+
+    graph: Graph
+    closed_jaxpr: Any
+    var_tensor: dict[Any, int]
+    eqns: list[TracedEqn]                       # program order, one per op from an equation
+    input_ops: list[int]                        # source op id of each jaxpr input
+    const_ops: list[int] = field(default_factory=list)   # source op id of each closed-over const
+    _by_eqn: dict[int, list[int]] = field(default_factory=dict, repr=False)
+
+    def tensor_of(self, var) -> int:
+        """Tensor id of a jaxpr ``Var``."""
+        return self.var_tensor[var]
+
+    def ops_of(self, eqn) -> list[int]:
+        """Op ids of an equation (by identity), one per place it was traced."""
+        return [self.eqns[i].op for i in self._by_eqn.get(id(eqn), [])]
+
+    def op_of(self, eqn) -> int:
+        """Op id of the first (program order) place an equation was traced."""
+        ops = self.ops_of(eqn)
+        if not ops:
+            raise KeyError(f"equation {eqn.primitive.name} was not traced (inlined or foreign)")
+        return ops[0]
+
+    @property
+    def marks(self) -> list[TracedEqn]:
+        """The ``mshard_mark`` equations, in program order."""
+        return [t for t in self.eqns if t.primitive == "mshard_mark"]
+
+
+def _shape(aval) -> tuple[int, ...]:
+    return tuple(int(n) for n in getattr(aval, "shape", ()))
+
+
+def _itemsize(aval) -> int:
+    try:
+        return int(np.dtype(aval.dtype).itemsize)
+    except Exception:  # tokens, key arrays and other extended dtypes
+        return 4
+
+
+class _Namer:
+    """Unique op names: the first use of a name keeps it, later ones get ``_1``, ``_2``, ..."""
+
+    def __init__(self) -> None:
+        self.count: dict[str, int] = {}
+        self.used: set[str] = set()
+
+    def __call__(self, name: str) -> str:
+        n = self.count.get(name, 0)
+        out = name if n == 0 else f"{name}_{n}"
+        while out in self.used:
+            n += 1
+            out = f"{name}_{n}"
+        self.count[name] = n + 1
+        self.used.add(out)
+        return out
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p for p in parts if p)
+
+
+class _Tracer:
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.graph = Graph(mesh)
+        self.names = _Namer()
+        self.var_tensor: dict[Any, int] = {}
+        self.eqns: list[TracedEqn] = []
+        self.by_eqn: dict[int, list[int]] = {}
+        # split counts a strategy can give a loop dim: products of subsets of the mesh axes
+        counts = {1}
+        for n in mesh.shape:
+            counts |= {c * n for c in counts}
+        self.split_counts = sorted(counts)
+
+    # -- sources ------------------------------------------------------------------------------
+    def source(self, name: str, aval, kind: str) -> int:
+        return self.graph.source(self.names(name), _shape(aval), kind=kind, itemsize=_itemsize(aval))
+
+    def read(self, v, env: dict, consumer: str, index: int) -> int:
+        if isinstance(v, jcore.Literal):
+            return self.source(f"{consumer}/literal{index}", v.aval, "const")
+        return env[v]
+
+    # -- equations ----------------------------------------------------------------------------
+    def walk(self, jaxpr, env: dict, scope: str, path: tuple) -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            eqn_scope = _join(scope, str(eqn.source_info.name_stack))
+            sub = self.inlinable(eqn)
+            if sub is not None:
+                self.inline(eqn, sub, env, eqn_scope, path)
+            else:
+                self.op(eqn, env, eqn_scope, path)
+
+    @staticmethod
+    def inlinable(eqn):
+        key = rules.INLINE.get(eqn.primitive.name)
+        sub = eqn.params.get(key) if key else None
+        if isinstance(sub, jcore.ClosedJaxpr):
+            inner = sub.jaxpr
+        elif isinstance(sub, jcore.Jaxpr):
+            inner = sub
+        else:
+            return None
+        if len(inner.invars) != len(eqn.invars) or len(inner.outvars) != len(eqn.outvars):
+            return None   # an unexpected calling convention: trace it as one op instead
+        return sub
+
+    def inline(self, eqn, sub, env: dict, scope: str, path: tuple) -> None:
+        inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+        consts = sub.consts if isinstance(sub, jcore.ClosedJaxpr) else []
+        label = _join(scope, eqn.primitive.name)
+        inner_env: dict = {}
+        for i, (iv, ov) in enumerate(zip(inner.invars, eqn.invars)):
+            inner_env[iv] = self.read(ov, env, label, i)
+        for cv, _ in zip(inner.constvars, consts):
+            inner_env[cv] = self.source(f"{scope}/const" if scope else "const", cv.aval, "const")
+        for v, t in inner_env.items():
+            self.var_tensor[v] = t
+        self.walk(inner, inner_env, scope, (*path, eqn))
+        for i, (iv, ov) in enumerate(zip(inner.outvars, eqn.outvars)):
+            env[ov] = self.read(iv, inner_env, label, i)
+            self.var_tensor[ov] = env[ov]
+
+    def op(self, eqn, env: dict, scope: str, path: tuple) -> None:
+        prim = eqn.primitive.name
+        name = self.names(_join(scope, prim))
+        inputs = [self.read(v, env, name, i) for i, v in enumerate(eqn.invars)]
+        in_shapes = [_shape(v.aval) for v in eqn.invars]
+        out_shapes = [_shape(v.aval) for v in eqn.outvars]
+        s = rules.iteration_space(prim, in_shapes, out_shapes, eqn.params)
+        unsplit = set(s.unsplittable)
+        for d, g in s.split_divides.items():
+            if any(s.dims[d] % c == 0 and g % c for c in self.split_counts):
+                unsplit.add(d)
+        itemsizes = [_itemsize(v.aval) for v in eqn.outvars]
+        outs = self.graph.add_op(name, prim, s.dims, inputs, s.in_dims, s.out_dims, out_shapes,
+                                 itemsize=itemsizes[0] if itemsizes else 4, reduce=s.reduce,
+                                 unsplittable=frozenset(unsplit), flops=s.flops)
+        for tid, size in zip(outs, itemsizes):
+            self.graph.tensors[tid].itemsize = size
+        for v, tid in zip(eqn.outvars, outs):
+            env[v] = tid
+            self.var_tensor[v] = tid
+        self.by_eqn.setdefault(id(eqn), []).append(len(self.eqns))
+        self.eqns.append(TracedEqn(eqn, self.graph.ops[-1].id, name, path, tuple(inputs), tuple(outs)))
+
+
+def jaxpr_to_graph(closed_jaxpr, mesh: DeviceMesh, input_kinds: Sequence[str],
+                   input_names: Sequence[str]) -> TraceResult:
+    """The :class:`searchers.Graph` of ``closed_jaxpr`` (e.g. from ``jax.make_jaxpr``).
+
+    ``input_kinds[i]`` (``"data"``, ``"param"`` or ``"const"``) and ``input_names[i]`` describe
+    jaxpr input ``i`` (the flattened arguments). ``Graph.outputs`` are the jaxpr's results.
+
+    >>> import jax, jax.numpy as jnp
+    >>> cj = jax.make_jaxpr(lambda x, w: jnp.tanh(x @ w))(jnp.ones((8, 4)), jnp.ones((4, 2)))
+    >>> r = jaxpr_to_graph(cj, DeviceMesh.prime(8), ["data", "param"], ["x", "w"])
+    >>> [op.name for op in r.graph.ops]
+    ['x', 'w', 'dot_general', 'tanh']
+    """
+    jaxpr = closed_jaxpr.jaxpr
+    if len(input_kinds) != len(jaxpr.invars) or len(input_names) != len(jaxpr.invars):
+        raise ValueError(f"jaxpr_to_graph: the jaxpr has {len(jaxpr.invars)} inputs but got "
+                         f"{len(input_kinds)} input_kinds and {len(input_names)} input_names; "
+                         "give one kind and one name per flattened argument")
+    t = _Tracer(mesh)
+    env: dict = {}
+    input_ops = []
+    for v, kind, name in zip(jaxpr.invars, input_kinds, input_names):
+        env[v] = t.source(name, v.aval, kind)
+        input_ops.append(t.graph.tensors[env[v]].producer)
+    const_ops = []
+    for v in jaxpr.constvars:
+        env[v] = t.source("const", v.aval, "const")
+        const_ops.append(t.graph.tensors[env[v]].producer)
+    t.var_tensor.update(env)
+    t.walk(jaxpr, env, "", ())
+    t.graph.outputs = [t.read(v, env, "output", i) for i, v in enumerate(jaxpr.outvars)]
+    return TraceResult(t.graph, closed_jaxpr, t.var_tensor, t.eqns, input_ops, const_ops, t.by_eqn)
+
+
