@@ -1,0 +1,314 @@
+"""The cost model: compute, communication and memory of ops and of redistributions.
+
+Units:
+
+* ``compute``: seconds per device, ``flops / devices used / CostParams.flops_per_s``;
+* ``comm_bytes``: bytes sent per device, per collective kind (``"all-reduce"``,
+  ``"all-gather"``, ``"reduce-scatter"``, ``"all-to-all"``), ring formulas (ALGORITHMS §2);
+* ``comm_time``: seconds, alpha-beta per mesh axis: ``latency[axis]`` per collective and axis
+  touched, plus bytes / ``bandwidth[axis]`` (a collective over several axes runs at the slowest);
+* ``memory``: bytes per device of an op's operands and results (a redistribution: 0);
+* ``total``: ``alpha * compute + beta * comm_time + gamma * memory / memory_unit`` — MindSpore's
+  weights. ``memory_unit`` (default 1 GiB) keeps the memory term a tie-breaker: with memory in
+  plain bytes, ``gamma=0.001`` would outweigh every other term by orders of magnitude; set
+  ``memory_unit=1`` for the literal formula.
+
+Every function is memoised on hashable keys (the op's :class:`~searchers.spec.OpSpec`, the
+layouts, the mesh and the params), so repeated layers cost one evaluation.
+
+>>> from searchers.graph import DeviceMesh
+>>> m = DeviceMesh((2, 2))
+>>> c = redistribution_cost(((0,), ()), ((), ()), (8, 8), 4, m, CostParams())
+>>> c.comm_bytes["all-gather"], round(c.comm_time * 1e6, 5)   # 128 B local, 1 more shard: 128 B
+(128.0, 5.00128)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import lru_cache
+from types import MappingProxyType
+from typing import Mapping, Sequence
+
+from .graph import DeviceMesh, Graph, Op, Strategy, TensorLayout
+from .spec import OpSpec, layout_of, op_spec
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """Weights and machine constants of the cost model (see the module docstring for units)."""
+
+    alpha: float = 1.0                              # weight of compute (seconds)
+    beta: float = 400.0                             # weight of communication (seconds)
+    gamma: float = 0.001                            # weight of memory (memory_unit bytes per device)
+    device_memory_capacity: float = 16 * 2**30      # bytes per device (a limit for searchers that use one)
+    flops_per_s: float = 100e12                     # assumed device throughput
+    memory_unit: float = float(2**30)               # bytes per memory unit in ``total``
+
+    def weigh(self, compute: float, comm_time: float, memory: float) -> float:
+        """The weighted total of the three terms."""
+        return self.alpha * compute + self.beta * comm_time + self.gamma * memory / self.memory_unit
+
+
+def _kinds(values: Mapping[str, float] | None = None) -> Mapping[str, float]:
+    d = dict.fromkeys(KINDS, 0.0)
+    if values:
+        d.update(values)
+    return MappingProxyType(d)
+
+
+@dataclass(frozen=True, eq=True)
+class Cost:
+    """A cost: compute (s), comm_bytes per collective kind (bytes per device), comm_time (s),
+    memory (bytes per device) and the weighted total. Costs add up with ``+``.
+
+    >>> (Cost(compute=1.0, total=1.0) + Cost(comm_time=2.0, total=800.0)).total
+    801.0
+    """
+
+    compute: float = 0.0
+    comm_bytes: Mapping[str, float] = field(default_factory=_kinds)
+    comm_time: float = 0.0
+    memory: float = 0.0
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.comm_bytes, MappingProxyType) or set(self.comm_bytes) != set(KINDS):
+            object.__setattr__(self, "comm_bytes", _kinds(self.comm_bytes))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def communication(self) -> float:
+        """All bytes moved per device, every collective kind together."""
+        return float(sum(self.comm_bytes.values()))
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.compute + other.compute,
+                    {k: self.comm_bytes[k] + other.comm_bytes[k] for k in KINDS},
+                    self.comm_time + other.comm_time, self.memory + other.memory, self.total + other.total)
+
+    @staticmethod
+    def sum(costs: Sequence["Cost"]) -> "Cost":
+        """Sum of many costs (faster than chained ``+``)."""
+        comp = time = mem = tot = 0.0
+        by = dict.fromkeys(KINDS, 0.0)
+        for c in costs:
+            comp += c.compute
+            time += c.comm_time
+            mem += c.memory
+            tot += c.total
+            for k, v in c.comm_bytes.items():
+                by[k] += v
+        return Cost(comp, by, time, mem, tot)
+
+
+ZERO = Cost()
+
+
+# -- one op ----------------------------------------------------------------------------------
+def op_cost(op: Op, strategy: Strategy, graph: Graph, params: CostParams) -> Cost:
+    """Cost of ``op`` under ``strategy`` on ``graph.mesh``.
+
+    compute = flops / devices used / flops_per_s; communication: results that are partial over
+    the axes of split reduction dims are all-reduced over that axis group (k devices):
+    ``2 * S_local * (k - 1) / k`` bytes per result; memory = local bytes of operands + results.
+
+    >>> from searchers.graph import DeviceMesh, Graph
+    >>> g = Graph(DeviceMesh((2, 2)))
+    >>> x = g.source("x", (8, 4)); w = g.source("w", (4, 6), kind="param")
+    >>> _ = g.add_op("mm", "dot_general", {"m": 8, "k": 4, "n": 6}, [x, w], [("m", "k"), ("k", "n")], [("m", "n")])
+    >>> c = op_cost(g.ops[2], ((0,), (1,), ()), g, CostParams(flops_per_s=1.0))
+    >>> c.compute, c.comm_bytes["all-reduce"], c.memory     # 384 flops / 4; x 32 + w 48 + out 96 B
+    (96.0, 96.0, 176.0)
+    """
+    return spec_cost(op_spec(op, graph), _canon(strategy), graph.mesh, params)
+
+
+def _canon(strategy: Strategy) -> Strategy:
+    return tuple(tuple(a) for a in strategy)
+
+
+@lru_cache(maxsize=1 << 18)
+def spec_cost(spec: OpSpec, strategy: Strategy, mesh: DeviceMesh, params: CostParams) -> Cost:
+    """:func:`op_cost` of an op given by its :class:`OpSpec` (memoised)."""
+    if len(strategy) != len(spec.sizes):
+        raise ValueError(f"strategy {strategy} has {len(strategy)} entries, the op has {len(spec.sizes)} loop dims")
+    shape = mesh.shape
+    devices = 1
+    for axes in strategy:
+        for a in axes:
+            devices *= shape[a]
+    compute = spec.flops / devices / params.flops_per_s
+    memory = 0.0
+    for maps, nbytes in zip(spec.in_maps, spec.in_bytes):
+        memory += nbytes / _count(layout_of(maps, strategy), shape)
+    partial = sorted(a for d in spec.reduction for a in strategy[d])
+    k = 1
+    for a in partial:
+        k *= shape[a]
+    ar_bytes = ar_time = 0.0
+    for maps, nbytes in zip(spec.out_maps, spec.out_bytes):
+        local = nbytes / _count(layout_of(maps, strategy), shape)
+        memory += local
+        if k > 1:
+            b = 2.0 * local * (k - 1) / k
+            ar_bytes += b
+            ar_time += sum(mesh.latency[a] for a in partial) + b / min(mesh.bandwidth[a] for a in partial)
+    return Cost(compute, {"all-reduce": ar_bytes}, ar_time, memory, params.weigh(compute, ar_time, memory))
+
+
+def _count(layout: TensorLayout, shape: tuple[int, ...]) -> int:
+    n = 1
+    for axes in layout:
+        for a in axes:
+            n *= shape[a]
+    return n
+
+
+# -- redistribution --------------------------------------------------------------------------
+def redistribution_cost(src: TensorLayout, dst: TensorLayout, shape: Sequence[int], itemsize: int,
+                        mesh: DeviceMesh, params: CostParams) -> Cost:
+    """Cost of converting a tensor of global ``shape`` from layout ``src`` to ``dst``.
+
+    Per mesh axis (ALGORITHMS §2): same place -> free; replicated -> split: a local slice, free;
+    split on dim a -> dim b: all-to-all, ``S_local * (k-1) / k``; split -> replicated:
+    all-gather, ``S_local * (k-1)``. The steps run in the cheapest valid order: slices first
+    (they shrink the local tensor), then all-to-alls, then all-gathers (each grows it by k);
+    ``S_local`` is the local size at that step. Axis order inside one tensor dim is ignored.
+
+    >>> m = DeviceMesh((2, 2))
+    >>> redistribution_cost(((0,), (1,)), ((0,), (1,)), (8, 8), 4, m, CostParams()).total
+    0.0
+    >>> c = redistribution_cost(((0,), ()), ((), (0,)), (8, 8), 4, m, CostParams())
+    >>> c.comm_bytes["all-to-all"]      # 128 B local, half of it leaves
+    64.0
+    """
+    src, dst = _canon(src), _canon(dst)
+    if len(src) != len(shape) or len(dst) != len(shape):
+        raise ValueError(f"redistribution_cost: layouts {src} -> {dst} do not match rank {len(shape)}")
+    nbytes = itemsize
+    for s in shape:
+        nbytes *= int(s)
+    return _redist(src, dst, nbytes, mesh, params)
+
+
+@lru_cache(maxsize=1 << 16)
+def redistribution_steps(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> tuple[tuple[str, int, float], ...]:
+    """The collectives converting ``src`` to ``dst``: ``(kind, mesh axis, bytes per device per
+    global byte)``, in execution order; empty when only local slicing (or nothing) is needed.
+
+    >>> redistribution_steps(((0,), ()), ((), (1,)), DeviceMesh((2, 2)))   # slice dim 1, gather dim 0
+    (('all-gather', 0, 0.25),)
+    """
+    if src == dst:
+        return ()
+    where_src = {a: d for d, axes in enumerate(src) for a in axes}
+    where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
+    shape = mesh.shape
+    local = 1.0 / _count(src, shape)          # local bytes per global byte
+    a2a, gather = [], []
+    for a in range(len(shape)):
+        s, d = where_src.get(a), where_dst.get(a)
+        if s == d or shape[a] == 1:
+            continue
+        if s is None:
+            local /= shape[a]                 # slice: free, shrinks the local tensor
+        elif d is None:
+            gather.append(a)
+        else:
+            a2a.append(a)
+    steps = []
+    for a in a2a:
+        k = shape[a]
+        steps.append(("all-to-all", a, local * (k - 1) / k))
+    for a in gather:
+        k = shape[a]
+        steps.append(("all-gather", a, local * (k - 1)))
+        local *= k
+    return tuple(steps)
+
+
+@lru_cache(maxsize=1 << 18)
+def _redist(src: TensorLayout, dst: TensorLayout, nbytes: int, mesh: DeviceMesh, params: CostParams) -> Cost:
+    steps = redistribution_steps(src, dst, mesh)
+    if not steps:
+        return ZERO
+    by = dict.fromkeys(KINDS, 0.0)
+    time = 0.0
+    for kind, a, coef in steps:
+        b = coef * nbytes
+        by[kind] += b
+        time += mesh.latency[a] + b / mesh.bandwidth[a]
+    return Cost(0.0, by, time, 0.0, params.weigh(0.0, time, 0.0))
+
+
+def redistribution_total(src: TensorLayout, dst: TensorLayout, nbytes: int, mesh: DeviceMesh,
+                         params: CostParams) -> float:
+    """Weighted total of a redistribution, for a tensor of ``nbytes`` global bytes (memoised)."""
+    return 0.0 if src == dst else _redist(src, dst, nbytes, mesh, params).total
+
+
+# -- a whole graph ---------------------------------------------------------------------------
+def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostParams, *,
+               specs: Sequence[OpSpec] | None = None) -> Cost:
+    """Sum of every op's cost and of the redistribution on every edge (producer result layout ->
+    consumer operand layout). ``strategies`` needs an entry for every op id; ``specs`` (one
+    :class:`OpSpec` per op, optional) saves recomputing them.
+
+    >>> from searchers.graph import DeviceMesh, Graph
+    >>> g = Graph(DeviceMesh((2,)))
+    >>> x = g.source("x", (4,))
+    >>> _ = g.add_op("neg", "neg", {"i": 4}, [x], [("i",)], [("i",)])
+    >>> p = CostParams(gamma=1.0, memory_unit=1.0)
+    >>> round(graph_cost(g, {0: ((0,),), 1: ((0,),)}, p).total, 9)   # 8 B (x) + 8 + 8 B (neg)
+    24.0
+    """
+    mesh = graph.mesh
+    if specs is None:
+        specs = [op_spec(op, graph) for op in graph.ops]
+    chosen: list[Strategy] = []
+    out_lay: dict[int, TensorLayout] = {}
+    op_count: Counter = Counter()
+    for op, spec in zip(graph.ops, specs):
+        try:
+            s = _canon(strategies[op.id])
+        except KeyError:
+            raise ValueError(f"graph_cost: no strategy for op {op.id} ({op.name})") from None
+        chosen.append(s)
+        op_count[spec, s] += 1
+        for tid, maps in zip(op.outputs, spec.out_maps):
+            out_lay[tid] = layout_of(maps, s)
+    red_count: Counter = Counter()
+    for op, spec, s in zip(graph.ops, specs, chosen):
+        for tid, maps, nbytes in zip(op.inputs, spec.in_maps, spec.in_bytes):
+            want, have = layout_of(maps, s), out_lay[tid]
+            if have != want:
+                red_count[have, want, nbytes] += 1
+    return counted_cost(op_count, red_count, mesh, params)
+
+
+def counted_cost(op_counts: Mapping[tuple[OpSpec, Strategy], int],
+                 redist_counts: Mapping[tuple[TensorLayout, TensorLayout, int], int],
+                 mesh: DeviceMesh, params: CostParams) -> Cost:
+    """Sum of ``n`` x op cost per ``(spec, strategy): n`` and ``n`` x redistribution cost per
+    ``(src layout, dst layout, global bytes): n`` — :func:`graph_cost` once the graph is counted."""
+    parts = [(spec_cost(spec, s, mesh, params), n) for (spec, s), n in op_counts.items()]
+    parts += [(_redist(h, w, b, mesh, params), n) for (h, w, b), n in redist_counts.items()]
+    comp = time = mem = tot = 0.0
+    by = dict.fromkeys(KINDS, 0.0)
+    for c, n in parts:
+        comp += n * c.compute
+        time += n * c.comm_time
+        mem += n * c.memory
+        tot += n * c.total
+        for k, v in c.comm_bytes.items():
+            by[k] += n * v
+    return Cost(comp, by, time, mem, tot)
+
+
+# the vectorised helpers live in cost_vectors; re-exported here for convenience
+from .cost_vectors import edge_cost_matrix, op_cost_vector  # noqa: E402,F401

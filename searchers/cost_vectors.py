@@ -1,0 +1,169 @@
+"""Vectorised costs for searchers: an op's cost for every candidate, an edge's redistribution
+cost for every pair of candidates.
+
+Both are affine in tensor sizes: per candidate, an op's total is
+``alpha*flops/devices/flops_per_s + beta*(n_results*latency + coef*bytes) + gamma*memory``,
+and a redistribution's total is ``a + b * nbytes`` for a layout pair. The size-free parts are
+tables memoised per op structure (:func:`candidate_tables`) and per layout pair
+(:func:`redistribution_affine`), so graphs whose ops differ only in tensor sizes share them.
+Results agree with :func:`~searchers.cost.spec_cost` and
+:func:`~searchers.cost.redistribution_total` up to float rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+
+from .cost import CostParams, redistribution_steps
+from .graph import DeviceMesh, Graph, Op, Strategy, TensorLayout
+from .spec import OpSpec, layout_of, op_spec
+
+
+@dataclass(frozen=True, eq=False)
+class CandidateTables:
+    """Size-free per-candidate factors of an op's cost (C candidates, n_in operands, n_out results)."""
+
+    devices: np.ndarray      # (C,) devices used
+    in_div: np.ndarray       # (C, n_in) 1 / split count of each operand
+    out_div: np.ndarray      # (C, n_out) 1 / split count of each result
+    ar_lat: np.ndarray       # (C,) latency of one all-reduce over the partial axes (0: none)
+    ar_coef: np.ndarray      # (C,) all-reduce seconds per local result byte: 2(k-1)/k / slowest bandwidth
+
+
+@lru_cache(maxsize=1 << 12)
+def candidate_tables(in_maps: tuple[tuple[int, ...], ...], out_maps: tuple[tuple[int, ...], ...],
+                     reduction: tuple[int, ...], candidates: tuple[Strategy, ...],
+                     mesh: DeviceMesh) -> CandidateTables:
+    """:class:`CandidateTables` of an op structure (memoised)."""
+    shape, C = mesh.shape, len(candidates)
+    dev = np.empty(C)
+    in_div = np.empty((C, len(in_maps)))
+    out_div = np.empty((C, len(out_maps)))
+    lat = np.zeros(C)
+    coef = np.zeros(C)
+    for c, s in enumerate(candidates):
+        counts = [_prod(shape[a] for a in axes) for axes in s]
+        dev[c] = _prod(counts)
+        for i, m in enumerate(in_maps):
+            in_div[c, i] = 1.0 / _prod(counts[d] for d in m if d >= 0)
+        for j, m in enumerate(out_maps):
+            out_div[c, j] = 1.0 / _prod(counts[d] for d in m if d >= 0)
+        partial = [a for d in reduction for a in s[d]]
+        k = _prod(shape[a] for a in partial)
+        if k > 1:
+            lat[c] = sum(mesh.latency[a] for a in partial)
+            coef[c] = 2.0 * (k - 1) / k / min(mesh.bandwidth[a] for a in partial)
+    for a in (dev, in_div, out_div, lat, coef):
+        a.setflags(write=False)
+    return CandidateTables(dev, in_div, out_div, lat, coef)
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def cost_vector(t: CandidateTables, flops: float, in_bytes: Sequence[int], out_bytes: Sequence[int],
+                params: CostParams) -> np.ndarray:
+    """Weighted totals per candidate from :class:`CandidateTables` and the op's sizes."""
+    out_local = t.out_div @ np.asarray(out_bytes, dtype=float)
+    memory = t.in_div @ np.asarray(in_bytes, dtype=float) + out_local
+    comm = len(out_bytes) * t.ar_lat + t.ar_coef * out_local
+    comm = np.where(t.ar_coef > 0, comm, 0.0)
+    return (params.alpha * flops / params.flops_per_s) / t.devices + params.beta * comm \
+        + (params.gamma / params.memory_unit) * memory
+
+
+@lru_cache(maxsize=1 << 14)
+def spec_cost_vector(spec: OpSpec, candidates: tuple[Strategy, ...], mesh: DeviceMesh,
+                     params: CostParams) -> np.ndarray:
+    """Totals of :func:`~searchers.cost.spec_cost` for every candidate (memoised; read-only)."""
+    t = candidate_tables(spec.in_maps, spec.out_maps, spec.reduction, candidates, mesh)
+    v = cost_vector(t, spec.flops, spec.in_bytes, spec.out_bytes, params)
+    v.setflags(write=False)
+    return v
+
+
+def op_cost_vector(op: Op, candidates: Sequence[Strategy], graph: Graph, params: CostParams) -> np.ndarray:
+    """Totals of :func:`~searchers.cost.op_cost` for every candidate, as a float array.
+
+    >>> from searchers.graph import DeviceMesh, Graph
+    >>> g = Graph(DeviceMesh((2,)))
+    >>> _ = g.source("x", (4,))
+    >>> op_cost_vector(g.ops[0], [((),), ((0,),)], g, CostParams(gamma=1.0, memory_unit=1.0))
+    array([16.,  8.])
+    """
+    return spec_cost_vector(op_spec(op, graph), tuple(tuple(tuple(a) for a in s) for s in candidates),
+                            graph.mesh, params)
+
+
+# -- redistribution ----------------------------------------------------------------------------
+@lru_cache(maxsize=1 << 18)
+def redistribution_affine(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh,
+                          params: CostParams) -> tuple[float, float]:
+    """``(a, b)`` with redistribution total ``a + b * nbytes`` for a tensor of ``nbytes`` global
+    bytes; ``(0.0, 0.0)`` when no collective is needed.
+
+    >>> redistribution_affine(((0,),), ((),), DeviceMesh((2,), latency=(1.0,), bandwidth=(4.0,)),
+    ...                       CostParams(beta=1.0))      # 1 s latency + (nbytes/2)/4 B/s
+    (1.0, 0.125)
+    """
+    a = b = 0.0
+    for _, axis, coef in redistribution_steps(src, dst, mesh):
+        a += mesh.latency[axis]
+        b += coef / mesh.bandwidth[axis]
+    return params.beta * a, params.beta * b
+
+
+@lru_cache(maxsize=1 << 14)
+def layout_affine_matrix(src: tuple[TensorLayout, ...], dst: tuple[TensorLayout, ...], mesh: DeviceMesh,
+                         params: CostParams) -> tuple[np.ndarray, np.ndarray]:
+    """``(A, B)``: redistribution totals between every pair of layouts are ``A + B * nbytes``."""
+    us, si = _unique(src)
+    ud, di = _unique(dst)
+    ab = np.array([[redistribution_affine(x, y, mesh, params) for y in ud] for x in us], dtype=float)
+    ab = ab.reshape(len(us), len(ud), 2)
+    A, B = ab[..., 0][np.ix_(si, di)], ab[..., 1][np.ix_(si, di)]
+    A.setflags(write=False)
+    B.setflags(write=False)
+    return A, B
+
+
+def layout_cost_matrix(src: Sequence[TensorLayout], dst: Sequence[TensorLayout], nbytes: int,
+                       mesh: DeviceMesh, params: CostParams) -> np.ndarray:
+    """Redistribution totals ``R[i, j]`` from ``src[i]`` to ``dst[j]`` for ``nbytes`` global bytes."""
+    A, B = layout_affine_matrix(tuple(src), tuple(dst), mesh, params)
+    return A + B * float(nbytes)
+
+
+def _unique(layouts: tuple[TensorLayout, ...]) -> tuple[list[TensorLayout], np.ndarray]:
+    seen: dict[TensorLayout, int] = {}
+    idx = [seen.setdefault(x, len(seen)) for x in layouts]
+    return list(seen), np.array(idx, dtype=np.intp)
+
+
+def edge_cost_matrix(producer: Op, p_cands: Sequence[Strategy], consumer: Op, c_cands: Sequence[Strategy],
+                     operand_index: int, graph: Graph, params: CostParams) -> np.ndarray:
+    """Redistribution totals ``R[i, j]`` from the producer's result layout under ``p_cands[i]``
+    to the layout operand ``operand_index`` of ``consumer`` needs under ``c_cands[j]``.
+
+    >>> from searchers.graph import DeviceMesh, Graph
+    >>> g = Graph(DeviceMesh((2,)))
+    >>> x = g.source("x", (4,))
+    >>> _ = g.add_op("neg", "neg", {"i": 4}, [x], [("i",)], [("i",)])
+    >>> R = edge_cost_matrix(g.ops[0], [((),), ((0,),)], g.ops[1], [((),), ((0,),)], 0, g, CostParams())
+    >>> R.tolist()[0], bool(R[1, 1] == 0), bool(R[1, 0] > 0)      # only gathering costs
+    ([0.0, 0.0], True, True)
+    """
+    tid = consumer.inputs[operand_index]
+    j = producer.outputs.index(tid)
+    ps, cs = op_spec(producer, graph), op_spec(consumer, graph)
+    src = tuple(layout_of(ps.out_maps[j], tuple(map(tuple, s))) for s in p_cands)
+    dst = tuple(layout_of(cs.in_maps[operand_index], tuple(map(tuple, s))) for s in c_cands)
+    return layout_cost_matrix(src, dst, graph.tensors[tid].nbytes, graph.mesh, params)

@@ -1,0 +1,91 @@
+"""A hashable, name-free summary of an op: everything its candidates and costs depend on.
+
+Two ops with equal :class:`OpSpec` have the same candidate strategies (for the same mesh) and
+the same cost vectors, so searchers and the cost model memoise on it. Loop dims are referred
+to by position (``op.dims`` order), tensor-dim maps use ``-1`` for "no loop dim".
+
+>>> from searchers.graph import DeviceMesh, Graph
+>>> g = Graph(DeviceMesh((2, 2)))
+>>> x = g.source("x", (8, 4)); w = g.source("w", (4, 6), kind="param")
+>>> _ = g.add_op("mm", "dot_general", {"m": 8, "k": 4, "n": 6}, [x, w], [("m", "k"), ("k", "n")], [("m", "n")])
+>>> s = op_spec(g.ops[2], g)
+>>> s.sizes, s.in_maps, s.out_maps, s.reduction, s.out_bytes
+((8, 4, 6), ((0, 1), (1, 2)), ((0, 2),), (1,), (192,))
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .graph import SOURCE_KINDS, Graph, Op
+
+
+class OpSpec(NamedTuple):
+    sizes: tuple[int, ...]                   # loop-dim sizes, op.dims order
+    unsplittable: tuple[bool, ...]           # per loop dim
+    in_maps: tuple[tuple[int, ...], ...]     # per operand, per tensor dim: loop-dim index or -1
+    out_maps: tuple[tuple[int, ...], ...]    # per result, the same
+    in_bytes: tuple[int, ...]                # global bytes of each operand
+    out_bytes: tuple[int, ...]               # global bytes of each result
+    reduction: tuple[int, ...]               # loop-dim indices no result uses
+    flops: float
+
+
+def op_spec(op: Op, graph: Graph) -> OpSpec:
+    """The :class:`OpSpec` of ``op`` (its tensors are looked up in ``graph``)."""
+    return spec_from_key(spec_key(op, graph))
+
+
+SpecKey = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
+def spec_key(op: Op, graph: Graph) -> SpecKey:
+    """A cheap hashable key equivalent to :func:`op_spec`: (structure id, operand bytes, result
+    bytes). The name-free structure (dims, maps, unsplittable, flops) is interned once per
+    distinct op shape, so repeated layers pay for it once.
+
+    >>> from searchers.graph import DeviceMesh, Graph
+    >>> g = Graph(DeviceMesh((2,)))
+    >>> a = g.source("a", (4,)); b = g.source("b", (4,))
+    >>> spec_key(g.ops[0], g) == spec_key(g.ops[1], g)
+    True
+    """
+    dims = op.dims
+    key = (tuple(dims.items()), tuple(op.in_dims), tuple(op.out_dims), op.unsplittable, op.flops,
+           op.kind in SOURCE_KINDS)
+    sid = _STRUCT_IDS.get(key)
+    if sid is None:
+        sid = _STRUCT_IDS[key] = len(_STRUCTS)
+        _STRUCTS.append(_structure(op))
+    tensors = graph.tensors
+    return (sid, tuple([tensors[t].nbytes for t in op.inputs]), tuple([tensors[t].nbytes for t in op.outputs]))
+
+
+def spec_from_key(key: SpecKey) -> OpSpec:
+    """The :class:`OpSpec` a :func:`spec_key` stands for."""
+    sizes, uns, in_maps, out_maps, red, flops = _STRUCTS[key[0]]
+    return OpSpec(sizes, uns, in_maps, out_maps, key[1], key[2], red, flops)
+
+
+# interned op structures: a few per distinct op shape, never cleared (ids must stay valid)
+_STRUCT_IDS: dict[tuple, int] = {}
+_STRUCTS: list[tuple] = []
+
+
+def _structure(op: Op) -> tuple:
+    idx = {d: i for i, d in enumerate(op.dims)}
+    in_maps = tuple(tuple(-1 if d is None else idx[d] for d in dd) for dd in op.in_dims)
+    out_maps = tuple(tuple(-1 if d is None else idx[d] for d in dd) for dd in op.out_dims)
+    used = {i for m in out_maps for i in m}
+    uns = op.unsplittable
+    return (tuple(op.dims.values()), tuple(d in uns for d in op.dims), in_maps, out_maps,
+            tuple(i for i in range(len(idx)) if i not in used), op.compute_flops())
+
+
+def layout_of(maps: tuple[int, ...], strategy: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """Tensor layout from a tensor-dim map and a strategy (``-1`` -> not split).
+
+    >>> layout_of((0, -1, 2), ((1,), (), (0,)))
+    ((1,), (), (0,))
+    """
+    return tuple(() if i < 0 else strategy[i] for i in maps)

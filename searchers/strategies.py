@@ -1,0 +1,131 @@
+"""Candidate strategies of an op, and MindSpore's data-parallel default.
+
+A strategy gives every loop dim a tuple of mesh-axis indices (ascending); every mesh axis goes
+to at most one loop dim. The enumeration assigns each axis to "no dim" or to one splittable loop
+dim whose size stays divisible by the product of its axes' sizes, so there are at most
+``(len(dims) + 1) ** len(mesh.shape)`` candidates.
+
+>>> from searchers.graph import DeviceMesh, Graph
+>>> g = Graph(DeviceMesh((2, 2)))
+>>> x = g.source("x", (4, 3))
+>>> enumerate_strategies(g.ops[0], g.mesh)
+[((), ()), ((0, 1), ()), ((0,), ()), ((1,), ())]
+>>> data_parallel_strategy(g.ops[0], g.mesh)
+((0, 1), ())
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from .graph import DeviceMesh, Op, Strategy
+
+
+def enumerate_strategies(op: Op, mesh: DeviceMesh, *, fully_use_devices: bool = False,
+                         max_candidates: int | None = None) -> list[Strategy]:
+    """Every valid strategy of ``op`` on ``mesh``, in a deterministic order.
+
+    Order: the replicated strategy first (when allowed), then by number of devices used,
+    most first, then lexicographically by the strategy tuple. ``max_candidates`` keeps the
+    first that many. ``op.fixed`` (a user strategy) is returned alone.
+
+    With ``fully_use_devices`` every mesh axis must be used; if no strategy can do that (e.g.
+    all dims unsplittable, or sizes not divisible) the strategies using the most devices are
+    returned instead, so a search never runs out of candidates.
+
+    >>> from searchers.graph import Graph
+    >>> g = Graph(DeviceMesh((2,)))
+    >>> _ = g.source("v", (6,)); _ = g.source("o", (3,))
+    >>> enumerate_strategies(g.ops[0], g.mesh), enumerate_strategies(g.ops[1], g.mesh)
+    ([((),), ((0,),)], [((),)])
+    >>> enumerate_strategies(g.ops[1], g.mesh, fully_use_devices=True)
+    [((),)]
+    """
+    if op.fixed is not None:
+        return [tuple(tuple(a) for a in op.fixed)]
+    uns = tuple(d in op.unsplittable for d in op.dims)
+    return list(strategies_for(tuple(op.dims.values()), uns, mesh.shape, fully_use_devices, max_candidates))
+
+
+@lru_cache(maxsize=4096)
+def strategies_for(sizes: tuple[int, ...], unsplittable: tuple[bool, ...], mesh_shape: tuple[int, ...],
+                   fully_use_devices: bool = False, max_candidates: int | None = None) -> tuple[Strategy, ...]:
+    """:func:`enumerate_strategies` on plain loop-dim sizes (memoised).
+
+    >>> strategies_for((4, 6), (False, True), (2, 2))
+    (((), ()), ((0, 1), ()), ((0,), ()), ((1,), ()))
+    """
+    n_dims, n_axes = len(sizes), len(mesh_shape)
+    found: list[tuple[int, Strategy]] = []
+    counts = [1] * n_dims
+    assign: list[list[int]] = [[] for _ in range(n_dims)]
+
+    def rec(axis: int, used: int) -> None:
+        if axis == n_axes:
+            found.append((used, tuple(tuple(a) for a in assign)))
+            return
+        k = mesh_shape[axis]
+        rec(axis + 1, used)                        # axis not used
+        for d in range(n_dims):
+            if unsplittable[d] or sizes[d] % (counts[d] * k):
+                continue
+            counts[d] *= k
+            assign[d].append(axis)
+            rec(axis + 1, used * k)
+            assign[d].pop()
+            counts[d] //= k
+
+    rec(0, 1)
+    if fully_use_devices:
+        every = [(u, s) for u, s in found if sum(len(a) for a in s) == n_axes]
+        best = max(u for u, _ in found)
+        found = every if every else [(u, s) for u, s in found if u == best]
+    rep = tuple(() for _ in sizes)
+    rest = sorted((s for _, s in found if s != rep), key=lambda s: (-_devices(s, mesh_shape), s))
+    out = ([rep] if any(s == rep for _, s in found) else []) + rest
+    if max_candidates is not None:
+        out = out[:max(1, max_candidates)]
+    return tuple(out)
+
+
+def _devices(strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:
+    n = 1
+    for axes in strategy:
+        for a in axes:
+            n *= mesh_shape[a]
+    return n
+
+
+def data_parallel_strategy(op: Op, mesh: DeviceMesh) -> Strategy:
+    """MindSpore's default: split the loop dim behind dim 0 of the first operand (of the result
+    for a source op of kind ``"data"``) over as many mesh axes as divide it, in ascending axis
+    order, greedily; everything else (parameters, constants, scalars, unsplittable or size-1
+    leading dims) is replicated.
+
+    >>> from searchers.graph import Graph
+    >>> g = Graph(DeviceMesh((2, 2, 3)))
+    >>> x = g.source("x", (8, 5))
+    >>> w = g.source("w", (5, 7), kind="param")
+    >>> (y,) = g.add_op("mm", "dot_general", {"m": 8, "k": 5, "n": 7}, [x, w],
+    ...                 [("m", "k"), ("k", "n")], [("m", "n")])
+    >>> [data_parallel_strategy(op, g.mesh) for op in g.ops]
+    [((0, 1), ()), ((), ()), ((0, 1), (), ())]
+    """
+    strategy: list[tuple[int, ...]] = [() for _ in op.dims]
+    if op.is_source:
+        if op.kind != "data" or not op.out_dims or not op.out_dims[0]:
+            return tuple(strategy)
+        dim = op.out_dims[0][0]
+    else:
+        if not op.in_dims or not op.in_dims[0]:
+            return tuple(strategy)
+        dim = op.in_dims[0][0]
+    if dim is None or dim in op.unsplittable:
+        return tuple(strategy)
+    size, count, axes = op.dims[dim], 1, []
+    for a, k in enumerate(mesh.shape):
+        if k > 1 and size % (count * k) == 0:
+            count *= k
+            axes.append(a)
+    strategy[list(op.dims).index(dim)] = tuple(axes)
+    return tuple(strategy)
