@@ -179,6 +179,12 @@ class Assigner:
     def assign_op(self, note: OpNote, name: str, in_vars: Sequence[Any]) -> None:
         """Fix loop-dim axes of a primitive object's strategy; record in/out mark layouts."""
         if all(s is None for s in note.in_strategy) and not any(note.out_strategy or ()):
+            # unannotated primitive object: a pending parameter split avoids the other operands' axes
+            others = {a for v in in_vars if v is not None and not isinstance(v, jcore.Literal)
+                      and v in self.known for d in self.known[v] for a in d}
+            for v in in_vars:
+                if v is not None:
+                    self.layout_of(v, avoid=others)
             return
         known = [self.layout_of(v) for v in in_vars]
         loop: dict[str, tuple[str, ...]] = {}
@@ -278,7 +284,7 @@ class Assigner:
                 lay = self.marks.get(key)
                 if lay is not None:
                     self.known[eqn.outvars[0]] = lay
-                else:
+                elif role not in ("out", "ct_out") or note.in_dims is None:
                     src = self.layout_of(eqn.invars[0])
                     if src is not None:
                         self.known[eqn.outvars[0]] = src

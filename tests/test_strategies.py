@@ -239,3 +239,16 @@ def test_eager_primitives_and_cache():
     y = f(x, w)
     assert len(y.sharding.device_set) == 4 and split_counts(y) == (2, 2)
     assert isinstance(f.lower(x, w), jax.stages.Lowered)
+
+
+def test_parameter_plan_megatron_cell_gives_one_all_reduce():
+    """Column-parallel dense1 ([out,in] weight split on out) and row-parallel dense2: one all-reduce, like Megatron."""
+    ms.set_auto_parallel_context(**SEMI)
+    net = Net(nnx.Rngs(3))
+    x = rand(7, 16, 32)
+    ref = net_reference(net, x)
+    net.shard(in_strategy=((2, 1),), parameter_plan={"dense1.weight": (4, 1), "dense2.weight": (1, 4)})
+    assert_close(net(x), ref)
+    rep = ms.comm_report(net, x)
+    assert rep.by_kind.keys() == {"all-reduce"} and rep.count("all-reduce") == 1
+    assert rep.bytes("all-reduce") == (16 // 2) * 16 * 4      # one (8, 16) f32 partial sum per device
