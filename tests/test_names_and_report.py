@@ -1,0 +1,60 @@
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import mshard as ms
+from mshard import nn, ops
+
+
+class Net(nn.Cell):
+    def __init__(self, rngs):
+        self.dense1 = nn.Dense(8, 16, rngs=rngs)
+        self.dense2 = nn.Dense(16, 8, rngs=rngs)
+        self.mul = ops.Mul(name="scale")
+
+    def __call__(self, x):
+        with jax.named_scope("head"):
+            y = self.dense2(jax.nn.relu(self.dense1(x)))
+        y = self.mul(y, 2.0)
+        return ops.ReLU()(ops.ReLU()(y))
+
+
+def test_op_names_follow_scopes_cell_paths_and_name_argument():
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
+    names = ms.jit(lambda n, x: n(x)).layouts(Net(nnx.Rngs(0)), jnp.ones((8, 8))).op_names
+    assert list(names.values()) == ["head/dense1/MatMul", "head/dense1/BiasAdd", "head/dense2/MatMul",
+                                    "head/dense2/BiasAdd", "scale/Mul", "ReLU", "ReLU_1"]
+
+
+TUPLE_HLO = """
+  %all-reduce.3 = (f32[16,32]{1,0}, f32[32]{0}, bf16[8]{0}) all-reduce(%a, %b, %c), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %ag = f32[64,8]{1,0} all-gather(%p), channel_id=4, replica_groups=[2,4]<=[8], dimensions={0}
+  %ags = f32[64,8]{1,0} all-gather-start(%p), channel_id=5, replica_groups=mesh['x'=2,'y'=4] {'y'}, dimensions={0}
+  %agd = f32[64,8]{1,0} all-gather-done(%ags)
+  %rs = f32[4,8]{1,0} reduce-scatter(%q), channel_id=6, replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}
+"""
+
+
+def test_comm_report_parses_tuple_async_and_iota_forms():
+    rep = ms.CommReport.from_hlo(TUPLE_HLO)
+    assert rep.count("all-reduce") == 1                          # one combined (tuple-shaped) all-reduce
+    assert rep.bytes("all-reduce") == 16 * 32 * 4 + 32 * 4 + 8 * 2
+    assert rep.count("all-gather") == 2                           # the async pair counts once
+    assert rep.bytes("all-gather") == 2 * 64 * 8 * 4
+    assert [c.group_size for c in rep.collectives] == [8, 4, 4, 2]
+    assert rep.moved("all-reduce") == rep.bytes("all-reduce") * 2 * 7 / 8
+    assert rep.count("reduce-scatter") == 1 and rep.moved("reduce-scatter") == 4 * 8 * 4
+    text = str(rep)
+    assert "all-reduce" in text and "reduce-scatter" in text
+    assert "<table>" in rep._repr_html_()
+
+
+def test_comm_report_accepts_every_mshard_callable():
+    ms.set_auto_parallel_context(parallel_mode="data_parallel")
+    net = Net(nnx.Rngs(0))
+    x = jnp.ones((8, 8))
+    loss = ms.jit(lambda n, x: jnp.mean(nnx.grad(lambda n, x: jnp.sum(n(x)))(n, x)["dense1"]["weight"][...]))
+    assert ms.comm_report(loss, net, x).count("all-reduce") >= 1       # data-parallel gradient reduction
+    assert ms.comm_report(net, x).total_count == 0                      # forward of a replicated model on split data
+    assert ms.comm_report(lambda x: x.sum(), x).count("all-reduce") == 1
+    assert ms.comm_report(jax.jit(lambda x: x * 2), x).total_count == 0
