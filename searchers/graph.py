@@ -241,3 +241,30 @@ def ms_strategy(op: Op, strategy: Strategy, mesh: DeviceMesh) -> tuple[tuple[int
 
 def replicated(op: Op) -> Strategy:
     return tuple(() for _ in op.dims)
+
+
+def layer_instances(graph: Graph) -> list[tuple[str, list[int]]]:
+    """Copies of repeated layers: ``(layer key, op ids)`` for every maximal run of consecutive
+    ops that share a ``layer`` key and the first component of their name scope (``block3/...``).
+    Copies of one layer share the key; ops without a key belong to no copy.
+
+    >>> g = Graph(DeviceMesh((2,)))
+    >>> x = g.source("x", (4,))
+    >>> for i in range(2):
+    ...     (x,) = g.add_op(f"blk{i}/neg", "neg", {"i": 4}, [x], [("i",)], [("i",)], layer="blk")
+    ...     (x,) = g.add_op(f"blk{i}/exp", "exp", {"i": 4}, [x], [("i",)], [("i",)], layer="blk")
+    >>> layer_instances(g)
+    [('blk', [1, 2]), ('blk', [3, 4])]
+    """
+    out: list[tuple[str, list[int]]] = []
+    prev: tuple[str, str] | None = None
+    for op in graph.ops:
+        if op.layer is None:
+            prev = None
+            continue
+        here = (op.layer, op.name.split("/", 1)[0])
+        if here != prev:
+            out.append((op.layer, []))
+            prev = here
+        out[-1][1].append(op.id)
+    return out

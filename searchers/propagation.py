@@ -1,0 +1,272 @@
+"""MindSpore's sharding_propagation (ALGORITHMS §3).
+
+Start from the ops with a fixed strategy (``op.fixed``); walk the graph breadth-first over
+edges in both directions. When an op is first reached it is decided at once, against every
+neighbour already decided (operand producers and result consumers): among its candidates keep
+those with the least summed redistribution cost against those sides (a layout equal to the
+neighbour's, or obtainable by a free local slice, costs 0), then take the least own cost
+(ties: candidate order). A source op gets one strategy, so a parameter consumed by several ops
+keeps the layout of the first decision; later consumers pay the redistribution. Ops never
+reached get :func:`~searchers.strategies.data_parallel_strategy`; with no fixed op at all every
+op does, and a note says so.
+
+Work is linear in edges x candidates; cost vectors and decisions are memoised per
+(:class:`~searchers.spec.OpSpec`, neighbour layouts), so repeated layers cost one evaluation.
+
+>>> from searchers.graph import DeviceMesh, Graph
+>>> from searchers.cost import CostParams
+>>> g = Graph(DeviceMesh((2,)))
+>>> x = g.source("x", (4, 6))
+>>> (y,) = g.add_op("exp", "exp", {"i": 4, "j": 6}, [x], [("i", "j")], [("i", "j")], fixed=((), (0,)))
+>>> _ = g.add_op("neg", "neg", {"i": 4, "j": 6}, [y], [("i", "j")], [("i", "j")])
+>>> sharding_propagation(g, CostParams()).strategies
+{0: ((), (0,)), 1: ((), (0,)), 2: ((), (0,))}
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+
+import numpy as np
+
+from .cost import CostParams, counted_cost
+from .cost_vectors import candidate_tables, cost_vector, redistribution_affine
+from .graph import Graph, Strategy, TensorLayout
+from .result import SearchResult
+from .spec import OpSpec, SpecKey, layout_of, spec_from_key, spec_key
+from .strategies import data_parallel_strategy, strategies_for
+
+ALGORITHM = "sharding_propagation"
+_REL_TIE = 1e-9
+
+
+def _first_min(own: np.ndarray, red: np.ndarray) -> int:
+    """First candidate with the least ``red`` and, among those, the least ``own`` (both
+    compared with a relative tolerance, so float rounding never decides a tie)."""
+    best = red.min()
+    ok = red <= best + _REL_TIE * abs(best)
+    masked = np.where(ok, own, np.inf)
+    lo = masked.min()
+    return int(np.argmax(masked <= lo + _REL_TIE * abs(lo)))
+
+
+class _Struct:
+    """Size-free tables of one op structure: candidates, their layout ids, cost factors."""
+
+    __slots__ = ("cands", "in_lids", "out_lids", "tables", "in_rows", "out_rows")
+
+    def __init__(self, cands, in_lids, out_lids, tables):
+        self.cands, self.in_lids, self.out_lids, self.tables = cands, in_lids, out_lids, tables
+        # per candidate: the layout id of each operand / result
+        self.in_rows = list(zip(*[a[0].tolist() for a in in_lids])) if in_lids else [()] * len(cands)
+        self.out_rows = list(zip(*[a[0].tolist() for a in out_lids])) if out_lids else [()] * len(cands)
+
+
+class _Tables:
+    """Candidate tables and memoised side vectors / decisions for one propagation run.
+
+    ``sid`` indexes distinct :class:`OpSpec` (structure + sizes); structure-level tables are
+    shared by every spec of one structure."""
+
+    def __init__(self, graph: Graph, params: CostParams, fully: bool, max_candidates: int | None):
+        self.mesh, self.params, self.fully, self.maxc = graph.mesh, params, fully, max_candidates
+        self.key_ids: dict[SpecKey, int] = {}
+        self.specs: list[OpSpec] = []
+        self.structs: list[_Struct | None] = []     # per sid
+        self.own: list[np.ndarray | None] = []      # per sid
+        self.by_struct: dict[int, _Struct] = {}
+        self.struct_of: list[int] = []
+        self.layout_ids: dict[TensorLayout, int] = {}
+        self.layouts: list[TensorLayout] = []
+        self.lid_lists: dict[bytes, tuple] = {}                 # candidate layout-id lists, interned
+        self.affine: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.side_vec: dict[tuple, np.ndarray] = {}
+        self.decision: dict[tuple, int] = {}
+
+    def spec_id(self, key: SpecKey) -> int:
+        sid = self.key_ids.get(key)
+        if sid is None:
+            sid = self.key_ids[key] = len(self.specs)
+            self.specs.append(spec_from_key(key))
+            self.struct_of.append(key[0])
+            self.structs.append(None)
+            self.own.append(None)
+        return sid
+
+    def lid(self, layout: TensorLayout) -> int:
+        i = self.layout_ids.get(layout)
+        if i is None:
+            i = self.layout_ids[layout] = len(self.layouts)
+            self.layouts.append(layout)
+        return i
+
+    def ensure(self, sid: int) -> _Struct:
+        st = self.structs[sid]
+        if st is not None:
+            return st
+        spec = self.specs[sid]
+        st = self.by_struct.get(self.struct_of[sid])
+        if st is None:
+            cands = strategies_for(spec.sizes, spec.unsplittable, self.mesh.shape, self.fully, self.maxc)
+            in_lids = [self._lids(m, cands) for m in spec.in_maps]
+            out_lids = [self._lids(m, cands) for m in spec.out_maps]
+            tables = candidate_tables(spec.in_maps, spec.out_maps, spec.reduction, cands, self.mesh)
+            st = self.by_struct[self.struct_of[sid]] = _Struct(cands, in_lids, out_lids, tables)
+        self.structs[sid] = st
+        self.own[sid] = cost_vector(st.tables, spec.flops, spec.in_bytes, spec.out_bytes, self.params)
+        return st
+
+    def _lids(self, maps: tuple[int, ...], cands) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(layout id per candidate, unique ids, inverse index, id of this layout list)."""
+        ids = np.array([self.lid(layout_of(maps, s)) for s in cands], dtype=np.intp)
+        key = ids.tobytes()
+        got = self.lid_lists.get(key)
+        if got is None:
+            uniq, inv = np.unique(ids, return_inverse=True)
+            got = self.lid_lists[key] = (ids, uniq, inv.reshape(-1), len(self.lid_lists))
+        return got
+
+    def vector(self, sid: int, out: int, idx: int, other: int) -> np.ndarray:
+        """Redistribution totals per candidate of ``sid`` against one decided side:
+        ``out=0``: operand ``idx`` is converted from layout id ``other`` (its producer's);
+        ``out=1``: result ``idx`` is converted to layout id ``other`` (a consumer's)."""
+        key = (sid, out, idx, other)
+        v = self.side_vec.get(key)
+        if v is None:
+            st, spec = self.structs[sid], self.specs[sid]
+            _, uniq, inv, list_id = st.out_lids[idx] if out else st.in_lids[idx]
+            ab = self.affine.get((list_id, out, other))
+            if ab is None:
+                lay, o = self.layouts, self.layouts[other]
+                pairs = [redistribution_affine(lay[u], o, self.mesh, self.params) if out
+                         else redistribution_affine(o, lay[u], self.mesh, self.params) for u in uniq]
+                small = np.asarray(pairs, dtype=float).reshape(len(uniq), 2)
+                ab = self.affine[list_id, out, other] = (small[inv, 0], small[inv, 1])
+            nbytes = spec.out_bytes[idx] if out else spec.in_bytes[idx]
+            v = self.side_vec[key] = ab[0] + ab[1] * float(nbytes)
+        return v
+
+    def decide(self, sid: int, sides: tuple) -> int:
+        key = (sid, sides)
+        c = self.decision.get(key)
+        if c is None:
+            own = self.own[sid]
+            red = np.zeros(len(own))
+            for out, idx, other in sides:
+                red += self.vector(sid, out, idx, other)
+            c = self.decision[key] = _first_min(own, red)
+        return c
+
+
+def sharding_propagation(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
+                         max_candidates: int | None = None) -> SearchResult:
+    """Propagate the fixed strategies of ``graph`` to every op it can reach (see module doc)."""
+    t0 = time.perf_counter()
+    mesh, ops, tensors = graph.mesh, graph.ops, graph.tensors
+    n = len(ops)
+    tab = _Tables(graph, params, fully_use_devices, max_candidates)
+    sids = [tab.spec_id(spec_key(op, graph)) for op in ops]
+    specs = [tab.specs[sid] for sid in sids]
+    res_index: dict[int, int] = {}
+    for op in ops:
+        for j, tid in enumerate(op.outputs):
+            res_index[tid] = j
+    # out_edges[p] = [(result j, consumer c, operand k)], consumers in program order
+    out_edges: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+    in_src: list[list[tuple[int, int]]] = []          # per op: (producer, result j) per operand
+    for op in ops:
+        row = []
+        for k, tid in enumerate(op.inputs):
+            p = tensors[tid].producer
+            j = res_index[tid]
+            row.append((p, j))
+            out_edges[p].append((j, op.id, k))
+        in_src.append(row)
+
+    in_l: list[tuple[int, ...] | None] = [None] * n     # decided: layout id per operand
+    out_l: list[tuple[int, ...] | None] = [None] * n    # decided: layout id per result
+    chosen: list[Strategy | None] = [None] * n
+
+    def set_strategy(i: int, s: Strategy) -> None:
+        spec = specs[i]
+        chosen[i] = s
+        in_l[i] = tuple(tab.lid(layout_of(m, s)) for m in spec.in_maps)
+        out_l[i] = tuple(tab.lid(layout_of(m, s)) for m in spec.out_maps)
+
+    queue: deque[int] = deque()
+    for op in ops:
+        if op.fixed is not None:
+            set_strategy(op.id, tuple(tuple(a) for a in op.fixed))
+            queue.append(op.id)
+    notes: list[str] = []
+    if not queue:
+        notes.append("no op has a fixed strategy: every op gets the data-parallel strategy "
+                     "(MindSpore requires at least one configured op)")
+
+    while queue:
+        u = queue.popleft()
+        nbrs = [p for p, _ in in_src[u]] + [c for _, c, _ in out_edges[u]]
+        for v in nbrs:
+            if chosen[v] is not None:
+                continue
+            sid = sids[v]
+            st = tab.ensure(sid)
+            sides = []
+            for k, (p, j) in enumerate(in_src[v]):
+                if out_l[p] is not None:
+                    sides.append((0, k, out_l[p][j]))
+            for j, c, k in out_edges[v]:
+                if in_l[c] is not None:
+                    sides.append((1, j, in_l[c][k]))
+            ci = tab.decide(sid, tuple(sides))
+            chosen[v] = st.cands[ci]
+            in_l[v] = st.in_rows[ci]
+            out_l[v] = st.out_rows[ci]
+            queue.append(v)
+
+    unreached = [op for op in ops if chosen[op.id] is None]
+    for op in unreached:
+        set_strategy(op.id, data_parallel_strategy(op, mesh))
+    if unreached and len(unreached) < n:
+        names = ", ".join(op.name for op in unreached[:5]) + (", ..." if len(unreached) > 5 else "")
+        notes.append(f"{len(unreached)} op(s) not reached from a fixed op got the data-parallel strategy: {names}")
+    strategies = dict(enumerate(chosen))
+    # the predicted cost, counted on the layout ids already at hand (== graph_cost)
+    op_counts: Counter = Counter(zip(sids, chosen))
+    red: Counter = Counter()
+    for v in range(n):
+        lv, sb = in_l[v], specs[v].in_bytes
+        for k, (p, j) in enumerate(in_src[v]):
+            src = out_l[p][j]
+            if src != lv[k]:
+                red[src, lv[k], sb[k]] += 1
+    lay = tab.layouts
+    by_spec: Counter = Counter()
+    for (sid, s), c in op_counts.items():       # distinct sids may share an OpSpec (dim names differ)
+        by_spec[tab.specs[sid], s] += c
+    cost = counted_cost(by_spec, {(lay[a], lay[b], nb): c for (a, b, nb), c in red.items()}, mesh, params)
+    return SearchResult(strategies, cost, ALGORITHM, time.perf_counter() - t0, notes)
+
+
+def _main() -> None:  # pragma: no cover - a benchmark, run by hand
+    import argparse
+
+    from .generators import graph_of_size
+    from .graph import DeviceMesh
+
+    ap = argparse.ArgumentParser(description="time sharding_propagation on a synthetic graph")
+    ap.add_argument("--ops", type=int, default=100_000)
+    ap.add_argument("--family", default="transformer")
+    ap.add_argument("--devices", type=int, default=8)
+    a = ap.parse_args()
+    t = time.perf_counter()
+    g = graph_of_size(a.ops, family=a.family, mesh=DeviceMesh.prime(a.devices), fix_data=True)
+    build = time.perf_counter() - t
+    r = sharding_propagation(g, CostParams())
+    print(f"{a.family}: {len(g)} ops, {sum(len(op.inputs) for op in g.ops)} edges; build {build:.2f} s; "
+          f"propagation {r.seconds:.3f} s; cost total {r.cost.total:.6g}; notes {r.notes}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _main()
