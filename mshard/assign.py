@@ -17,13 +17,15 @@ with unknown input layouts.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from jax.extend import core as jcore
 
 from .annotate import OpNote, mark_p
-from .errors import DatasetStrategyError, LayoutError, ParameterPlanError, StrategyError
+from .errors import (DatasetStrategyError, LayoutError, ParameterPlanError, StrategyError,
+                     StrategyIgnoredWarning)
 from .layout import (DimAxes, RegionMesh, TensorStrategy, check_fits, choose_axes, to_tensor_strategy)
 
 CALL_PARAMS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
@@ -395,6 +397,12 @@ def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode:
             st = to_tensor_strategy(strategy, f"parameter_plan[{key!r}]")
             check_fits(st, inputs[i].shape, device_num, f"parameter_plan[{key!r}] (shape {inputs[i].shape})")
             fixed[i] = st
+    annotated = [names[n.uid] for n in notes
+                 if any(st is not None for st in tuple(n.in_strategy) + tuple(n.out_strategy or ()))]
+    if annotated and mode in ("stand_alone", "data_parallel"):
+        warnings.warn(f"parallel_mode={mode!r} ignores the strategies of {annotated[:5]}"
+                      f"{' and more' if len(annotated) > 5 else ''}; set parallel_mode='semi_auto_parallel' to apply "
+                      f"them.", StrategyIgnoredWarning, stacklevel=2)
     if mode == "stand_alone":
         mesh = RegionMesh(("d0",), (1,))
         return RegionLayouts(mesh, [((),) * len(i.shape) for i in inputs], {}, names, honour_marks=False)

@@ -59,7 +59,11 @@ class CheckpointError(MshardError, ValueError):
     """A checkpoint whose strategy or shapes do not match, or a corrupt/truncated checkpoint."""
 
 
-__all__ = [
+class StrategyIgnoredWarning(UserWarning):
+    """User strategies found in a region whose parallel_mode ignores them (data_parallel, stand_alone)."""
+
+
+__all__ = ["StrategyIgnoredWarning", 
     "MshardError", "ContextError", "ContextTypeError", "StrategyError", "StrategyTypeError", "LayoutError",
     "ParameterPlanError", "DatasetStrategyError", "PlanError", "CheckpointError",
 ]

@@ -214,7 +214,8 @@ def test_strategies_ignored_in_data_parallel_and_stand_alone():
     x, w = rand(0, 16, 32), rand(1, 32, 64)
     f = ms.jit(lambda x, w: mm(x, w))
     ms.set_auto_parallel_context(parallel_mode="data_parallel")
-    y = f(x, w)
+    with pytest.warns(ms.errors.StrategyIgnoredWarning, match=r"ignores the strategies of \['MatMul'\]"):
+        y = f(x, w)
     assert split_counts(y) == (8, 1)
     assert_close(y, on_one_device(lambda x, w: x @ w, x, w))
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
