@@ -26,10 +26,10 @@ layouts, the mesh and the params), so repeated layers cost one evaluation.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from types import MappingProxyType
-from typing import Mapping, Sequence
 
 from .graph import DeviceMesh, Graph, Op, Strategy, TensorLayout
 from .spec import OpSpec, layout_of, op_spec
@@ -86,13 +86,13 @@ class Cost:
         """All bytes moved per device, every collective kind together."""
         return float(sum(self.comm_bytes.values()))
 
-    def __add__(self, other: "Cost") -> "Cost":
+    def __add__(self, other: Cost) -> Cost:
         return Cost(self.compute + other.compute,
                     {k: self.comm_bytes[k] + other.comm_bytes[k] for k in KINDS},
                     self.comm_time + other.comm_time, self.memory + other.memory, self.total + other.total)
 
     @staticmethod
-    def sum(costs: Sequence["Cost"]) -> "Cost":
+    def sum(costs: Sequence[Cost]) -> Cost:
         """Sum of many costs (faster than chained ``+``)."""
         comp = time = mem = tot = 0.0
         by = dict.fromkeys(KINDS, 0.0)
@@ -311,4 +311,4 @@ def counted_cost(op_counts: Mapping[tuple[OpSpec, Strategy], int],
 
 
 # the vectorised helpers live in cost_vectors; re-exported here for convenience
-from .cost_vectors import edge_cost_matrix, op_cost_vector  # noqa: E402,F401
+from .cost_vectors import edge_cost_matrix, op_cost_vector  # noqa: F401

@@ -12,9 +12,9 @@ Results agree with :func:`~searchers.cost.spec_cost` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
 
 import numpy as np
 

@@ -264,9 +264,9 @@ def random_dag(n_ops: int, seed: int, mesh: DeviceMesh) -> Graph:
 
 # -- sizes -----------------------------------------------------------------------------------
 _DEFAULTS = {
-    "mlp": dict(batch=64, width=1024),
-    "transformer": dict(batch=8, seq=128, d_model=512, heads=8, d_ff=2048),
-    "conv": dict(batch=32, image=32, channels=(3, 32, 64, 128), classes=10),
+    "mlp": {"batch": 64, "width": 1024},
+    "transformer": {"batch": 8, "seq": 128, "d_model": 512, "heads": 8, "d_ff": 2048},
+    "conv": {"batch": 32, "image": 32, "channels": (3, 32, 64, 128), "classes": 10},
 }
 FAMILIES = ("mlp", "transformer", "conv", "random")
 

@@ -22,7 +22,7 @@ accumulate their gradients; each parameter gets an update op (``sub``: w - lr*dw
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .graph import DeviceMesh, Graph
 

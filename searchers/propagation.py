@@ -54,7 +54,7 @@ def _first_min(own: np.ndarray, red: np.ndarray) -> int:
 class _Struct:
     """Size-free tables of one op structure: candidates, their layout ids, cost factors."""
 
-    __slots__ = ("cands", "in_lids", "out_lids", "tables", "in_rows", "out_rows")
+    __slots__ = ("cands", "in_lids", "in_rows", "out_lids", "out_rows", "tables")
 
     def __init__(self, cands, in_lids, out_lids, tables):
         self.cands, self.in_lids, self.out_lids, self.tables = cands, in_lids, out_lids, tables

@@ -6,8 +6,16 @@ import math
 import numpy as np
 import pytest
 
-from searchers.cost import (KINDS, Cost, CostParams, edge_cost_matrix, graph_cost, op_cost, op_cost_vector,
-                            redistribution_cost)
+from searchers.cost import (
+    KINDS,
+    Cost,
+    CostParams,
+    edge_cost_matrix,
+    graph_cost,
+    op_cost,
+    op_cost_vector,
+    redistribution_cost,
+)
 from searchers.graph import DeviceMesh, Graph, operand_layout, result_layout
 from searchers.strategies import enumerate_strategies
 

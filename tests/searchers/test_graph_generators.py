@@ -123,7 +123,7 @@ def test_random_dag_exact_size_and_valid(n):
 
 def test_random_dag_is_deterministic():
     a, b, c = (random_dag(300, s, MESH) for s in (7, 7, 8))
-    sig = lambda g: [(op.kind, tuple(op.dims.items()), tuple(op.inputs)) for op in g.ops]  # noqa: E731
+    sig = lambda g: [(op.kind, tuple(op.dims.items()), tuple(op.inputs)) for op in g.ops]
     assert sig(a) == sig(b) and sig(a) != sig(c)
     kinds = {op.kind for op in a.ops}
     assert {"dot_general", "reduce_sum", "transpose"} <= kinds
