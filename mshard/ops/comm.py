@@ -6,8 +6,8 @@ every axis of the enclosing shard_map's mesh.
 >>> import jax, jax.numpy as jnp, numpy as np
 >>> from jax.sharding import PartitionSpec as P
 >>> from mshard import ops
->>> mesh = jax.make_mesh((jax.device_count(),), ("x",))
->>> f = jax.shard_map(lambda v: ops.AllReduce()(v), mesh=mesh, in_specs=P("x"), out_specs=P())
+>>> mesh = jax.make_mesh((jax.device_count(),), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+>>> f = jax.jit(jax.shard_map(lambda v: ops.AllReduce()(v), mesh=mesh, in_specs=P("x"), out_specs=P()))
 >>> float(f(jnp.ones(jax.device_count()))[0]) == jax.device_count()
 True
 """
