@@ -36,15 +36,25 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
 
 Shape = tuple[int, ...]
 Labels = tuple["str | None", ...]
 
 __all__ = [
-    "IterSpace", "Rule", "RULES", "INLINE", "UnknownPrimitiveWarning", "RuleFailureWarning",
-    "register", "iteration_space", "default_rule", "replicated_rule", "space", "einsum_space",
+    "INLINE",
+    "RULES",
+    "IterSpace",
+    "Rule",
+    "RuleFailureWarning",
+    "UnknownPrimitiveWarning",
+    "default_rule",
+    "einsum_space",
+    "iteration_space",
+    "register",
+    "replicated_rule",
+    "space",
 ]
 
 
@@ -72,7 +82,7 @@ class IterSpace:
 
     >>> s = einsum_space("mk,kn->mn", [(8, 4), (4, 2)], [(8, 2)])
     >>> s.dims, s.reduction_dims
-    ({'m': 8, 'k': 4, 'n': 2}, ('k',))
+    ({'m': 8, 'n': 2, 'k': 4}, ('k',))
     """
 
     dims: dict[str, int]
@@ -93,7 +103,8 @@ class IterSpace:
         if len(in_shapes) != len(self.in_dims) or len(out_shapes) != len(self.out_dims):
             raise ValueError(f"IterSpace: {len(self.in_dims)} in_dims / {len(self.out_dims)} out_dims "
                              f"for {len(in_shapes)} operands / {len(out_shapes)} results")
-        for what, shapes, maps in (("operand", in_shapes, self.in_dims), ("result", out_shapes, self.out_dims)):
+        sides = (("operand", in_shapes, self.in_dims), ("result", out_shapes, self.out_dims))
+        for what, shapes, maps in sides:
             for i, (shape, labels) in enumerate(zip(shapes, maps)):
                 if len(shape) != len(labels):
                     raise ValueError(f"IterSpace: {what} {i} has rank {len(shape)}, labels {labels}")
@@ -137,19 +148,23 @@ def register(*names: str) -> Callable[[Rule], Rule]:
 def space(ins: Sequence[Sequence[str | None]], outs: Sequence[Sequence[str | None]],
           in_shapes: Sequence[Sequence[int]], out_shapes: Sequence[Sequence[int]], *,
           reduce: str = "sum", unsplittable: Iterable[str] = (), flops: float | None = None,
-          split_divides: Mapping[str, int] | None = None, sizes: Mapping[str, int] | None = None) -> IterSpace:
-    """An :class:`IterSpace` from per-tensor label tuples; loop dims in order of first appearance.
+          split_divides: Mapping[str, int] | None = None) -> IterSpace:
+    """An :class:`IterSpace` from per-tensor label tuples. Loop dims are ordered by first
+    appearance in the results, then in the operands (free dims first, reductions last, as einsum).
 
-    Sizes come from the first tensor dim carrying each label (``sizes`` overrides), and are
-    checked against every other dim with that label (:meth:`IterSpace.check`).
+    A loop dim's size is that of the first operand (else result) dim carrying its label, checked
+    against every other dim with that label (:meth:`IterSpace.check`).
     """
     dims: dict[str, int] = {}
+    size: dict[str, int] = {}   # operands fix a loop dim's size (results may be multiples: split_divides)
     for labels, shape in zip([*ins, *outs], [*in_shapes, *out_shapes]):
         for d, n in zip(labels, shape):
-            if d is not None:
-                dims.setdefault(d, int(n))
-    if sizes:
-        dims.update({d: int(n) for d, n in sizes.items() if d in dims})
+            if d is not None and d not in size:
+                size[d] = int(n)
+    for labels in [*outs, *ins]:
+        for d in labels:
+            if d is not None and d not in dims:
+                dims[d] = size[d]
     s = IterSpace(dims, tuple(tuple(x) for x in ins), tuple(tuple(x) for x in outs), reduce,
                   frozenset(d for d in unsplittable if d in dims), flops, dict(split_divides or {}))
     s.check(in_shapes, out_shapes)
@@ -225,7 +240,7 @@ def iteration_space(name: str, in_shapes: Sequence[Sequence[int]], out_shapes: S
         return default_rule(in_shapes, out_shapes)
     try:
         return rule(in_shapes, out_shapes, **dict(params or {}))
-    except Exception as e:  # a rule bug must not crash a search: fall back, say so once
+    except Exception as e:  # noqa: BLE001 -- a rule bug must not crash a search: fall back, say once
         key = f"failed:{name}"
         if key not in _warned:
             _warned.add(key)
@@ -307,7 +322,7 @@ def conv_rule(in_shapes, out_shapes, *, window_strides, padding, lhs_dilation=No
     A spatial dim is free (shared by input and output) only for a 1x1 kernel with stride 1, no
     padding and no dilation; otherwise the input's spatial dim is replicated and the output's is
     unsplittable (splitting it would need halo exchange). Grouped convolutions keep c and o
-    unsplittable (feature_group_count > 1), batch-grouped ones n and o.
+    unsplittable (feature_group_count > 1; and n, as XLA gathers it), batch-grouped ones n and o.
     """
     lhs, rhs = in_shapes[0], in_shapes[1]
     out = out_shapes[0]
@@ -327,8 +342,8 @@ def conv_rule(in_shapes, out_shapes, *, window_strides, padding, lhs_dilation=No
         unsplit |= {"n", "o"}
     if feature_group_count == 1:
         lab_l[ls[1]] = "c"
-    else:
-        unsplit |= {"c", "o"}
+    else:   # XLA's partitioner all-gathers a grouped conv's batch too: keep it whole
+        unsplit |= {"n", "c", "o"}
     for i in range(nsp):
         s, k = f"s{i}", f"k{i}"
         lab_o[os_[2 + i]] = s
@@ -371,7 +386,8 @@ def _reduction_rule(reduce: str, split_reduced: bool) -> Rule:
 REDUCTIONS: dict[str, tuple[str, bool]] = {
     "reduce_sum": ("sum", True), "reduce_max": ("max", True), "reduce_min": ("min", True),
     "reduce_prod": ("prod", True), "reduce_and": ("and", True), "reduce_or": ("or", True),
-    "argmax": ("max", False), "argmin": ("min", False), "reduce_xor": ("sum", False), "reduce": ("sum", False),
+    "argmax": ("max", False), "argmin": ("min", False),
+    "reduce_xor": ("sum", False), "reduce": ("sum", False),
 }
 for _name, (_combiner, _split) in REDUCTIONS.items():
     RULES[_name] = _reduction_rule(_combiner, _split)
@@ -394,9 +410,10 @@ def sort_rule(in_shapes, out_shapes, *, dimension, **_):
                  unsplittable=[labels[_norm(dimension, rank)]])
 
 
-@register("top_k", "approx_top_k")
+@register("approx_top_k")
 def top_k_rule(in_shapes, out_shapes, *, axis=-1, reduction_dimension=None, **_):
-    """top_k over ``axis``: that dim is replicated in the operand and unsplittable in the results."""
+    """top_k over ``axis``: that dim is replicated in the operand and unsplittable in the results.
+    (``top_k`` itself is replicated: XLA's partitioner all-gathers its TopK custom call.)"""
     rank = len(in_shapes[0])
     ax = _norm(reduction_dimension if reduction_dimension is not None else axis, rank)
     labels = tuple(f"i{k}" for k in range(rank))
@@ -653,7 +670,8 @@ def gather_rule(in_shapes, out_shapes, *, dimension_numbers, slice_sizes, **_):
                  unsplittable=unsplit, flops=_out_size(out_shapes))
 
 
-def _scatter(in_shapes, out_shapes, *, dimension_numbers, combiner: str | None, **_) -> IterSpace:
+def _scatter(in_shapes, out_shapes, *, dimension_numbers, combiner: str | None, split_updates: bool,
+             **_) -> IterSpace:
     """Scatter(-add) (``x.at[ids].add(u)``, the gradient of gather).
 
     Operand and result share dims ``p*``. Update scatter dims ``u*`` (shared with the indices'
@@ -672,7 +690,7 @@ def _scatter(in_shapes, out_shapes, *, dimension_numbers, combiner: str | None, 
     scatter_pos = [p for p in range(len(upd)) if p not in dn.update_window_dims]
     for k, (p, d) in enumerate(zip(scatter_pos, range(len(idx) - 1))):
         lab_idx[d] = lab_upd[p] = f"u{k}"
-        if combiner is None:
+        if not split_updates:
             unsplit.append(f"u{k}")
     for od, idd in zip(dn.operand_batching_dims, dn.scatter_indices_batching_dims):
         lab_upd[scatter_pos[idd]] = lab_idx[idd] = lab_op[od]
@@ -695,17 +713,19 @@ def _scatter(in_shapes, out_shapes, *, dimension_numbers, combiner: str | None, 
                  flops=float(_size(upd)))
 
 
-def _scatter_rule(combiner: str | None) -> Rule:
+def _scatter_rule(combiner: str | None, split_updates: bool) -> Rule:
     def rule(in_shapes, out_shapes, **params):
-        return _scatter(in_shapes, out_shapes, combiner=combiner, **params)
+        return _scatter(in_shapes, out_shapes, combiner=combiner, split_updates=split_updates, **params)
     return rule
 
 
-# name -> combiner of the partial results of split update dims (None: an overwriting scatter)
-SCATTERS: dict[str, str | None] = {"scatter-add": "sum", "scatter-sub": "sum", "scatter-mul": "prod",
-                                   "scatter-min": "min", "scatter-max": "max", "scatter": None}
-for _name, _combiner in SCATTERS.items():
-    RULES[_name] = _scatter_rule(_combiner)
+# name -> (combiner of the partial results (None: an overwriting scatter), may update dims be split).
+# XLA's partitioner all-gathers the updates of scatter-sub rather than combining partial results.
+SCATTERS: dict[str, tuple[str | None, bool]] = {
+    "scatter-add": ("sum", True), "scatter-sub": ("sum", False), "scatter-mul": ("prod", True),
+    "scatter-min": ("min", True), "scatter-max": ("max", True), "scatter": (None, False)}
+for _name, (_combiner, _split) in SCATTERS.items():
+    RULES[_name] = _scatter_rule(_combiner, _split)
 
 
 # -- random ----------------------------------------------------------------------------------------
@@ -715,12 +735,16 @@ def _rng_rule(in_shapes, out_shapes, **_):
     return replicated_rule(in_shapes, out_shapes)
 
 
+register("top_k")(replicated_rule)   # XLA's SPMD partitioner all-gathers the TopK custom call
+
+
 def _leading(in_shapes, out_shapes, *, lead: int) -> IterSpace:
     """The first ``lead`` dims are free and shared by all tensors; the rest replicated (operands)
     or unsplittable (results)."""
     lab = [f"i{k}" for k in range(lead)]
     ins = [tuple(lab[k] if k < lead else None for k in range(len(s))) for s in in_shapes]
-    outs = [tuple(lab[k] if k < lead else f"x{j}_{k}" for k in range(len(s))) for j, s in enumerate(out_shapes)]
+    outs = [tuple(lab[k] if k < lead else f"x{j}_{k}" for k in range(len(s)))
+            for j, s in enumerate(out_shapes)]
     return space(ins, outs, in_shapes, out_shapes,
                  unsplittable=[d for o in outs for d in o if d.startswith("x")], flops=_out_size(out_shapes))
 

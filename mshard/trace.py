@@ -20,8 +20,9 @@ taken gets ``_1``, ``_2``, ... in program order. Literal sources are named
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from jax.extend import core as jcore  # Literal, Jaxpr, ClosedJaxpr
@@ -30,7 +31,7 @@ from searchers import DeviceMesh, Graph
 
 from . import rules
 
-__all__ = ["TracedEqn", "TraceResult", "jaxpr_to_graph"]
+__all__ = ["TraceResult", "TracedEqn", "jaxpr_to_graph"]
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def _shape(aval) -> tuple[int, ...]:
 def _itemsize(aval) -> int:
     try:
         return int(np.dtype(aval.dtype).itemsize)
-    except Exception:  # tokens, key arrays and other extended dtypes
+    except Exception:  # noqa: BLE001 -- tokens, key arrays and other extended dtypes
         return 4
 
 
@@ -146,7 +147,6 @@ class _Tracer:
     # -- equations ----------------------------------------------------------------------------
     def walk(self, jaxpr, env: dict, scope: str, path: tuple) -> None:
         for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
             eqn_scope = _join(scope, str(eqn.source_info.name_stack))
             sub = self.inlinable(eqn)
             if sub is not None:
