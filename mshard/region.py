@@ -61,8 +61,14 @@ class Region:
     0.0
     """
 
-    def __init__(self, fn: Callable, *, data_strategy: tuple | None = None, name: str | None = None):
+    def __init__(self, fn: Callable, *, data_strategy: tuple | None = None, name: str | None = None,
+                 input_layout_hook: Callable | None = None, donate_params: bool = False):
+        """``input_layout_hook(infos, layouts) -> layouts.inputs``: a training wrapper may re-lay out inputs
+        after planning (optimizer state following its parameter, ZeRO sharding). ``donate_params``: the
+        written parameter buffers are donated (a training step updates them in place)."""
         self.fn = fn
+        self.input_layout_hook = input_layout_hook
+        self.donate_params = donate_params
         self.data_strategy = data_strategy        # per-arg layouts for data args (a shard root's in_strategy)
         self.name = name or getattr(fn, "__name__", "region")
         self._cache: dict[Any, _Compiled] = {}
@@ -164,6 +170,8 @@ class Region:
             infos.append(InputInfo("data", tuple(x.shape), nm, st))
         layouts = plan_region(closed, infos, mode=ctx.parallel_mode, device_num=n,
                               dataset_strategy=ctx.dataset_strategy, param_plans=trace.param_plans)
+        if self.input_layout_hook is not None:
+            layouts.inputs = list(self.input_layout_hook(infos, layouts))
         mesh = layouts.mesh.jax_mesh()
         in_sh = [NamedSharding(mesh, spec_of(lay)) for lay in layouts.inputs]
         run = emit(closed, layouts)
@@ -178,7 +186,8 @@ class Region:
             outs = run(*flat)
             return list(outs[:n_user]) + [outs[n_user + j] for j in changed]
 
-        jitted = jax.jit(flat_fn, in_shardings=in_sh, out_shardings=out_sh)
+        donate = tuple(changed) if self.donate_params else ()
+        jitted = jax.jit(flat_fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
         return _Compiled(closed, layouts, jitted, in_sh, mod_out, out_tree, changed)
 
     def _prepare(self, args, kwargs):
