@@ -5,7 +5,10 @@ edges in both directions. When an op is first reached it is decided at once, aga
 neighbour already decided (operand producers and result consumers): among its candidates keep
 those with the least summed redistribution cost against those sides (a layout equal to the
 neighbour's, or obtainable by a free local slice, costs 0), then take the least own cost
-(ties: candidate order). A source op gets one strategy, so a parameter consumed by several ops
+(ties: candidate order). This is MindSpore's rule (edge_costmodel.cc: zero-communication
+candidates first, the least computation cost among them; else the least communication).
+Costs compare with a relative tolerance of 1e-9, so float rounding never decides a tie.
+A source op gets one strategy, so a parameter consumed by several ops
 keeps the layout of the first decision; later consumers pay the redistribution. Ops never
 reached get :func:`~searchers.strategies.data_parallel_strategy`; with no fixed op at all every
 op does, and a note says so.
@@ -25,12 +28,13 @@ Work is linear in edges x candidates; cost vectors and decisions are memoised pe
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import Counter, deque
 
 import numpy as np
 
-from .cost import CostParams, counted_cost
+from .cost import Cost, CostParams, counted_cost
 from .cost_vectors import candidate_tables, cost_vector, redistribution_affine
 from .graph import Graph, Strategy, TensorLayout
 from .result import SearchResult
@@ -162,37 +166,32 @@ class _Tables:
 def sharding_propagation(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
                          max_candidates: int | None = None) -> SearchResult:
     """Propagate the fixed strategies of ``graph`` to every op it can reach (see module doc)."""
+    # the search allocates only acyclic tuples and lists: pausing the cyclic garbage collector
+    # saves its repeated scans of the (large) live graph, about a third of the time at 100k ops
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _propagate(graph, params, fully_use_devices, max_candidates)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _propagate(graph: Graph, params: CostParams, fully_use_devices: bool,
+               max_candidates: int | None) -> SearchResult:
     t0 = time.perf_counter()
-    mesh, ops, tensors = graph.mesh, graph.ops, graph.tensors
+    mesh, ops = graph.mesh, graph.ops
     n = len(ops)
     tab = _Tables(graph, params, fully_use_devices, max_candidates)
     sids = [tab.spec_id(spec_key(op, graph)) for op in ops]
-    specs = [tab.specs[sid] for sid in sids]
-    res_index: dict[int, int] = {}
-    for op in ops:
-        for j, tid in enumerate(op.outputs):
-            res_index[tid] = j
-    # out_edges[p] = [(result j, consumer c, operand k)], consumers in program order
-    out_edges: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
-    in_src: list[list[tuple[int, int]]] = []          # per op: (producer, result j) per operand
-    for op in ops:
-        row = []
-        for k, tid in enumerate(op.inputs):
-            p = tensors[tid].producer
-            j = res_index[tid]
-            row.append((p, j))
-            out_edges[p].append((j, op.id, k))
-        in_src.append(row)
-
-    in_l: list[tuple[int, ...] | None] = [None] * n     # decided: layout id per operand
-    out_l: list[tuple[int, ...] | None] = [None] * n    # decided: layout id per result
-    chosen: list[Strategy | None] = [None] * n
+    in_src, out_edges = _adjacency(graph)
+    st = _State(n)
 
     def set_strategy(i: int, s: Strategy) -> None:
-        spec = specs[i]
-        chosen[i] = s
-        in_l[i] = tuple(tab.lid(layout_of(m, s)) for m in spec.in_maps)
-        out_l[i] = tuple(tab.lid(layout_of(m, s)) for m in spec.out_maps)
+        spec = tab.specs[sids[i]]
+        st.chosen[i] = s
+        st.in_l[i] = tuple(tab.lid(layout_of(m, s)) for m in spec.in_maps)
+        st.out_l[i] = tuple(tab.lid(layout_of(m, s)) for m in spec.out_maps)
 
     queue: deque[int] = deque()
     for op in ops:
@@ -203,15 +202,56 @@ def sharding_propagation(graph: Graph, params: CostParams, *, fully_use_devices:
     if not queue:
         notes.append("no op has a fixed strategy: every op gets the data-parallel strategy "
                      "(MindSpore requires at least one configured op)")
+    _bfs(queue, tab, sids, in_src, out_edges, st)
+    unreached = [op for op in ops if st.chosen[op.id] is None]
+    for op in unreached:
+        set_strategy(op.id, data_parallel_strategy(op, mesh))
+    if unreached and len(unreached) < n:
+        names = ", ".join(op.name for op in unreached[:5]) + (", ..." if len(unreached) > 5 else "")
+        notes.append(f"{len(unreached)} op(s) not reached from a fixed op got the data-parallel strategy: {names}")
+    cost = _predicted_cost(tab, sids, in_src, st, mesh, params)
+    return SearchResult(dict(enumerate(st.chosen)), cost, ALGORITHM, time.perf_counter() - t0, notes)
 
+
+class _State:
+    """Decisions so far: strategy, and layout id of every operand / result, per op id."""
+
+    def __init__(self, n: int):
+        self.chosen: list[Strategy | None] = [None] * n
+        self.in_l: list[tuple[int, ...] | None] = [None] * n
+        self.out_l: list[tuple[int, ...] | None] = [None] * n
+
+
+def _adjacency(graph: Graph) -> tuple[list[list[tuple[int, int]]], list[list[tuple[int, int, int]]]]:
+    """``in_src[c]``: (producer, result index) per operand of op c; ``out_edges[p]``: (result
+    index, consumer, operand index) per use of op p's results, consumers in program order."""
+    tensors = graph.tensors
+    res_index = [0] * len(tensors)
+    for op in graph.ops:
+        for j, tid in enumerate(op.outputs):
+            res_index[tid] = j
+    out_edges: list[list[tuple[int, int, int]]] = [[] for _ in graph.ops]
+    in_src: list[list[tuple[int, int]]] = []
+    for op in graph.ops:
+        row = []
+        for k, tid in enumerate(op.inputs):
+            p, j = tensors[tid].producer, res_index[tid]
+            row.append((p, j))
+            out_edges[p].append((j, op.id, k))
+        in_src.append(row)
+    return in_src, out_edges
+
+
+def _bfs(queue: deque[int], tab: _Tables, sids: list[int], in_src, out_edges, st: _State) -> None:
+    """Breadth-first from the decided ops in ``queue``: decide each op when first reached."""
+    chosen, in_l, out_l = st.chosen, st.in_l, st.out_l
     while queue:
         u = queue.popleft()
-        nbrs = [p for p, _ in in_src[u]] + [c for _, c, _ in out_edges[u]]
-        for v in nbrs:
+        for v in [p for p, _ in in_src[u]] + [c for _, c, _ in out_edges[u]]:
             if chosen[v] is not None:
                 continue
             sid = sids[v]
-            st = tab.ensure(sid)
+            s = tab.ensure(sid)
             sides = []
             for k, (p, j) in enumerate(in_src[v]):
                 if out_l[p] is not None:
@@ -220,33 +260,28 @@ def sharding_propagation(graph: Graph, params: CostParams, *, fully_use_devices:
                 if in_l[c] is not None:
                     sides.append((1, j, in_l[c][k]))
             ci = tab.decide(sid, tuple(sides))
-            chosen[v] = st.cands[ci]
-            in_l[v] = st.in_rows[ci]
-            out_l[v] = st.out_rows[ci]
+            chosen[v] = s.cands[ci]
+            in_l[v] = s.in_rows[ci]
+            out_l[v] = s.out_rows[ci]
             queue.append(v)
 
-    unreached = [op for op in ops if chosen[op.id] is None]
-    for op in unreached:
-        set_strategy(op.id, data_parallel_strategy(op, mesh))
-    if unreached and len(unreached) < n:
-        names = ", ".join(op.name for op in unreached[:5]) + (", ..." if len(unreached) > 5 else "")
-        notes.append(f"{len(unreached)} op(s) not reached from a fixed op got the data-parallel strategy: {names}")
-    strategies = dict(enumerate(chosen))
-    # the predicted cost, counted on the layout ids already at hand (== graph_cost)
-    op_counts: Counter = Counter(zip(sids, chosen))
+
+def _predicted_cost(tab: _Tables, sids: list[int], in_src, st: _State, mesh, params: CostParams) -> Cost:
+    """:func:`~searchers.cost.graph_cost` of the decisions, counted on the layout ids at hand."""
+    ops: Counter = Counter(zip(sids, st.chosen))
     red: Counter = Counter()
-    for v in range(n):
-        lv, sb = in_l[v], specs[v].in_bytes
-        for k, (p, j) in enumerate(in_src[v]):
+    in_l, out_l, specs = st.in_l, st.out_l, tab.specs
+    for v, row in enumerate(in_src):
+        lv, nb = in_l[v], specs[sids[v]].in_bytes
+        for k, (p, j) in enumerate(row):
             src = out_l[p][j]
             if src != lv[k]:
-                red[src, lv[k], sb[k]] += 1
-    lay = tab.layouts
+                red[src, lv[k], nb[k]] += 1
     by_spec: Counter = Counter()
-    for (sid, s), c in op_counts.items():       # distinct sids may share an OpSpec (dim names differ)
-        by_spec[tab.specs[sid], s] += c
-    cost = counted_cost(by_spec, {(lay[a], lay[b], nb): c for (a, b, nb), c in red.items()}, mesh, params)
-    return SearchResult(strategies, cost, ALGORITHM, time.perf_counter() - t0, notes)
+    for (sid, s), c in ops.items():       # distinct sids may share an OpSpec (dim names differ)
+        by_spec[specs[sid], s] += c
+    lay = tab.layouts
+    return counted_cost(by_spec, {(lay[a], lay[b], nb): c for (a, b, nb), c in red.items()}, mesh, params)
 
 
 def _main() -> None:  # pragma: no cover - a benchmark, run by hand
