@@ -13,6 +13,12 @@ Units:
   plain bytes, ``gamma=0.001`` would outweigh every other term by orders of magnitude; set
   ``memory_unit=1`` for the literal formula.
 
+An op's partial results (split reduction dims) are resolved inside the op by an all-reduce;
+the consumer then slices for free, so ``"reduce-scatter"`` stays 0 in this model (a searcher that
+fuses the two may charge ``S_local * (k-1) / k`` instead). :func:`graph_cost` memory is the sum of
+the ops' memories: a proxy that counts a tensor at its producer and at each consumer, not a
+peak; searchers with a memory limit should use per-op memory.
+
 Every function is memoised on hashable keys (the op's :class:`~searchers.spec.OpSpec`, the
 layouts, the mesh and the params), so repeated layers cost one evaluation.
 
