@@ -91,6 +91,7 @@ class RegionLayouts:
     marks: dict[tuple[int, str, int], DimAxes | None] = field(default_factory=dict)
     op_names: dict[int, str] = field(default_factory=dict)
     honour_marks: bool = True
+    user_inputs: set[int] = field(default_factory=set)     # inputs laid out by the user (data, parameter_plan)
 
 
 # -- mesh ------------------------------------------------------------------------------------------
@@ -435,4 +436,5 @@ def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode:
             in_layouts[i] = assigner.marks.get(mark_key(eqn)) or data_layout(info, dataset_strategy, i, mesh, assigner)
         elif in_layouts[i] is None:
             in_layouts[i] = assigner.layout_of(jaxpr.invars[i])
-    return RegionLayouts(mesh, in_layouts, assigner.marks, names, honour_marks=honour)
+    user = {i for i, info in enumerate(inputs) if info.kind == "data" or i in fixed}
+    return RegionLayouts(mesh, in_layouts, assigner.marks, names, honour_marks=honour, user_inputs=user)

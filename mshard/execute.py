@@ -2,10 +2,15 @@
 
 The jaxpr is evaluated primitive by primitive (as ``jax.core.eval_jaxpr`` does); each
 ``mshard_mark`` becomes ``jax.lax.with_sharding_constraint`` to its planned layout, or nothing.
-Call-like eqns whose bodies hold marks (jit/pjit, custom_jvp/vjp, closed_call) are inlined;
-other higher-order eqns holding marks (checkpoint/remat, scan, while, cond) are rebuilt with
-re-emitted bodies. Everything else is bound unchanged, so XLA sees the user's program plus
-the constraints, and its SPMD partitioner inserts the collectives.
+With a searched plan (``eqn_out``/``eqn_in``), every op's results are constrained to the plan's
+layouts, and its operands where the plan redistributes them.
+
+Nested jaxprs: call-like eqns (jit/pjit, custom_jvp/vjp, closed_call) are inlined when their body
+holds marks or planned ops — the same structure :mod:`mshard.trace` walks — so a custom JVP/VJP
+rule inside a region is replaced by differentiation of its body if the region itself is
+differentiated from outside. checkpoint/remat bodies, and scan/while/cond bodies holding marks,
+are rebuilt with re-emitted bodies, keeping remat. Everything else is bound unchanged, so XLA
+sees the user's program plus the constraints, and its SPMD partitioner inserts the collectives.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from .assign import CALL_PARAMS, RegionLayouts, iter_marks, mark_key
 from .layout import spec_of
 
 INLINE = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
+REBUILD = {"checkpoint", "remat2", "remat"}
 
 
 def _has_marks(j) -> bool:
@@ -28,20 +34,28 @@ def _has_marks(j) -> bool:
     return next(iter_marks(jj), None) is not None
 
 
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return None
+
+
 class Emitter:
-    def __init__(self, layouts: RegionLayouts):
+    def __init__(self, layouts: RegionLayouts, eqn_out: dict | None = None, eqn_in: dict | None = None):
         self.layouts = layouts
         self.mesh = layouts.mesh.jax_mesh()
+        self.eqn_out = eqn_out or {}
+        self.eqn_in = eqn_in or {}
+        self.planned = bool(eqn_out)
 
-    def constrain(self, eqn, x):
-        if not self.layouts.honour_marks:
-            return x
-        lay = self.layouts.marks.get(mark_key(eqn))
-        if lay is None:
+    def wsc(self, x, lay):
+        if lay is None or not hasattr(x, "shape") or len(lay) != len(x.shape):
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec_of(lay)))
 
-    def eval(self, jaxpr: jcore.Jaxpr, consts, *args):
+    def eval(self, jaxpr: jcore.Jaxpr, consts, *args, path: tuple = ()):
         env: dict[Any, Any] = {}
 
         def read(v):
@@ -53,41 +67,55 @@ class Emitter:
             env[v] = x
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
-            outs = self.eqn(eqn, invals)
+            outs = self.eqn(eqn, invals, path)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
             for v, x in zip(eqn.outvars, outs):
                 env[v] = x
         return [read(v) for v in jaxpr.outvars]
 
-    def eqn(self, eqn, invals):
+    def eqn(self, eqn, invals, path: tuple):
         prim = eqn.primitive
         if prim is mark_p:
-            return self.constrain(eqn, invals[0])
+            if not self.layouts.honour_marks:
+                return invals[0]
+            return self.wsc(invals[0], self.layouts.marks.get(mark_key(eqn)))
         params = eqn.params
-        has = any(_has_marks(j) for j in _jaxpr_params(params))
+        has = self.planned or any(_has_marks(j) for j in _jaxpr_params(params))
+        inner = path + (id(eqn),)
         if has and prim.name in INLINE:
             body = params[CALL_PARAMS[prim.name]]
             if isinstance(body, jcore.ClosedJaxpr):
-                return self.eval(body.jaxpr, body.consts, *invals)
-            return self.eval(body, (), *invals)
-        if has:
-            params = {k: self.rewrite(v) for k, v in params.items()}
+                return self.eval(body.jaxpr, body.consts, *invals, path=inner)
+            return self.eval(body, (), *invals, path=inner)
+        if has and (prim.name in REBUILD or any(_has_marks(j) for j in _jaxpr_params(params))):
+            params = {k: self.rewrite(v, inner) for k, v in params.items()}
+        key = (path, id(eqn))
+        ins = self.eqn_in.get(key)
+        if ins is not None:
+            invals = [self.wsc(x, lay) for x, lay in zip(invals, ins)]
         scope = str(eqn.source_info.name_stack)
         with jax.named_scope(scope) if scope else _null(), eqn.ctx.manager:
-            return prim.bind(*invals, **prim.get_bind_params(params))
+            out = prim.bind(*invals, **prim.get_bind_params(params))
+        outs_lay = self.eqn_out.get(key)
+        if outs_lay is not None:
+            if prim.multiple_results:
+                out = [self.wsc(x, lay) for x, lay in zip(out, outs_lay)]
+            else:
+                out = self.wsc(out, outs_lay[0])
+        return out
 
-    def rewrite(self, v):
-        """A jaxpr param with marks -> the same jaxpr with marks re-emitted as constraints."""
+    def rewrite(self, v, path: tuple):
+        """A jaxpr param -> the same jaxpr with marks/planned ops re-emitted with constraints."""
         if isinstance(v, (tuple, list)):
-            return type(v)(self.rewrite(x) for x in v)
-        if isinstance(v, jcore.ClosedJaxpr) and _has_marks(v):
+            return type(v)(self.rewrite(x, path) for x in v)
+        if isinstance(v, jcore.ClosedJaxpr):
             avals = [x.aval for x in v.jaxpr.invars]
-            fn = lambda *a: self.eval(v.jaxpr, v.consts, *a)  # noqa: E731
+            fn = lambda *a: self.eval(v.jaxpr, v.consts, *a, path=path)  # noqa: E731
             return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
-        if isinstance(v, jcore.Jaxpr) and _has_marks(v):
+        if isinstance(v, jcore.Jaxpr):
             avals = [x.aval for x in v.invars]
-            fn = lambda *a: self.eval(v, (), *a)  # noqa: E731
+            fn = lambda *a: self.eval(v, (), *a, path=path)  # noqa: E731
             closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
             if closed.consts:
                 raise NotImplementedError("mshard: a re-emitted open jaxpr gained constants")
@@ -104,15 +132,8 @@ def _jaxpr_params(params) -> list:
     return out
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return None
-
-
-def emit(closed: jcore.ClosedJaxpr, layouts: RegionLayouts) -> Callable[..., list]:
+def emit(closed: jcore.ClosedJaxpr, layouts: RegionLayouts, eqn_out: dict | None = None,
+         eqn_in: dict | None = None) -> Callable[..., list]:
     """A function of the region's flat inputs that evaluates ``closed`` with planned constraints."""
-    em = Emitter(layouts)
+    em = Emitter(layouts, eqn_out, eqn_in)
     return lambda *args: em.eval(closed.jaxpr, closed.consts, *args)

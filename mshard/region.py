@@ -41,6 +41,13 @@ def _path_str(path) -> str:
     return ".".join(parts)
 
 
+class _VarHolder(nnx.Module):
+    """Carries a lone ``nnx.Variable`` argument through split/merge as a parameter."""
+
+    def __init__(self, v):
+        self.v = v
+
+
 @dataclass
 class _Compiled:
     closed: Any
@@ -50,6 +57,9 @@ class _Compiled:
     module_out_shardings: list
     out_tree: Any
     changed: list          # indices of state leaves the region writes (only these come back)
+    plan: Any = None       # the searched Plan (auto modes), else built on demand by Region.plan
+    infos: Any = None
+    param_plans: Any = None
 
 
 class Region:
@@ -85,6 +95,10 @@ class Region:
                 modules.append(a)
                 mod_pos.append(i)
                 treedef_args.append(("module", len(modules) - 1))
+            elif isinstance(a, nnx.Variable):          # a lone parameter: carried by a holder module
+                modules.append(_VarHolder(a))
+                mod_pos.append(i)
+                treedef_args.append(("variable", len(modules) - 1))
             else:
                 leaves, tree = jax.tree.flatten_with_path(a)
                 spec = []
@@ -101,9 +115,19 @@ class Region:
         if kwargs:
             raise TypeError(f"ms.jit region {self.name!r}: pass arguments positionally (got keywords "
                             f"{sorted(kwargs)}); keyword arguments are not supported yet.")
+        self._mod_pos = mod_pos
         return modules, flat_data, data_names, data_pos, treedef_args
 
+    def _param_name(self, gi: int, graphdefs, path: str) -> str:
+        """Parameter path: plain for the first module argument (``dense1.weight``), ``argI.path`` for later
+        ones, ``argI`` for a lone nnx.Variable argument."""
+        pos = self._mod_pos[gi]
+        if path == "v" and self._holder[gi]:
+            return f"arg{pos}"
+        return path if gi == 0 else f"arg{pos}.{path}"
+
     def _key(self, modules, flat_data, treedef_args):
+        self._holder = [isinstance(m, _VarHolder) for m in modules]
         graphdefs, states = [], []
         for m in modules:
             g, s = nnx.split(m)
@@ -127,7 +151,7 @@ class Region:
             leaves, tree = jax.tree.flatten_with_path(s)
             state_trees.append(tree)
             for path, leaf in leaves:
-                param_names.append(_path_str(path) if len(states) == 1 else f"{gi}.{_path_str(path)}")
+                param_names.append(self._param_name(gi, graphdefs, _path_str(path)))
                 state_leaves.append(leaf)
         n_state = len(state_leaves)
         counts = [len(jax.tree.leaves(s)) for s in states]
@@ -149,6 +173,8 @@ class Region:
             for t in treedef_args:
                 if t[0] == "module":
                     args.append(mods[t[1]])
+                elif t[0] == "variable":
+                    args.append(mods[t[1]].v)
                 else:
                     _, tree, spec = t
                     args.append(jax.tree.unflatten(tree, [data[s[1]] if s[0] == "data" else s[1] for s in spec]))
@@ -168,13 +194,23 @@ class Region:
             elif isinstance(ctx.dataset_strategy, tuple) and pos < len(ctx.dataset_strategy):
                 st = TensorStrategy(ctx.dataset_strategy[pos])
             infos.append(InputInfo("data", tuple(x.shape), nm, st))
-        layouts = plan_region(closed, infos, mode=ctx.parallel_mode, device_num=n,
-                              dataset_strategy=ctx.dataset_strategy, param_plans=trace.param_plans)
+        algorithm = search_algorithm(ctx)
+        planned = None
+        if algorithm is not None:
+            from .planner import search_region
+            planned = search_region(closed, infos, ctx=ctx, algorithm=algorithm, param_plans=trace.param_plans)
+            layouts = planned.layouts
+            save = ctx.strategy_ckpt_config.get("save_file")
+            if save:
+                planned.plan.save(save)
+        else:
+            layouts = plan_region(closed, infos, mode=ctx.parallel_mode, device_num=n,
+                                  dataset_strategy=ctx.dataset_strategy, param_plans=trace.param_plans)
         if self.input_layout_hook is not None:
             layouts.inputs = list(self.input_layout_hook(infos, layouts))
         mesh = layouts.mesh.jax_mesh()
         in_sh = [NamedSharding(mesh, spec_of(lay)) for lay in layouts.inputs]
-        run = emit(closed, layouts)
+        run = emit(closed, layouts, planned.eqn_out if planned else None, planned.eqn_in if planned else None)
         n_out = len(jax.tree.leaves(out_shape))
         n_user = n_out - n_state
         outvars, invars = closed.jaxpr.outvars, closed.jaxpr.invars
@@ -188,7 +224,8 @@ class Region:
 
         donate = tuple(changed) if self.donate_params else ()
         jitted = jax.jit(flat_fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
-        return _Compiled(closed, layouts, jitted, in_sh, mod_out, out_tree, changed)
+        return _Compiled(closed, layouts, jitted, in_sh, mod_out, out_tree, changed,
+                         planned.plan if planned else None, infos, list(trace.param_plans))
 
     def _prepare(self, args, kwargs):
         modules, flat_data, data_names, data_pos, treedef_args = self._split_args(args, kwargs)
@@ -247,8 +284,30 @@ class Region:
         """The planned layouts (mesh, inputs, marks) for these arguments (traces, does not run)."""
         return self._prepare(args, {})[0].layouts
 
+    def plan(self, *args):
+        """The Plan for these arguments: searched in auto modes (without executing), else the user's strategies
+        with the data-parallel default for the rest (what semi_auto_parallel means)."""
+        comp = self._prepare(args, {})[0]
+        if comp.plan is None:
+            from .planner import search_region
+            ctx = ctxmod.current()
+            comp.plan = search_region(comp.closed, comp.infos, ctx=ctx, algorithm="user",
+                                      param_plans=comp.param_plans).plan
+        return comp.plan
+
     def jaxpr(self, *args):
         return self._prepare(args, {})[0].closed
+
+
+def search_algorithm(ctx) -> str | None:
+    """The searcher a region uses under ``ctx``, or None for the user-strategy path (DESIGN §3)."""
+    if ctx.parallel_mode == "auto_parallel":
+        return ctx.search_mode
+    if ctx.parallel_mode == "semi_auto_parallel" and (
+            (ctx.search_mode_explicit and ctx.search_mode == "sharding_propagation")
+            or ctx.strategy_ckpt_config.get("load_file")):
+        return "sharding_propagation"
+    return None
 
 
 def jit(fn: Callable) -> Region:

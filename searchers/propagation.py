@@ -112,7 +112,8 @@ class _Tables:
         spec = self.specs[sid]
         st = self.by_struct.get(self.struct_of[sid])
         if st is None:
-            cands = strategies_for(spec.sizes, spec.unsplittable, self.mesh.shape, self.fully, self.maxc)
+            cands = strategies_for(spec.sizes, spec.unsplittable, self.mesh.shape,
+                                   self.fully and bool(spec.in_maps), self.maxc)   # sources: not 'fully'
             in_lids = [self._lids(m, cands) for m in spec.in_maps]
             out_lids = [self._lids(m, cands) for m in spec.out_maps]
             tables = candidate_tables(spec.in_maps, spec.out_maps, spec.reduction, cands, self.mesh)

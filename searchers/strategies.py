@@ -29,7 +29,8 @@ def enumerate_strategies(op: Op, mesh: DeviceMesh, *, fully_use_devices: bool = 
     most first, then lexicographically by the strategy tuple. ``max_candidates`` keeps the
     first that many. ``op.fixed`` (a user strategy) is returned alone.
 
-    With ``fully_use_devices`` every mesh axis must be used; if no strategy can do that (e.g.
+    With ``fully_use_devices`` every mesh axis must be used by an operator (source ops — data,
+    parameters — are exempt: a tensor's layout follows its users, as in MindSpore); if no strategy can do that (e.g.
     all dims unsplittable, or sizes not divisible) the strategies using the most devices are
     returned instead, so a search never runs out of candidates.
 
@@ -43,6 +44,8 @@ def enumerate_strategies(op: Op, mesh: DeviceMesh, *, fully_use_devices: bool = 
     """
     if op.fixed is not None:
         return [tuple(tuple(a) for a in op.fixed)]
+    if op.is_source:   # fully_use_devices is about operators; a tensor's layout follows its users (MindSpore)
+        fully_use_devices = False
     uns = tuple(d in op.unsplittable for d in op.dims)
     return list(strategies_for(tuple(op.dims.values()), uns, mesh.shape, fully_use_devices, max_candidates))
 

@@ -48,8 +48,9 @@ def test_brute_force_follows_a_fixed_split_through_an_elementwise_chain():
 def test_brute_force_fully_use_devices_uses_every_axis():
     g = small_graph()
     best = brute_force(g, P, fully_use_devices=True)
-    for s in best.values():
-        assert sorted(a for axes in s for a in axes) == [0, 1]
+    for oid, s in best.items():
+        if not g.ops[oid].is_source:     # an input's layout follows its users; operators use every axis
+            assert sorted(a for axes in s for a in axes) == [0, 1]
 
 
 def test_brute_force_refuses_large_search():

@@ -80,9 +80,12 @@ def test_fully_use_devices():
 
 def test_fully_use_devices_falls_back_when_impossible():
     g = Graph(DeviceMesh((2, 2)))
-    g.source("x", (2, 3))      # at most one factor 2 fits
-    cands = enumerate_strategies(g.ops[0], g.mesh, fully_use_devices=True)
+    x = g.source("x", (2, 3))      # at most one factor 2 fits
+    g.add_op("neg", "neg", {"i": 2, "j": 3}, [x], [("i", "j")], [("i", "j")])
+    cands = enumerate_strategies(g.ops[1], g.mesh, fully_use_devices=True)
     assert set(cands) == {((0,), ()), ((1,), ())}
+    # a source (input) is exempt: its layout follows its users
+    assert ((), ()) in enumerate_strategies(g.ops[0], g.mesh, fully_use_devices=True)
 
 
 def test_fixed_strategy_returned_alone():

@@ -1,0 +1,189 @@
+"""The Plan: what a region was given and what the searcher decided, readable and saveable.
+
+>>> import jax, jax.numpy as jnp, mshard as ms
+>>> from mshard import ops
+>>> ms.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode="sharding_propagation")
+>>> mm = ops.MatMul().shard(((2, 1), (1, 4)))
+>>> plan = ms.jit(lambda x, w: jax.nn.relu(mm(x, w))).plan(jnp.ones((16, 8)), jnp.ones((8, 32)))
+>>> plan.strategy_of("MatMul")
+((2, 1), (1, 4))
+>>> ms.reset_auto_parallel_context()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from .errors import PlanError
+from .layout import RegionMesh, spec_of
+
+FORMAT = "mshard.strategy"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """Predicted cost: compute (s/device), communication ({kind: bytes per device}), memory (bytes/device),
+    comm_time (s) and total (the searcher's weighted objective)."""
+
+    compute: float = 0.0
+    communication: dict = field(default_factory=dict)
+    memory: float = 0.0
+    comm_time: float = 0.0
+    total: float = 0.0
+
+    @staticmethod
+    def of(cost) -> "PlanCost":
+        if cost is None:
+            return PlanCost()
+        return PlanCost(cost.compute, {k: float(v) for k, v in cost.comm_bytes.items() if v}, cost.memory,
+                        cost.comm_time, cost.total)
+
+
+@dataclass
+class PlanOp:
+    """One op of the plan (a primitive object counts once, under its own name)."""
+
+    name: str
+    kind: str
+    strategy: tuple[tuple[int, ...], ...]          # MindSpore: one split tuple per input
+    fixed: bool                                     # given by the user (or a loaded strategy file)
+    cost: PlanCost = field(default_factory=PlanCost)
+    op_ids: tuple[int, ...] = ()                    # graph ops it covers
+
+
+@dataclass
+class Plan:
+    """A region's plan. Built by ``f.plan(*args)`` or when ``f`` first runs; ``ms.load_plan`` reads one back."""
+
+    mesh: RegionMesh
+    ops: list[PlanOp]
+    param_specs: dict[str, PartitionSpec]
+    cost: PlanCost
+    algorithm: str
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    graph_axes: dict[str, list[list[str]]] = field(default_factory=dict)   # trace op name -> axes per loop dim
+    _explainer: Any = field(default=None, repr=False)
+
+    # -- queries -----------------------------------------------------------------------------
+    @property
+    def strategies(self) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """``{op name: MindSpore strategy tuple}`` in program order."""
+        return {op.name: op.strategy for op in self.ops}
+
+    def find(self, pattern: str) -> list[str]:
+        """Op names matching the regex ``pattern`` (``re.search``), in program order."""
+        rx = re.compile(pattern)
+        return [op.name for op in self.ops if rx.search(op.name)]
+
+    def strategy_of(self, pattern: str) -> tuple[tuple[int, ...], ...]:
+        """The strategy of the first op (program order) whose name matches the regex ``pattern``."""
+        names = self.find(pattern)
+        if not names:
+            raise PlanError(f"Plan.strategy_of: no op name matches {pattern!r}; op names include "
+                            f"{[op.name for op in self.ops[:8]]}. Use plan.find(regex) to list them.")
+        return self.strategies[names[0]]
+
+    def op(self, pattern: str) -> PlanOp:
+        name = self.find(pattern)
+        if not name:
+            raise PlanError(f"Plan: no op name matches {pattern!r}.")
+        return next(o for o in self.ops if o.name == name[0])
+
+    # -- showing ------------------------------------------------------------------------------
+    def table(self, max_rows: int = 60):
+        from rich.table import Table
+        t = Table(title=f"mshard plan ({self.algorithm}) on mesh {dict(zip(self.mesh.names, self.mesh.shape))}")
+        for col in ("op", "kind", "strategy", "fixed", "comm bytes", "compute s"):
+            t.add_column(col)
+        for op in self.ops[:max_rows]:
+            t.add_row(op.name, op.kind, str(op.strategy), "user" if op.fixed else "",
+                      f"{sum(op.cost.communication.values()):,.0f}", f"{op.cost.compute:.2e}")
+        if len(self.ops) > max_rows:
+            t.add_row(f"... {len(self.ops) - max_rows} more", "", "", "", "", "")
+        return t
+
+    def summary(self, max_rows: int = 60) -> str:
+        """A readable table of every op's strategy and predicted cost (rich in a terminal; HTML in Jupyter)."""
+        from rich.console import Console
+        console = Console(width=140, record=True)
+        with console.capture() as cap:
+            console.print(self.table(max_rows))
+            console.print(f"params: { {k: str(v) for k, v in list(self.param_specs.items())[:12]} }")
+            console.print(f"predicted: compute {self.cost.compute:.3e} s, communication "
+                          f"{ {k: f'{v:,.0f}' for k, v in self.cost.communication.items()} } B/device, "
+                          f"memory {self.cost.memory:,.0f} B/device, total {self.cost.total:.4g}")
+            for n in self.notes:
+                console.print(f"note: {n}")
+        text = cap.get()
+        print(text)
+        return text
+
+    def _repr_html_(self) -> str:
+        rows = "".join(f"<tr><td>{o.name}</td><td>{o.kind}</td><td>{o.strategy}</td><td>{'user' if o.fixed else ''}"
+                       f"</td><td>{sum(o.cost.communication.values()):,.0f}</td></tr>" for o in self.ops[:200])
+        return (f"<b>mshard plan ({self.algorithm})</b> mesh {dict(zip(self.mesh.names, self.mesh.shape))}"
+                f"<table><tr><th>op</th><th>kind</th><th>strategy</th><th>fixed</th><th>comm bytes</th></tr>"
+                f"{rows}</table>")
+
+    def explain(self, pattern: str, alternatives: int = 3) -> str:
+        """Why the first op matching ``pattern`` got its strategy: its cost terms and the best alternatives."""
+        op = self.op(pattern)
+        if self._explainer is None:
+            text = f"{op.name}: strategy {op.strategy} ({'user' if op.fixed else self.algorithm}); loaded plan: " \
+                   f"no graph to compare alternatives."
+        else:
+            text = self._explainer(op, alternatives)
+        print(text)
+        return text
+
+    # -- the strategy file --------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "algorithm": self.algorithm,
+                "mesh": {"names": list(self.mesh.names), "shape": list(self.mesh.shape)},
+                "ops": [{"name": o.name, "kind": o.kind, "strategy": [list(s) for s in o.strategy],
+                         "fixed": o.fixed} for o in self.ops],
+                "params": {k: [list(d) if isinstance(d, tuple) else d for d in v] for k, v in self.param_specs.items()},
+                "graph_axes": self.graph_axes,
+                "cost": {"compute": self.cost.compute, "communication": self.cost.communication,
+                         "memory": self.cost.memory, "total": self.cost.total}}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the versioned JSON strategy file (MindSpore's strategy checkpoint, as JSON)."""
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+        os.replace(tmp, path)
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    """Read a strategy file written by :meth:`Plan.save`.
+
+    Put it in ``strategy_ckpt_config={"load_file": path}`` to make a region reproduce it with no annotations.
+    """
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanError(f"load_plan: cannot read strategy file {os.fspath(path)!r}: {e}. Save one with plan.save(path)."
+                        ) from e
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise PlanError(f"load_plan: {os.fspath(path)!r} is not an mshard strategy file (format {FORMAT!r}).")
+    if data.get("version") != VERSION:
+        raise PlanError(f"load_plan: {os.fspath(path)!r} has version {data.get('version')!r}; this mshard reads "
+                        f"version {VERSION}.")
+    mesh = RegionMesh(tuple(data["mesh"]["names"]), tuple(data["mesh"]["shape"]))
+    ops = [PlanOp(o["name"], o["kind"], tuple(tuple(s) for s in o["strategy"]), o["fixed"]) for o in data["ops"]]
+    params = {k: spec_of(tuple(tuple(d) if isinstance(d, list) else ((d,) if d else ()) for d in v))
+              for k, v in data["params"].items()}
+    c = data.get("cost", {})
+    return Plan(mesh, ops, params, PlanCost(c.get("compute", 0.0), c.get("communication", {}), c.get("memory", 0.0),
+                                            0.0, c.get("total", 0.0)),
+                data.get("algorithm", "loaded"), graph_axes=data.get("graph_axes", {}))

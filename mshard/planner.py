@@ -1,0 +1,279 @@
+"""Search a region: jaxpr -> searchers.Graph -> a searcher -> Plan + the layouts to emit.
+
+Used in auto_parallel, and in semi_auto_parallel when ``search_mode="sharding_propagation"`` was set
+explicitly or a strategy file is loaded. The user's strategies are fixed first (the same axis
+assignment as semi_auto: :mod:`mshard.assign`), the data inputs are fixed by dataset_strategy, the
+parameters with a parameter_plan by it; the searcher decides the rest. Every traced op then has a
+layout for each result; the executor constrains op results to them, and an op's operands where the
+plan redistributes them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from jax.extend import core as jcore
+
+from searchers import DeviceMesh, Graph
+from searchers.cost import CostParams, op_cost, redistribution_cost
+from searchers.graph import ms_strategy, operand_layout, result_layout
+from searchers.propagation import sharding_propagation
+from searchers.strategies import data_parallel_strategy, enumerate_strategies
+
+from . import context as ctxmod
+from .annotate import OpNote, mark_p
+from .assign import InputInfo, RegionLayouts, mark_key, plan_region
+from .layout import DimAxes, RegionMesh, spec_of
+from .plan import Plan, PlanCost, PlanOp, load_plan
+from .trace import TraceResult, jaxpr_to_graph
+
+EqnKey = tuple[tuple[int, ...], int]
+
+
+def _user_search(graph: Graph, params: CostParams, *, fully_use_devices: bool = False):
+    """Not a search: user strategies where given, the data-parallel strategy elsewhere (describes semi_auto)."""
+    from searchers.cost import graph_cost
+    from searchers.result import SearchResult
+    t0 = time.perf_counter()
+    strategies = {op.id: (tuple(tuple(a) for a in op.fixed) if op.fixed is not None
+                          else data_parallel_strategy(op, graph.mesh)) for op in graph.ops}
+    return SearchResult(strategies, graph_cost(graph, strategies, params), "user", time.perf_counter() - t0,
+                        ["unannotated ops: the data-parallel strategy (MindSpore's default); at run time XLA "
+                         "propagates from the data-parallel inputs"])
+
+
+# search_mode -> searcher(graph, params, *, fully_use_devices) -> SearchResult
+SEARCHERS: dict[str, Callable] = {"sharding_propagation": sharding_propagation, "user": _user_search}
+
+
+def register_searcher(name: str, fn: Callable) -> None:
+    SEARCHERS[name] = fn
+
+
+def eqn_key(te) -> EqnKey:
+    return (tuple(id(e) for e in te.path), id(te.eqn))
+
+
+@dataclass
+class Planned:
+    plan: Plan
+    layouts: RegionLayouts
+    eqn_out: dict[EqnKey, tuple[DimAxes | None, ...]] = field(default_factory=dict)
+    eqn_in: dict[EqnKey, tuple[DimAxes | None, ...]] = field(default_factory=dict)
+
+
+def _names(layout, mesh: RegionMesh) -> DimAxes:
+    return tuple(tuple(mesh.names[a] for a in axes) for axes in layout)
+
+
+def _strategy_from_layout(op, layout: DimAxes, mesh: RegionMesh, operand: int | None = None):
+    """A strategy of an op whose loop dims map 1:1 onto one tensor (source ops, marks)."""
+    dims = op.out_dims[0] if operand is None else op.in_dims[operand]
+    where = {d: tuple(mesh.names.index(a) for a in axes) for d, axes in zip(dims, layout) if d is not None}
+    return tuple(where.get(d, ()) for d in op.dims)
+
+
+def _groups(trace: TraceResult) -> dict[int, Any]:
+    """op id -> the primitive-object note it belongs to (its marks and the ops between them)."""
+    out: dict[int, Any] = {}
+    open_note, left = None, 0
+    for te in trace.eqns:
+        e = te.eqn
+        if e.primitive is mark_p:
+            note: OpNote = e.params["note"]
+            role = e.params["role"]
+            if note.in_dims is not None and role == "in":
+                open_note, left = note, len(note.out_dims)
+            if note.in_dims is not None and role in ("in", "out"):
+                out[te.op] = note
+                if role == "out" and open_note is note:
+                    left -= 1
+                    if left == 0:
+                        open_note = None
+                continue
+        if open_note is not None:
+            out[te.op] = open_note
+    return out
+
+
+def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx, algorithm: str,
+                  param_plans: Sequence[tuple[str, str, Any]] = ()) -> Planned:
+    """Plan a region with the searcher ``algorithm`` (a key of :data:`SEARCHERS`)."""
+    n = ctx.devices
+    base = plan_region(closed, inputs, mode="semi_auto_parallel", device_num=n,
+                       dataset_strategy=ctx.dataset_strategy, param_plans=param_plans)
+    mesh = base.mesh
+    cm = ctxmod.get_cost_model_context()
+    algo = ctxmod.get_algo_parameters()
+    bw = cm.axis_bandwidth
+    if bw is not None and len(bw) != len(mesh.shape):
+        from .errors import ContextError
+        raise ContextError(f"set_cost_model_context: axis_bandwidth has {len(bw)} entries but the region mesh "
+                           f"{dict(zip(mesh.names, mesh.shape))} has {len(mesh.shape)} axes; give one per axis.")
+    dmesh = DeviceMesh(mesh.shape, mesh.names, tuple(bw) if bw else ())
+    params = CostParams(alpha=cm.costmodel_alpha, beta=cm.costmodel_beta, gamma=cm.costmodel_gamma,
+                        device_memory_capacity=cm.device_memory_capacity)
+    trace = jaxpr_to_graph(closed, dmesh, [i.kind for i in inputs], [i.name for i in inputs])
+    graph = trace.graph
+    # fixed: user inputs (data, parameter_plan), annotated marks, a loaded strategy file
+    for i, info in enumerate(inputs):
+        if i in base.user_inputs:
+            op = graph.ops[trace.input_ops[i]]
+            op.fixed = _strategy_from_layout(op, base.inputs[i], mesh)
+    for te in trace.eqns:
+        if te.eqn.primitive is mark_p:
+            lay = base.marks.get(mark_key(te.eqn))
+            if lay is not None:
+                op = graph.ops[te.op]
+                op.fixed = _strategy_from_layout(op, lay, mesh)
+    load = ctx.strategy_ckpt_config.get("load_file")
+    notes: list[str] = []
+    if load:
+        loaded = load_plan(load)
+        if loaded.mesh != mesh:
+            notes.append(f"strategy file {load} is for mesh {loaded.mesh}, not {mesh}: not applied")
+        else:
+            applied = 0
+            for op in graph.ops:
+                axes = loaded.graph_axes.get(op.name)
+                if axes is not None and len(axes) == len(op.dims) and op.fixed is None:
+                    op.fixed = tuple(tuple(mesh.names.index(a) for a in ax) for ax in axes)
+                    applied += 1
+            notes.append(f"strategy file {load}: {applied} op strategies loaded")
+    searcher = SEARCHERS.get(algorithm)
+    if searcher is None:
+        notes.append(f"search_mode {algorithm!r} is not available yet; used sharding_propagation")
+        searcher, algorithm = sharding_propagation, "sharding_propagation"
+    result = searcher(graph, params, fully_use_devices=algo.fully_use_devices)
+    notes.extend(result.notes)
+    strategies = result.strategies
+
+    # layouts to emit
+    layouts = RegionLayouts(mesh, list(base.inputs), dict(base.marks), base.op_names, honour_marks=True,
+                            user_inputs=set(base.user_inputs))
+    for i in range(len(inputs)):
+        op = graph.ops[trace.input_ops[i]]
+        layouts.inputs[i] = _names(result_layout(op, strategies[op.id], 0), mesh)
+    eqn_out: dict[EqnKey, tuple] = {}
+    eqn_in: dict[EqnKey, tuple] = {}
+    for te in trace.eqns:
+        op = graph.ops[te.op]
+        s = strategies[op.id]
+        if te.eqn.primitive is mark_p:
+            layouts.marks[mark_key(te.eqn)] = _names(result_layout(op, s, 0), mesh)
+            continue
+        eqn_out[eqn_key(te)] = tuple(_names(result_layout(op, s, j), mesh) for j in range(len(op.outputs)))
+        ins = []
+        for i, tid in enumerate(op.inputs):
+            prod = graph.producer(tid)
+            have = result_layout(prod, strategies[prod.id], prod.outputs.index(tid))
+            want = operand_layout(op, s, i)
+            ins.append(None if have == want or prod.kind == "const" else _names(want, mesh))
+        if any(x is not None for x in ins):
+            eqn_in[eqn_key(te)] = tuple(ins)
+    plan = build_plan(trace, strategies, result, params, mesh, inputs, base, notes, algorithm)
+    return Planned(plan, layouts, eqn_out, eqn_in)
+
+
+def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh: RegionMesh,
+               inputs: Sequence[InputInfo], base: RegionLayouts, notes: list[str], algorithm: str) -> Plan:
+    graph = trace.graph
+    groups = _groups(trace)
+    costs = {op.id: op_cost(op, strategies[op.id], graph, params) for op in graph.ops}
+    for op in graph.ops:   # redistribution into each op is charged to it
+        for i, tid in enumerate(op.inputs):
+            prod = graph.producer(tid)
+            t = graph.tensors[tid]
+            costs[op.id] = costs[op.id] + redistribution_cost(
+                result_layout(prod, strategies[prod.id], prod.outputs.index(tid)),
+                operand_layout(op, strategies[op.id], i), t.shape, t.itemsize, graph.mesh, params)
+    plan_ops: list[PlanOp] = []
+    seen_notes: dict[int, PlanOp] = {}
+    for te in trace.eqns:
+        op = graph.ops[te.op]
+        note = groups.get(op.id)
+        if note is not None:
+            entry = seen_notes.get(note.uid)
+            if entry is None:
+                entry = PlanOp(base.op_names.get(note.uid, note.kind), note.kind, (), False, PlanCost(), ())
+                seen_notes[note.uid] = entry
+                plan_ops.append(entry)
+            entry.op_ids += (op.id,)
+            if te.eqn.primitive is mark_p and te.eqn.params["role"] == "in":
+                idx = te.eqn.params["index"]
+                counts = tuple(mesh.count(a) for a in _names(result_layout(op, strategies[op.id], 0), mesh))
+                st = list(entry.strategy) + [()] * (idx + 1 - len(entry.strategy))
+                st[idx] = counts
+                entry.strategy = tuple(st)
+                entry.fixed = entry.fixed or note.in_strategy[idx] is not None
+            continue
+        if te.eqn.primitive is mark_p:
+            continue
+        plan_ops.append(PlanOp(te.name, op.kind, ms_strategy(op, strategies[op.id], graph.mesh), op.fixed is not None,
+                               PlanCost.of(costs[op.id]), (op.id,)))
+    from searchers.cost import Cost
+    for entry in seen_notes.values():
+        entry.cost = PlanCost.of(Cost.sum([costs[i] for i in entry.op_ids]))
+    param_specs = {}
+    for i, info in enumerate(inputs):
+        if info.kind == "param":
+            op = graph.ops[trace.input_ops[i]]
+            param_specs[info.name] = spec_of(_names(result_layout(op, strategies[op.id], 0), mesh))
+    graph_axes = {op.name: [[mesh.names[a] for a in ax] for ax in strategies[op.id]] for op in graph.ops
+                  if not op.is_source}
+    plan = Plan(mesh, plan_ops, param_specs, PlanCost.of(result.cost), algorithm, result.seconds, notes, graph_axes)
+    plan._explainer = _Explainer(graph, strategies, params, mesh)
+    return plan
+
+
+class _Explainer:
+    def __init__(self, graph: Graph, strategies, params: CostParams, mesh: RegionMesh):
+        self.graph, self.strategies, self.params, self.mesh = graph, strategies, params, mesh
+
+    def local(self, op, s):
+        """The op's own cost plus redistribution against its decided neighbours, under strategy ``s``."""
+        g, st = self.graph, self.strategies
+        c = op_cost(op, s, g, self.params)
+        for i, tid in enumerate(op.inputs):
+            prod, t = g.producer(tid), g.tensors[tid]
+            c = c + redistribution_cost(result_layout(prod, st[prod.id], prod.outputs.index(tid)),
+                                        operand_layout(op, s, i), t.shape, t.itemsize, g.mesh, self.params)
+        for j, tid in enumerate(op.outputs):
+            t = g.tensors[tid]
+            for cid in dict.fromkeys(t.consumers):
+                cons = g.ops[cid]
+                for i, x in enumerate(cons.inputs):
+                    if x == tid:
+                        c = c + redistribution_cost(result_layout(op, s, j), operand_layout(cons, st[cid], i),
+                                                    t.shape, t.itemsize, g.mesh, self.params)
+        return c
+
+    def __call__(self, pop: PlanOp, alternatives: int) -> str:
+        lines = [f"{pop.name} ({pop.kind}): strategy {pop.strategy}"
+                 f"{' — fixed by the user' if pop.fixed else ''}"]
+        for oid in pop.op_ids[:4]:
+            op = self.graph.ops[oid]
+            chosen = self.strategies[oid]
+            c = self.local(op, chosen)
+            lines.append(f"  {op.name}: loop dims {dict(op.dims)} axes "
+                         f"{[[self.mesh.names[a] for a in ax] for ax in chosen]}: {_fmt(c)}")
+            if op.fixed is not None:
+                continue
+            alts = []
+            for s in enumerate_strategies(op, self.graph.mesh, max_candidates=256):
+                if s == chosen:
+                    continue
+                alts.append((self.local(op, s).total, s))
+            alts.sort(key=lambda a: a[0])
+            for total, s in alts[:alternatives]:
+                lines.append(f"    alternative {ms_strategy(op, s, self.graph.mesh)} axes "
+                             f"{[[self.mesh.names[a] for a in ax] for ax in s]}: {_fmt(self.local(op, s))}")
+        return "\n".join(lines)
+
+
+def _fmt(c) -> str:
+    comm = {k: round(v) for k, v in c.comm_bytes.items() if v}
+    return f"total {c.total:.4g} (compute {c.compute:.3g} s, comm {comm} B, comm time {c.comm_time:.3g} s, " \
+           f"memory {c.memory:,.0f} B)"
