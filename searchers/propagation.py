@@ -194,16 +194,20 @@ def _propagate(graph: Graph, params: CostParams, fully_use_devices: bool,
         st.in_l[i] = tuple(tab.lid(layout_of(m, s)) for m in spec.in_maps)
         st.out_l[i] = tuple(tab.lid(layout_of(m, s)) for m in spec.out_maps)
 
+    # seeds: operators with user strategies spread first; fixed inputs (the dataset layout, a
+    # parameter_plan) only then, so an annotation reaches its neighbours before the batch split does
     queue: deque[int] = deque()
+    later: deque[int] = deque()
     for op in ops:
         if op.fixed is not None:
             set_strategy(op.id, tuple(tuple(a) for a in op.fixed))
-            queue.append(op.id)
+            (later if op.is_source else queue).append(op.id)
     notes: list[str] = []
-    if not queue:
+    if not queue and not later:
         notes.append("no op has a fixed strategy: every op gets the data-parallel strategy "
                      "(MindSpore requires at least one configured op)")
     _bfs(queue, tab, sids, in_src, out_edges, st)
+    _bfs(later, tab, sids, in_src, out_edges, st)
     unreached = [op for op in ops if st.chosen[op.id] is None]
     for op in unreached:
         set_strategy(op.id, data_parallel_strategy(op, mesh))
