@@ -192,13 +192,11 @@ class _Tracer:
         out_shapes = [_shape(v.aval) for v in eqn.outvars]
         s = rules.iteration_space(prim, in_shapes, out_shapes, eqn.params)
         unsplit = set(s.unsplittable)
-        for d, g in s.split_divides.items():
-            if any(s.dims[d] % c == 0 and g % c for c in self.split_counts):
-                unsplit.add(d)
+        limit = dict(s.split_divides) or None      # e.g. reshape: a split must divide the new leading dim
         itemsizes = [_itemsize(v.aval) for v in eqn.outvars]
         outs = self.graph.add_op(name, prim, s.dims, inputs, s.in_dims, s.out_dims, out_shapes,
                                  itemsize=itemsizes[0] if itemsizes else 4, reduce=s.reduce,
-                                 unsplittable=frozenset(unsplit), flops=s.flops)
+                                 unsplittable=frozenset(unsplit), flops=s.flops, split_limit=limit)
         for tid, size in zip(outs, itemsizes):
             self.graph.tensors[tid].itemsize = size
         for v, tid in zip(eqn.outvars, outs):

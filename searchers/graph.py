@@ -119,6 +119,12 @@ class Op:
     flops: float | None = None                  # None: prod(dims) (x2 when there is a reduction)
     fixed: Strategy | None = None               # a user strategy: searchers never change it
     layer: str | None = None                    # repeated-layer key (ops of identical layers share it)
+    split_limit: dict[str, int] | None = None   # loop dim -> a split of it must also divide this (reshape)
+
+    def split_sizes(self) -> tuple[int, ...]:
+        """Per loop dim, the number a split count must divide (its size, or gcd with its split_limit)."""
+        lim = self.split_limit or {}
+        return tuple(math.gcd(n, lim[d]) if d in lim else n for d, n in self.dims.items())
 
     @property
     def dim_names(self) -> tuple[str, ...]:

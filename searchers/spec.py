@@ -21,7 +21,7 @@ from .graph import SOURCE_KINDS, Graph, Op
 
 
 class OpSpec(NamedTuple):
-    sizes: tuple[int, ...]                   # loop-dim sizes, op.dims order
+    sizes: tuple[int, ...]                   # loop-dim sizes a split must divide (Op.split_sizes), op.dims order
     unsplittable: tuple[bool, ...]           # per loop dim
     in_maps: tuple[tuple[int, ...], ...]     # per operand, per tensor dim: loop-dim index or -1
     out_maps: tuple[tuple[int, ...], ...]    # per result, the same
@@ -52,7 +52,7 @@ def spec_key(op: Op, graph: Graph) -> SpecKey:
     """
     dims = op.dims
     key = (tuple(dims.items()), tuple(op.in_dims), tuple(op.out_dims), op.unsplittable, op.flops,
-           op.kind in SOURCE_KINDS)
+           op.kind in SOURCE_KINDS, tuple(sorted(op.split_limit.items())) if op.split_limit else None)
     sid = _STRUCT_IDS.get(key)
     if sid is None:
         sid = _STRUCT_IDS[key] = len(_STRUCTS)
@@ -78,7 +78,7 @@ def _structure(op: Op) -> tuple:
     out_maps = tuple(tuple(-1 if d is None else idx[d] for d in dd) for dd in op.out_dims)
     used = {i for m in out_maps for i in m}
     uns = op.unsplittable
-    return (tuple(op.dims.values()), tuple(d in uns for d in op.dims), in_maps, out_maps,
+    return (op.split_sizes(), tuple(d in uns for d in op.dims), in_maps, out_maps,
             tuple(i for i in range(len(idx)) if i not in used), op.compute_flops())
 
 

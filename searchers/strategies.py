@@ -47,7 +47,7 @@ def enumerate_strategies(op: Op, mesh: DeviceMesh, *, fully_use_devices: bool = 
     if op.is_source:   # fully_use_devices is about operators; a tensor's layout follows its users (MindSpore)
         fully_use_devices = False
     uns = tuple(d in op.unsplittable for d in op.dims)
-    return list(strategies_for(tuple(op.dims.values()), uns, mesh.shape, fully_use_devices, max_candidates))
+    return list(strategies_for(op.split_sizes(), uns, mesh.shape, fully_use_devices, max_candidates))
 
 
 @lru_cache(maxsize=4096)
@@ -125,7 +125,7 @@ def data_parallel_strategy(op: Op, mesh: DeviceMesh) -> Strategy:
         dim = op.in_dims[0][0]
     if dim is None or dim in op.unsplittable:
         return tuple(strategy)
-    size, count, axes = op.dims[dim], 1, []
+    size, count, axes = op.split_sizes()[list(op.dims).index(dim)], 1, []
     for a, k in enumerate(mesh.shape):
         if k > 1 and size % (count * k) == 0:
             count *= k

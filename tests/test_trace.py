@@ -79,7 +79,8 @@ def check_trace(r: TraceResult, kinds, names):
             for size, d in zip(g.tensors[tid].shape, dims):
                 if d is None or d in op.unsplittable:
                     continue
-                assert all(size % c == 0 for c in counts if op.dims[d] % c == 0), (op.name, d, size)
+                legal = op.split_sizes()[list(op.dims).index(d)]     # a split must divide this
+                assert all(size % c == 0 for c in counts if legal % c == 0), (op.name, d, size)
                 if tid in op.inputs:
                     assert size == op.dims[d]
         assert t.op in r.ops_of(t.eqn)
@@ -187,10 +188,11 @@ def test_transformer_block():
                    "attn/dot_general_3"]                                                     # scope; wo
     (qk,) = [g.ops[t.op] for t in r.eqns if t.name == "attn/bqhd,bkhd->bhqk/dot_general"]
     assert qk.reduction_dims == ("k0",) and set(qk.dims) == {"b0", "b1", "m0", "n0", "k0"}
-    # [b, s, 8] -> [b, s, 2 heads, 4]: a split of the 8 must divide the 2 heads; 4- and 8-way splits
-    # exist on this mesh, so the tracer keeps it whole; the merge back [.., 2, 4] -> [.., 8] stays free
+    # [b, s, 8] -> [b, s, 2 heads, 4]: a split of the 8 must divide the 2 heads (split_limit), so only
+    # the 2-way head split is legal; the merge back [.., 2, 4] -> [.., 8] stays free
     split_heads = next(g.ops[t.op] for t in r.eqns if t.name == "attn/reshape")
-    assert split_heads.out_dims == [("r0", "r1", "r2", "r2_1")] and "r2" in split_heads.unsplittable
+    assert split_heads.out_dims == [("r0", "r1", "r2", "r2_1")] and split_heads.split_limit == {"r2": 2}
+    assert split_heads.split_sizes()[2] == 2 and "r2" not in split_heads.unsplittable
     merge_heads = next(g.ops[t.op] for t in r.eqns if t.name == "attn/reshape_3")
     assert merge_heads.in_dims == [("r0", "r1", "r2", None)] and not merge_heads.unsplittable
 
@@ -325,7 +327,9 @@ def test_reshape_split_divides_follows_mesh():
     r2 = trace(fn, (f32(16, 8),), ["data"], ["x"], mesh=DeviceMesh((2,)))
     op8, op2 = r8.graph.ops[-1], r2.graph.ops[-1]
     assert op8.in_dims == [("r0", "r1")] and op8.out_dims == [("r0", "r0_1", "r1")]
-    assert "r0" in op8.unsplittable and "r0" not in op2.unsplittable and "r1" not in op8.unsplittable
+    # r0 (16 -> 2 x 8) may be split only by a count that also divides the new leading dim 2
+    assert op8.split_limit == {"r0": 2} and op8.split_sizes()[0] == 2 and op2.split_sizes()[0] == 2
+    assert "r0" not in op8.unsplittable and "r1" not in op8.unsplittable and op8.split_sizes()[-1] == 8
 
 
 def test_itemsizes_and_bad_arguments():
