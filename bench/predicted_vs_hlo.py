@@ -1,0 +1,71 @@
+"""Predicted communication (the plan's cost model) beside the compiled HLO's (comm_report), per model.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python bench/predicted_vs_hlo.py [--search-mode M]
+
+Prints a table and writes JSON (bench/out/predicted_vs_hlo.json). Bytes are per device, "moved" by
+ring formulas from the collective's result size and replica-group size (see mshard.comm_report).
+Runs each model forward and as a training step (loss + gradients) under auto_parallel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import mshard as ms  # noqa: E402
+from models import MODELS, inputs  # noqa: E402
+
+
+def grad_step(m, *a):
+    return nnx.value_and_grad(lambda m, *a: jnp.sum(m(*a)))(m, *a)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--search-mode", default="sharding_propagation")
+    args = ap.parse_args()
+    rows = []
+    with ms.parallel_context(parallel_mode="auto_parallel", search_mode=args.search_mode, device_num=8):
+        for name, cls in MODELS.items():
+            for what, fn in (("forward", lambda m, *a: m(*a)), ("train", grad_step)):
+                m, xs = cls(), inputs(name)
+                f = ms.jit(fn)
+                plan = f.plan(m, *xs)
+                rep = ms.comm_report(f, m, *xs)
+                pred = {k: float(v) for k, v in plan.cost.communication.items()}
+                real = {k: float(v["moved"]) for k, v in rep.by_kind.items()}
+                rows.append({"model": name, "step": what, "predicted_moved": pred, "hlo_moved": real,
+                             "hlo_counts": {k: v["count"] for k, v in rep.by_kind.items()},
+                             "predicted_total": sum(pred.values()), "hlo_total": sum(real.values()),
+                             "algorithm": plan.algorithm})
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"predicted vs compiled communication, bytes moved per device ({args.search_mode})")
+    for c in ("model", "step", "predicted", "HLO", "ratio HLO/pred", "HLO collectives"):
+        t.add_column(c)
+    for r in rows:
+        ratio = r["hlo_total"] / r["predicted_total"] if r["predicted_total"] else (1.0 if not r["hlo_total"] else float("inf"))
+        r["ratio"] = ratio
+        t.add_row(r["model"], r["step"], json.dumps({k: round(v) for k, v in r["predicted_moved"].items()}),
+                  json.dumps({k: round(v) for k, v in r["hlo_moved"].items()}), f"{ratio:.2f}",
+                  json.dumps(r["hlo_counts"]))
+    Console(width=180).print(t)
+    out = ROOT / "bench" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "predicted_vs_hlo.json").write_text(json.dumps(rows, indent=1))
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
