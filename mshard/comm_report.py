@@ -14,15 +14,16 @@ all-to-all S(k-1)/k).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
                 "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
-_LINE = re.compile(r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+_LINE = re.compile(r"=\s*(?P<shape>\((?:[^=]|/\*index=\d+\*/)*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
                    r"(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?P<start>-start)?\(")
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
@@ -72,7 +73,7 @@ class CommReport:
     collectives: list[Collective] = field(default_factory=list)
 
     @staticmethod
-    def from_hlo(text: str) -> "CommReport":
+    def from_hlo(text: str) -> CommReport:
         out = []
         for line in text.splitlines():
             m = _LINE.search(line)
@@ -128,14 +129,15 @@ class CommReport:
 def hlo_text(f: Callable, *args) -> str:
     """Compiled HLO of any mshard callable (ms.jit region, shard-wrapped function, Cell) or a jax.jit function."""
     from flax import nnx
+
     from .nn.cell import Cell, _cell_region
     from .region import Region
     from .shard import ShardedFunction
-    if isinstance(f, Cell):
+    if hasattr(f, "lower") and not isinstance(f, (Region, ShardedFunction)) and isinstance(f, nnx.Module):
+        lowered = f.lower(*args)           # a Cell with its own region (TrainOneStepCell)
+    elif isinstance(f, Cell):
         lowered = (_cell_region(f) if getattr(f, "_mshard_shard", None) else Region(lambda c, *a: c(*a))).lower(f, *args)
-    elif isinstance(f, (Region, ShardedFunction)) or hasattr(f, "lower") and hasattr(f, "_mshard_region"):
-        lowered = f.lower(*args)
-    elif hasattr(f, "lower"):
+    elif isinstance(f, (Region, ShardedFunction)) or (hasattr(f, "lower") and hasattr(f, "_mshard_region")) or hasattr(f, "lower"):
         lowered = f.lower(*args)
     elif isinstance(f, nnx.Module):
         lowered = Region(lambda c, *a: c(*a)).lower(f, *args)

@@ -59,11 +59,32 @@ class CheckpointError(MshardError, ValueError):
     """A checkpoint whose strategy or shapes do not match, or a corrupt/truncated checkpoint."""
 
 
+class OptimizerParallelError(MshardError, ValueError):
+    """A parallel optimizer setting that cannot hold, e.g. ``optimizer_weight_shard_size=8`` when the batch is
+    split only 4 ways (the shard size must not exceed the data-parallel size)."""
+
+
+class CommFusionWarning(UserWarning):
+    """A comm_fusion / all_reduce_fusion_config setting that a step cannot apply (model-parallel gradients,
+    whose reductions XLA places and fuses)."""
+
+
 class StrategyIgnoredWarning(UserWarning):
     """User strategies found in a region whose parallel_mode ignores them (data_parallel, stand_alone)."""
 
 
-__all__ = ["StrategyIgnoredWarning", 
-    "MshardError", "ContextError", "ContextTypeError", "StrategyError", "StrategyTypeError", "LayoutError",
-    "ParameterPlanError", "DatasetStrategyError", "PlanError", "CheckpointError",
+__all__ = [
+    "CheckpointError",
+    "CommFusionWarning",
+    "ContextError",
+    "ContextTypeError",
+    "DatasetStrategyError",
+    "LayoutError",
+    "MshardError",
+    "OptimizerParallelError",
+    "ParameterPlanError",
+    "PlanError",
+    "StrategyError",
+    "StrategyIgnoredWarning",
+    "StrategyTypeError",
 ]

@@ -9,11 +9,11 @@ after the call (a region may change its modules' state). Other array arguments a
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -253,6 +253,7 @@ class Region:
     def __call__(self, *args, **kwargs):
         comp, modules, states, flat_data = self._prepare(args, kwargs)
         flat_state = self._place(comp, modules, states)
+        flat_data = _follow_plan(flat_data, comp.in_shardings[len(flat_state):])
         outs = comp.jitted(*flat_state, *flat_data)
         return self._finish(comp, modules, states, outs)
 
@@ -276,7 +277,7 @@ class Region:
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` of this region for these arguments (``.compile().as_text()`` gives HLO)."""
-        comp, modules, states, flat_data = self._prepare(args, kwargs)
+        comp, _, states, flat_data = self._prepare(args, kwargs)
         flat_state = [x for s in states for x in jax.tree.leaves(s)]
         return comp.jitted.lower(*flat_state, *flat_data)
 
@@ -297,6 +298,14 @@ class Region:
 
     def jaxpr(self, *args):
         return self._prepare(args, {})[0].closed
+
+
+def _follow_plan(flat_data: list, shardings: list) -> list:
+    """Data arrays already committed to another layout (e.g. ``ms.dataset.shard_batch`` by dataset_strategy,
+    where the region lays the input out as its first annotated consumer asks) are resharded to the plan;
+    jax.jit would reject them."""
+    return [jax.device_put(x, sh) if isinstance(x, jax.Array) and x.committed and x.sharding != sh else x
+            for x, sh in zip(flat_data, shardings)]
 
 
 def search_algorithm(ctx) -> str | None:

@@ -43,7 +43,7 @@ def _wrap_call(call: Callable) -> Callable:
         scope = path.rsplit(".", 1)[-1] if path else None
         body = functools.partial(call, self)
         if getattr(self, "_mshard_recompute", None) is not None:
-            body = jax.checkpoint(body, policy=self._mshard_recompute or None)
+            body = _remat(self, call, path, trace, self._mshard_recompute or None)
         with jax.named_scope(scope) if scope else _null():
             if cfg is None:
                 return body(*args, **kwargs)
@@ -62,6 +62,50 @@ class _null:
 
     def __exit__(self, *a):
         return None
+
+
+def register_paths(trace: annotate.RegionTrace, module: nnx.Module, prefix: str) -> None:
+    """Give a module re-made by ``nnx.merge`` inside a region (and its sub-Cells) their attribute paths."""
+    for p, sub in nnx.iter_graph(module):
+        if isinstance(sub, nnx.Module):
+            rel = ".".join(map(str, p))
+            trace.module_paths[id(sub)] = ".".join(x for x in (prefix, rel) if x)
+
+
+def _remat(cell: "Cell", call: Callable, path: str, trace, policy) -> Callable:
+    """``jax.checkpoint`` around ``call(cell, ...)``, functional over the Cell's state.
+
+    The Cell is split and re-merged inside the checkpointed function (nnx state must not be mutated
+    across JAX trace levels), its sub-Cells keep their paths (op names, parameter plans), and state
+    it writes (a Dropout's RNG count) is written back after.
+    """
+    graphdef, state = nnx.split(cell)
+    leaves, tree = jax.tree.flatten(state)
+
+    def run(*args, **kwargs):
+        changed: list[int] = []
+
+        def pure(flat, *a):
+            m = nnx.merge(graphdef, jax.tree.unflatten(tree, list(flat)))
+            register_paths(trace, m, path)
+            out = call(m, *a, **kwargs)
+            new = jax.tree.leaves(nnx.state(m))
+            changed[:] = [i for i, (x, y) in enumerate(zip(new, flat)) if x is not y]
+            return out, [new[i] for i in changed]
+
+        out, written = jax.checkpoint(pure, policy=policy)(leaves, *args)
+        if changed:
+            new = list(leaves)
+            for i, x in zip(changed, written):
+                new[i] = x
+            nnx.update(cell, jax.tree.unflatten(tree, new))
+        return out
+    return run
+
+
+_POLICIES = ("everything_saveable", "nothing_saveable", "dots_saveable", "checkpoint_dots",
+             "dots_with_no_batch_dims_saveable", "checkpoint_dots_with_no_batch_dims")
+_MS_RECOMPUTE_KWARGS = ("mp_comm_recompute", "parallel_optimizer_comm_recompute", "recompute_slice_activation")
 
 
 _regions: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
@@ -111,10 +155,32 @@ class Cell(nnx.Module):
         annotate.bump_epoch()
         return self
 
-    def recompute(self, policy: Callable | None = None) -> "Cell":
-        """Recompute this Cell's activations in the backward pass (``jax.checkpoint`` around ``__call__``)."""
+    def recompute(self, policy: Callable | str | None = None, **kwargs: Any) -> "Cell":
+        """Recompute this Cell's activations in the backward pass (``jax.checkpoint`` around ``__call__``).
+
+        ``policy``: a ``jax.checkpoint_policies`` policy or its name, e.g. ``"dots_saveable"`` (keep the
+        matmul outputs, recompute the rest); ``None`` saves nothing but the Cell's inputs. Applies when the
+        Cell runs inside a region (``ms.jit``, ``TrainOneStepCell``). MindSpore's ``mp_comm_recompute``,
+        ``parallel_optimizer_comm_recompute`` and ``recompute_slice_activation`` are accepted and have no
+        effect (XLA decides which collectives to redo).
+        """
+        for k in kwargs:
+            if k not in _MS_RECOMPUTE_KWARGS:
+                raise TypeError(f"{type(self).__name__}.recompute: unknown argument {k!r}; expected policy= or one "
+                                f"of {_MS_RECOMPUTE_KWARGS}.")
+        if isinstance(policy, str):
+            if policy not in _POLICIES:
+                raise ValueError(f"{type(self).__name__}.recompute: unknown policy {policy!r}; use one of "
+                                 f"{_POLICIES} or a jax.checkpoint_policies callable.")
+            policy = getattr(jax.checkpoint_policies, policy)
         self._mshard_recompute = policy if policy is not None else False
         annotate.bump_epoch()
+        return self
+
+    def set_train(self, mode: bool = True) -> "Cell":
+        """MindSpore's ``set_train``: ``False`` makes Dropout deterministic in this Cell and below (nnx's
+        ``eval()``), ``True`` (the nnx default) enables it again (nnx's ``train()``)."""
+        self.set_attributes(deterministic=not mode, use_running_average=not mode, raise_if_not_found=False)
         return self
 
     @property
