@@ -22,9 +22,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
+from models import MODELS, inputs  # noqa: E402
 
 import mshard as ms  # noqa: E402
-from models import MODELS, inputs  # noqa: E402
 
 
 def grad_step(m, *a):

@@ -13,12 +13,12 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import numpy as np
+from flax import nnx
 
-import mshard as ms  # noqa: E402
-from mshard import Layout, nn, ops  # noqa: E402
+import mshard as ms
+from mshard import Layout, nn, ops
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir

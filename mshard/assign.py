@@ -18,15 +18,15 @@ with unknown input layouts.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from jax.extend import core as jcore
 
 from .annotate import OpNote, mark_p
-from .errors import (DatasetStrategyError, LayoutError, ParameterPlanError, StrategyError,
-                     StrategyIgnoredWarning)
-from .layout import (DimAxes, RegionMesh, TensorStrategy, check_fits, choose_axes, to_tensor_strategy)
+from .errors import DatasetStrategyError, LayoutError, ParameterPlanError, StrategyError, StrategyIgnoredWarning
+from .layout import DimAxes, RegionMesh, TensorStrategy, check_fits, choose_axes, to_tensor_strategy
 
 CALL_PARAMS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
                "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",

@@ -132,13 +132,10 @@ def hlo_text(f: Callable, *args) -> str:
 
     from .nn.cell import Cell, _cell_region
     from .region import Region
-    from .shard import ShardedFunction
-    if hasattr(f, "lower") and not isinstance(f, (Region, ShardedFunction)) and isinstance(f, nnx.Module):
-        lowered = f.lower(*args)           # a Cell with its own region (TrainOneStepCell)
-    elif isinstance(f, Cell):
-        lowered = (_cell_region(f) if getattr(f, "_mshard_shard", None) else Region(lambda c, *a: c(*a))).lower(f, *args)
-    elif isinstance(f, (Region, ShardedFunction)) or (hasattr(f, "lower") and hasattr(f, "_mshard_region")) or hasattr(f, "lower"):
+    if hasattr(f, "lower"):               # ms.jit regions, shard-wrapped functions, TrainOneStepCell, jax.jit
         lowered = f.lower(*args)
+    elif isinstance(f, Cell) and getattr(f, "_mshard_shard", None):
+        lowered = _cell_region(f).lower(f, *args)
     elif isinstance(f, nnx.Module):
         lowered = Region(lambda c, *a: c(*a)).lower(f, *args)
     else:

@@ -26,8 +26,9 @@ import contextlib
 import copy
 import dataclasses
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import jax
 

@@ -15,7 +15,8 @@ sees the user's program plus the constraints, and its SPMD partitioner inserts t
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax.extend import core as jcore
@@ -111,11 +112,11 @@ class Emitter:
             return type(v)(self.rewrite(x, path) for x in v)
         if isinstance(v, jcore.ClosedJaxpr):
             avals = [x.aval for x in v.jaxpr.invars]
-            fn = lambda *a: self.eval(v.jaxpr, v.consts, *a, path=path)  # noqa: E731
+            fn = lambda *a: self.eval(v.jaxpr, v.consts, *a, path=path)
             return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
         if isinstance(v, jcore.Jaxpr):
             avals = [x.aval for x in v.invars]
-            fn = lambda *a: self.eval(v, (), *a, path=path)  # noqa: E731
+            fn = lambda *a: self.eval(v, (), *a, path=path)
             closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
             if closed.consts:
                 raise NotImplementedError("mshard: a re-emitted open jaxpr gained constants")

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -51,7 +52,7 @@ class RegionMesh:
     shape: tuple[int, ...]
 
     @staticmethod
-    def prime(n: int) -> "RegionMesh":
+    def prime(n: int) -> RegionMesh:
         f = prime_factors(n) or [1]
         return RegionMesh(tuple(f"d{i}" for i in range(len(f))), tuple(f))
 
@@ -126,7 +127,7 @@ class Layout:
     def mesh(self) -> RegionMesh:
         return RegionMesh(self.alias_names, self.device_matrix)
 
-    def __call__(self, *dims: str | None | Sequence[str]) -> "LayoutSpec":
+    def __call__(self, *dims: str | Sequence[str] | None) -> LayoutSpec:
         out: list[AxisNames] = []
         seen: set[str] = set()
         for d in dims:

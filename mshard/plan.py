@@ -39,7 +39,7 @@ class PlanCost:
     total: float = 0.0
 
     @staticmethod
-    def of(cost) -> "PlanCost":
+    def of(cost) -> PlanCost:
         if cost is None:
             return PlanCost()
         return PlanCost(cost.compute, {k: float(v) for k, v in cost.comm_bytes.items() if v}, cost.memory,

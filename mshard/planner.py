@@ -11,8 +11,9 @@ plan redistributes them.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from jax.extend import core as jcore
 
@@ -118,7 +119,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     trace = jaxpr_to_graph(closed, dmesh, [i.kind for i in inputs], [i.name for i in inputs])
     graph = trace.graph
     # fixed: user inputs (data, parameter_plan), annotated marks, a loaded strategy file
-    for i, info in enumerate(inputs):
+    for i in range(len(inputs)):
         if i in base.user_inputs:
             op = graph.ops[trace.input_ops[i]]
             op.fixed = _strategy_from_layout(op, base.inputs[i], mesh)
@@ -267,7 +268,7 @@ class _Explainer:
                     continue
                 alts.append((self.local(op, s).total, s))
             alts.sort(key=lambda a: a[0])
-            for total, s in alts[:alternatives]:
+            for _, s in alts[:alternatives]:
                 lines.append(f"    alternative {ms_strategy(op, s, self.graph.mesh)} axes "
                              f"{[[self.mesh.names[a] for a in ax] for ax in s]}: {_fmt(self.local(op, s))}")
         return "\n".join(lines)

@@ -18,7 +18,8 @@ jitted with the in_strategy as the layout of its arguments.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 

@@ -1,16 +1,19 @@
 """DESIGN §4 errors touched by the foundation: raised early, as mshard.errors subclasses, naming op, value and fix."""
 
-import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 import mshard as ms
 from mshard import Layout, nn, ops
-from mshard.errors import (DatasetStrategyError, LayoutError, MshardError, ParameterPlanError, StrategyError,
-                           StrategyTypeError)
-
-from helpers import rand
+from mshard.errors import (
+    DatasetStrategyError,
+    LayoutError,
+    MshardError,
+    ParameterPlanError,
+    StrategyError,
+    StrategyTypeError,
+)
 
 SEMI = dict(parallel_mode="semi_auto_parallel", device_num=8)
 

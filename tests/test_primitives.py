@@ -5,11 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_close, on_one_device, split_counts
 
 import mshard as ms
 from mshard import ops
-
-from helpers import assert_close, on_one_device, split_counts
 
 
 def r(seed, *shape):

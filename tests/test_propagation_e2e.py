@@ -10,14 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import assert_close, split_counts
 
 import mshard as ms
 from mshard import Layout, ops
 
-from helpers import assert_close, split_counts
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-from models import MODELS, TransformerBlock, inputs  # noqa: E402
+from models import MODELS, TransformerBlock, inputs
 
 PROP = dict(parallel_mode="semi_auto_parallel", search_mode="sharding_propagation", device_num=8)
 AUTO = dict(parallel_mode="auto_parallel", search_mode="sharding_propagation", device_num=8)

@@ -3,13 +3,13 @@ random (mostly invalid) strategies give an mshard.errors error, never a raw JAX/
 
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings, strategies as st
+from helpers import assert_close, on_one_device
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import mshard as ms
 from mshard import ops
 from mshard.errors import MshardError
-
-from helpers import assert_close, on_one_device
 
 SIZES = (8, 16)
 DIVS = (1, 2, 4, 8)
@@ -50,7 +50,7 @@ def chains(draw):
 
 
 def build(steps, rng):
-    fns, extra = [], []
+    fns = []
     for kind, s, n in steps:
         if kind == "matmul":
             op = ops.MatMul().shard(s)
@@ -70,9 +70,7 @@ def make_program(fns, steps):
     def program(x, *ws):
         it = iter(ws)
         for (kind, op), (_, _, n) in zip(fns, steps):
-            if kind == "matmul":
-                x = op(x, next(it))
-            elif kind == "add":
+            if kind == "matmul" or kind == "add":
                 x = op(x, next(it))
             elif kind == "relu":
                 x = op(x)

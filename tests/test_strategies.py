@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from helpers import assert_close, on_one_device, rand, split_counts
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import mshard as ms
 from mshard import Layout, nn, ops
-
-from helpers import assert_close, on_one_device, rand, split_counts
 
 SEMI = dict(parallel_mode="semi_auto_parallel", device_num=8)
 

@@ -1,15 +1,45 @@
 """mshard.ops: MindSpore-style primitive objects and ``ops.shard``."""
 
 from ..shard import shard as shard
-from .comm import AllGather as AllGather, AllReduce as AllReduce, AlltoAll as AlltoAll, ReduceScatter as ReduceScatter
+from .comm import AllGather as AllGather
+from .comm import AllReduce as AllReduce
+from .comm import AlltoAll as AlltoAll
+from .comm import ReduceScatter as ReduceScatter
 from .primitive import Primitive as Primitive
-from .primitives import (Add as Add, AvgPool as AvgPool, BatchMatMul as BatchMatMul, BatchNorm as BatchNorm,
-                         BiasAdd as BiasAdd, Cast as Cast, Concat as Concat, Conv2D as Conv2D, Exp as Exp,
-                         ExpandDims as ExpandDims, Gather as Gather, GeLU as GeLU, LayerNorm as LayerNorm, Log as Log,
-                         LogSoftmax as LogSoftmax, MatMul as MatMul, Maximum as Maximum, MaxPool as MaxPool,
-                         Minimum as Minimum, Mul as Mul, OneHot as OneHot, RealDiv as RealDiv, ReduceMax as ReduceMax,
-                         ReduceMean as ReduceMean, ReduceSum as ReduceSum, ReLU as ReLU, Reshape as Reshape,
-                         Sigmoid as Sigmoid, Softmax as Softmax,
-                         SoftmaxCrossEntropyWithLogits as SoftmaxCrossEntropyWithLogits, Sqrt as Sqrt, Square as Square,
-                         Squeeze as Squeeze, StridedSlice as StridedSlice, Sub as Sub, Tanh as Tanh,
-                         Transpose as Transpose)
+from .primitives import Add as Add
+from .primitives import AvgPool as AvgPool
+from .primitives import BatchMatMul as BatchMatMul
+from .primitives import BatchNorm as BatchNorm
+from .primitives import BiasAdd as BiasAdd
+from .primitives import Cast as Cast
+from .primitives import Concat as Concat
+from .primitives import Conv2D as Conv2D
+from .primitives import Exp as Exp
+from .primitives import ExpandDims as ExpandDims
+from .primitives import Gather as Gather
+from .primitives import GeLU as GeLU
+from .primitives import LayerNorm as LayerNorm
+from .primitives import Log as Log
+from .primitives import LogSoftmax as LogSoftmax
+from .primitives import MatMul as MatMul
+from .primitives import Maximum as Maximum
+from .primitives import MaxPool as MaxPool
+from .primitives import Minimum as Minimum
+from .primitives import Mul as Mul
+from .primitives import OneHot as OneHot
+from .primitives import RealDiv as RealDiv
+from .primitives import ReduceMax as ReduceMax
+from .primitives import ReduceMean as ReduceMean
+from .primitives import ReduceSum as ReduceSum
+from .primitives import ReLU as ReLU
+from .primitives import Reshape as Reshape
+from .primitives import Sigmoid as Sigmoid
+from .primitives import Softmax as Softmax
+from .primitives import SoftmaxCrossEntropyWithLogits as SoftmaxCrossEntropyWithLogits
+from .primitives import Sqrt as Sqrt
+from .primitives import Square as Square
+from .primitives import Squeeze as Squeeze
+from .primitives import StridedSlice as StridedSlice
+from .primitives import Sub as Sub
+from .primitives import Tanh as Tanh
+from .primitives import Transpose as Transpose

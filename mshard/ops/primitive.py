@@ -10,7 +10,8 @@ Outside a region it runs as plain JAX.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 
@@ -41,7 +42,7 @@ class Primitive:
         st = "" if self.in_strategy is None else f".shard({tuple(s.counts if s else None for s in self.in_strategy)})"
         return f"{self.kind}({self.name or ''}){st}"
 
-    def shard(self, in_strategy: Any, out_strategy: Any = None) -> "Primitive":
+    def shard(self, in_strategy: Any, out_strategy: Any = None) -> Primitive:
         """Set MindSpore's strategy: one split tuple (or Layout call / PartitionSpec) per tensor input."""
         where = f"{self.kind}{' ' + repr(self.name) if self.name else ''}"
         self.in_strategy = normalize_in_strategy(in_strategy, self.n_tensors, where)
