@@ -200,12 +200,15 @@ class Region:
             from .planner import search_region
             planned = search_region(closed, infos, ctx=ctx, algorithm=algorithm, param_plans=trace.param_plans)
             layouts = planned.layouts
-            save = ctx.strategy_ckpt_config.get("save_file")
-            if save:
-                planned.plan.save(save)
         else:
             layouts = plan_region(closed, infos, mode=ctx.parallel_mode, device_num=n,
                                   dataset_strategy=ctx.dataset_strategy, param_plans=trace.param_plans)
+        save = ctx.strategy_ckpt_config.get("save_file")
+        if save and ctx.parallel_mode in ("semi_auto_parallel", "auto_parallel"):
+            from .planner import search_region
+            plan = planned.plan if planned else search_region(closed, infos, ctx=ctx, algorithm="user",
+                                                              param_plans=trace.param_plans).plan
+            plan.save(save)
         if self.input_layout_hook is not None:
             layouts.inputs = list(self.input_layout_hook(infos, layouts))
         mesh = layouts.mesh.jax_mesh()

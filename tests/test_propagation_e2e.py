@@ -199,3 +199,12 @@ def test_parameters_placed_once():
         w = m.w1[...]
         f(m, x)
         assert m.w1[...] is w
+
+
+def test_save_file_in_semi_auto_records_user_strategies(tmp_path):
+    save = tmp_path / "semi.json"
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", strategy_ckpt_config={"save_file": str(save)})
+    m, (x,) = MODELS["mlp"](), inputs("mlp")
+    mm1 = ops.MatMul(name="fc1").shard(((2, 1), (1, 4)))
+    ms.jit(lambda m, x: mm1(x, m.w1[...]) @ m.w2[...])(m, x)
+    assert ms.load_plan(save).strategies["fc1/MatMul"] == ((2, 1), (1, 4))
