@@ -158,17 +158,21 @@ class Assigner:
             pref = [p[d] for p in prefer if p is not None and d < len(p) and p[d]]
             if c in self.by_count and (reuse or not (set(self.by_count[c]) & avoid)):
                 pref.append(self.by_count[c])
-            free = [a for a in self.mesh.names if a not in used]
-            axes = choose_axes(c, free, self.mesh, pref, avoid)
-            if axes is None:
-                raise StrategyError(f"{where}: split {c} on dim {d} cannot be made from the free mesh axes "
-                                    f"{dict((a, self.mesh.axis_size(a)) for a in free)} of mesh "
-                                    f"{dict(zip(self.mesh.names, self.mesh.shape))}; choose splits whose product "
-                                    f"is a product of distinct mesh axes.")
-            out[d] = axes
-            used.update(axes)
-            self.by_count.setdefault(c, axes)
+            out[d] = self._take(c, used, pref, avoid, lambda free, c=c, d=d: (
+                f"{where}: split {c} on dim {d} cannot be made from the free mesh axes "
+                f"{ {a: self.mesh.axis_size(a) for a in free} } of mesh {dict(zip(self.mesh.names, self.mesh.shape))}; "
+                f"choose splits whose product is a product of distinct mesh axes."))
         return tuple(out)
+
+    def _take(self, c: int, used: set[str], prefer, avoid, message) -> tuple[str, ...]:
+        """Axes for a ``c``-way split among the axes not in ``used``; records them in ``used`` and ``by_count``."""
+        free = [a for a in self.mesh.names if a not in used]
+        axes = choose_axes(c, free, self.mesh, prefer, avoid)
+        if axes is None:
+            raise StrategyError(message(free))
+        used.update(axes)
+        self.by_count.setdefault(c, axes)
+        return axes
 
     def layout_of(self, var, avoid: set[str] = frozenset()) -> DimAxes | None:
         if isinstance(var, jcore.Literal):
@@ -226,16 +230,10 @@ class Assigner:
                         avoid.update(k[pos])
             if c in self.by_count:
                 prefer.append(self.by_count[c])
-            free = [a for a in self.mesh.names if a not in used]
-            axes = choose_axes(c, free, self.mesh, prefer, avoid)
-            if axes is None:
-                raise StrategyError(f"{name}: the strategy splits its dims {counts} over more mesh axes than "
-                                    f"mesh {dict(zip(self.mesh.names, self.mesh.shape))} has free for a "
-                                    f"{c}-way split; the product of all of the op's splits must divide "
-                                    f"device_num={self.mesh.size}.")
-            loop[letter] = axes
-            used.update(axes)
-            self.by_count.setdefault(c, axes)
+            loop[letter] = self._take(c, used, prefer, avoid, lambda free, c=c: (
+                f"{name}: the strategy splits its dims {counts} over more mesh axes than mesh "
+                f"{dict(zip(self.mesh.names, self.mesh.shape))} has free for a {c}-way split; the product of all "
+                f"of the op's splits must divide device_num={self.mesh.size}."))
         for i, dims in enumerate(note.in_dims):
             self.marks[(note.uid, "in", i)] = (None if note.in_strategy[i] is None else
                                                tuple(loop.get(l, ()) if l else () for l in dims))
