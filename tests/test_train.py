@@ -1,0 +1,242 @@
+"""N-step training with TrainOneStepCell in every mode equals single-device nnx + optax (tests/train_helpers.py).
+
+Tolerance: PARAM_RTOL=2e-5 / PARAM_ATOL=2e-6 on parameters after 3 steps (float32; the partitioned gradient
+sums reorder additions; Adam's 1/sqrt(nu) amplifies the relative error of tiny gradients a little). The GPT
+tests use SGD with momentum: the attention key bias has an exactly-zero gradient (softmax is shift invariant),
+whose float noise (~1e-9, different for every partitioning) Adam would scale up to full-size updates.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mshard as ms
+from mshard import nn
+from mshard.errors import OptimizerParallelError
+
+from helpers import split_counts
+from train_helpers import (MLP, TinyGPT, assert_params_close, assert_trees_close, batches, mse, reference_train,
+                           token_loss)
+
+STEPS = 3
+
+
+def run(net, tx, data, loss_fn=mse, wrap=None):
+    step = nn.TrainOneStepCell(wrap(nn.WithLossCell(net, loss_fn)) if wrap else nn.WithLossCell(net, loss_fn), tx)
+    losses = [float(step(*b)) for b in data]
+    return step, losses
+
+
+@pytest.mark.parametrize("mode", ["stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel"])
+def test_every_mode_matches_one_device_adam(mode):
+    ms.set_auto_parallel_context(parallel_mode=mode, device_num=8, gradients_mean=True)
+    data = batches(STEPS, [(32, 16), (32, 8)])
+    net = MLP(nnx.Rngs(0))
+    ref, ref_opt, ref_losses = reference_train(net, optax.adam(1e-2), data, mse)
+    step, losses = run(net, optax.adam(1e-2), data)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+    assert_trees_close(step.opt_state, ref_opt)
+    # parameters and optimizer state live on the planned shardings (replicated here), over the step's devices
+    w = net.fc1.weight[...]
+    assert len(w.sharding.device_set) == (1 if mode == "stand_alone" else 8)
+    mu = step.opt_state[0].mu["backbone"]["fc1"]["weight"]
+    assert mu.sharding == w.sharding
+
+
+def test_data_parallel_gradients_mean_false_is_the_sum_over_replicas():
+    """MindSpore: each of the 8 devices' gradient of its own mean loss, all-reduced (summed)."""
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=False)
+    data = batches(STEPS, [(32, 16), (32, 8)], seed=1)
+    net = MLP(nnx.Rngs(1))
+    ref, _, _ = reference_train(net, optax.sgd(1e-3), data, mse, grad_scale=8.0)
+    run(net, optax.sgd(1e-3), data)
+    assert_params_close(net, ref)
+
+
+def test_data_parallel_sum_semantics_hold_for_a_sum_loss():
+    """With a loss summed over the batch, MindSpore's sum over replicas is the full-batch gradient (no x dp),
+    and gradients_mean=True divides it by dp: the per-replica reduction reproduces both."""
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True)
+    data = batches(2, [(32, 16), (32, 8)], seed=2)
+    net = MLP(nnx.Rngs(2))
+
+    def sse(p, y):
+        return jnp.sum((p - y) ** 2)
+    ref, _, _ = reference_train(net, optax.sgd(1e-4), data, sse, grad_scale=1 / 8)
+    run(net, optax.sgd(1e-4), data, loss_fn=sse)
+    assert_params_close(net, ref)
+
+
+def test_semi_auto_megatron_with_dropout_matches_one_device():
+    """fc1 column / fc2 row parallel (dp=2, mp=4), dropout masks drawn from the same key as on one device."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True)
+    data = batches(STEPS, [(32, 16), (32, 8)], seed=3)
+    net = MLP(nnx.Rngs(3), dropout=0.25).megatron(2, 4)
+    ref, ref_opt, ref_losses = reference_train(net, optax.adamw(1e-2), data, mse)
+    step, losses = run(net, optax.adamw(1e-2), data)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+    assert_trees_close(step.opt_state, ref_opt)
+    # Adam's moments follow their parameter's planned layout
+    lay = step.layouts(*data[0])
+    mu = step.opt_state[0].mu["backbone"]
+    for name in ("fc1", "fc2"):
+        w = getattr(net, name).weight[...]
+        assert mu[name]["weight"].sharding == w.sharding
+        assert w.sharding.mesh.axis_names == tuple(lay.mesh.names)
+    assert int(net.drop.rngs.count[...]) == int(ref.drop.rngs.count[...]) == STEPS
+
+
+def test_semi_auto_gradients_mean_false_scales_by_the_planned_batch_split():
+    """Megatron x:(2,1): the batch is cut 2 ways, so MindSpore's sum over replicas is 2x the mean gradient."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=False)
+    data = batches(STEPS, [(32, 16), (32, 8)], seed=4)
+    net = MLP(nnx.Rngs(4)).megatron(2, 4)
+    ref, _, _ = reference_train(net, optax.sgd(1e-3), data, mse, grad_scale=2.0)
+    run(net, optax.sgd(1e-3), data)
+    assert_params_close(net, ref)
+
+
+@pytest.mark.parametrize("mode", ["data_parallel", "semi_auto_parallel"])
+def test_grad_accumulation_equals_full_batch(mode):
+    ms.set_auto_parallel_context(parallel_mode=mode, device_num=8, gradients_mean=True)
+    data = batches(STEPS, [(64, 16), (64, 8)], seed=5)
+    net = MLP(nnx.Rngs(5))
+    if mode == "semi_auto_parallel":
+        net.megatron(2, 4)
+    ref, ref_opt, ref_losses = reference_train(net, optax.adam(1e-2), data, mse)
+    step, losses = run(net, optax.adam(1e-2), data, wrap=lambda n: nn.GradAccumulationCell(n, 4))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+    assert_trees_close(step.opt_state, ref_opt)
+
+
+@pytest.mark.parametrize("mode", ["data_parallel", "semi_auto_parallel"])
+def test_micro_batch_interleaved_equals_full_batch(mode):
+    ms.set_auto_parallel_context(parallel_mode=mode, device_num=8, gradients_mean=True)
+    data = batches(STEPS, [(32, 16), (32, 8)], seed=6)
+    net = MLP(nnx.Rngs(6))
+    if mode == "semi_auto_parallel":
+        net.megatron(2, 4)
+    ref, _, ref_losses = reference_train(net, optax.adam(1e-2), data, mse)
+    _, losses = run(net, optax.adam(1e-2), data, wrap=lambda n: nn.MicroBatchInterleaved(n, 2))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+
+
+def test_micro_batch_wrappers_called_directly_give_the_full_batch_loss():
+    x, y = batches(1, [(32, 16), (32, 8)], seed=7)[0]
+    net = MLP(nnx.Rngs(7))
+    full = float(mse(net(x), y))
+    np.testing.assert_allclose(float(nn.GradAccumulationCell(nn.WithLossCell(net, mse), 4)(x, y)), full, rtol=1e-6)
+    np.testing.assert_allclose(float(nn.MicroBatchInterleaved(nn.WithLossCell(net, mse), 4)(x, y)), full, rtol=1e-6)
+    with pytest.raises(ValueError, match="not divisible by 5"):
+        nn.GradAccumulationCell(nn.WithLossCell(net, mse), 5)(x, y)
+    with pytest.raises(ValueError, match="positive int"):
+        nn.MicroBatchInterleaved(nn.WithLossCell(net, mse), 0)
+
+
+@pytest.mark.parametrize("policy", [None, "dots_saveable"])
+def test_recompute_transformer_matches_one_device(policy):
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True)
+    data = batches(2, [(8, 8), (8, 8)], seed=8, ints=[32, 32])
+    net = TinyGPT(nnx.Rngs(8))
+    for blk in net.blocks:
+        blk.recompute(policy=policy)
+    ref, _, ref_losses = reference_train(net, optax.sgd(0.1, momentum=0.9), data, token_loss)
+    _, losses = run(net, optax.sgd(0.1, momentum=0.9), data, loss_fn=token_loss)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+
+
+def test_megatron_gpt_semi_auto_matches_one_device():
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True)
+    data = batches(2, [(8, 8), (8, 8)], seed=9, ints=[32, 32])
+    net = TinyGPT(nnx.Rngs(9))
+    for blk in net.blocks:
+        blk.shard_megatron(2, 4)
+    ref, _, ref_losses = reference_train(net, optax.sgd(0.1, momentum=0.9), data, token_loss)
+    _, losses = run(net, optax.sgd(0.1, momentum=0.9), data, loss_fn=token_loss)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+    rep = ms.comm_report(ms.jit(lambda m, x: m(x)), net, data[0][0])
+    assert rep.count("all-reduce") >= 2     # Megatron: one forward all-reduce per row-parallel projection
+
+
+# -- optimizer parallel --------------------------------------------------------------------------------
+def _mu(step, name):
+    return step.opt_state[0].mu["backbone"][name]["weight"]
+
+
+def test_optimizer_parallel_data_parallel_matches_unsharded_and_shards_state():
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True,
+                                 enable_parallel_optimizer=True,
+                                 parallel_optimizer_config={"parallel_optimizer_threshold": 1})
+    data = batches(STEPS, [(32, 16), (32, 8)], seed=10)
+    net = MLP(nnx.Rngs(10))
+    ref, ref_opt, _ = reference_train(net, optax.adam(1e-2), data, mse)
+    step, _ = run(net, optax.adam(1e-2), data)
+    assert_params_close(net, ref)
+    assert_trees_close(step.opt_state, ref_opt)
+    # fc1 [64,16] (4 KB) and fc2 [64,64] (16 KB) are >= 1 KB: mu/nu sharded 8 ways on dim 0; biases (256 B) not;
+    # fc3 [8, 64] is 2 KB and 8 divides 8: sharded too
+    assert _mu(step, "fc1").sharding.shard_shape((64, 16)) == (8, 16)
+    assert _mu(step, "fc2").sharding.shard_shape((64, 64)) == (8, 64)
+    assert _mu(step, "fc3").sharding.shard_shape((8, 64)) == (1, 64)
+    assert step.opt_state[0].nu["backbone"]["fc1"]["bias"].sharding.shard_shape((64,)) == (64,)
+    # the parameters themselves stay whole on every device (ZeRO-1), the update ran on the shards
+    assert net.fc2.weight[...].sharding.shard_shape((64, 64)) == (64, 64)
+    info = step.parallel_optimizer_info
+    assert info["network.backbone.fc2.weight"]["sharded"]
+    assert "threshold" in info["network.backbone.fc1.bias"]["reason"]
+    rep = ms.comm_report(step, *data[0])
+    assert rep.count("reduce-scatter") == 1 and rep.count("all-gather") == 1
+
+
+def test_optimizer_parallel_semi_auto_megatron_shards_over_the_data_parallel_axis():
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True,
+                                 enable_parallel_optimizer=True,
+                                 parallel_optimizer_config={"parallel_optimizer_threshold": 1})
+    data = batches(STEPS, [(32, 16), (32, 8)], seed=11)
+    net = MLP(nnx.Rngs(11)).megatron(2, 4)
+    ref, ref_opt, _ = reference_train(net, optax.adam(1e-2), data, mse)
+    step, _ = run(net, optax.adam(1e-2), data)
+    assert_params_close(net, ref)
+    assert_trees_close(step.opt_state, ref_opt)
+    # the batch is split 2 ways (x: (2, 1)): ZeRO adds that axis to dim 0 of each moment's parameter layout
+    for name in ("fc1", "fc2"):
+        w = getattr(net, name).weight[...]
+        m = _mu(step, name)
+        assert split_counts(m)[0] == 2 * split_counts(w)[0] and split_counts(m)[1:] == split_counts(w)[1:]
+    assert step.parallel_optimizer_info["network.backbone.fc2.weight"]["sharded"]
+
+
+def test_optimizer_weight_shard_size_limits_the_shard_and_must_fit_the_data_parallel_size():
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True,
+                                 enable_parallel_optimizer=True,
+                                 parallel_optimizer_config={"parallel_optimizer_threshold": 1,
+                                                            "optimizer_weight_shard_size": 2})
+    data = batches(2, [(32, 16), (32, 8)], seed=12)
+    net = MLP(nnx.Rngs(12))
+    ref, ref_opt, _ = reference_train(net, optax.adam(1e-2), data, mse)
+    step, _ = run(net, optax.adam(1e-2), data)
+    assert_params_close(net, ref)
+    assert_trees_close(step.opt_state, ref_opt)
+    assert split_counts(_mu(step, "fc2")) == (2, 1)
+    # semi_auto Megatron: the batch is split 2 ways, so a shard size of 4 cannot hold
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
+                                 parallel_optimizer_config={"optimizer_weight_shard_size": 4})
+    net2 = MLP(nnx.Rngs(12)).megatron(2, 4)
+    step2 = nn.TrainOneStepCell(nn.WithLossCell(net2, mse), optax.adam(1e-2))
+    with pytest.raises(OptimizerParallelError, match="optimizer_weight_shard_size=4 is larger than the "
+                                                     "data-parallel size 2"):
+        step2(*data[0])
+
+
+def test_train_one_step_cell_rejects_a_non_optax_optimizer():
+    with pytest.raises(TypeError, match="optax GradientTransformation"):
+        nn.TrainOneStepCell(nn.WithLossCell(MLP(nnx.Rngs(0)), mse), "adam")

@@ -1,0 +1,125 @@
+"""Tiny models and a single-device optax reference for the training tests (no mshard training code inside)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from mshard import nn
+
+# float32 training over a few steps: partitioned sums reorder additions, Adam divides by sqrt(nu)
+PARAM_RTOL, PARAM_ATOL = 2e-5, 2e-6
+
+
+class MLP(nn.Cell):
+    """16 -> 64 -> 64 -> 8; weights of 4 KB / 16 KB, biases of 256 B."""
+
+    def __init__(self, rngs, din=16, hidden=64, dout=8, dropout=0.0):
+        self.fc1 = nn.Dense(din, hidden, activation="relu", rngs=rngs)
+        self.fc2 = nn.Dense(hidden, hidden, activation="relu", rngs=rngs)
+        self.fc3 = nn.Dense(hidden, dout, rngs=rngs)
+        self.drop = nn.Dropout(p=dropout, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc3(self.drop(self.fc2(self.fc1(x))))
+
+    def megatron(self, dp, mp):
+        """fc1 column parallel, fc2 row parallel, fc3 data parallel."""
+        self.fc1.matmul.shard(((dp, 1), (mp, 1)))
+        self.fc1.bias_add.shard(((dp, mp), (mp,)))
+        self.fc2.matmul.shard(((dp, mp), (1, mp)))
+        return self
+
+
+class TinyGPT(nn.Cell):
+    def __init__(self, rngs, vocab=32, hidden=32, heads=4, layers=2, seq=8, ffn=64):
+        self.embedding = nn.Embedding(vocab, hidden, rngs=rngs)
+        self.position = nn.Embedding(seq, hidden, rngs=rngs)
+        self.blocks = nnx.List([nn.TransformerBlock(hidden, heads, ffn, rngs=rngs) for _ in range(layers)])
+        self.final_norm = nn.LayerNorm((hidden,))
+        self.head = nn.Dense(hidden, vocab, has_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.embedding(ids) + self.position(jnp.arange(ids.shape[1]))[None]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.final_norm(x))
+
+
+def mse(pred, y):
+    return jnp.mean((pred - y) ** 2)
+
+
+def token_loss(logits, labels):
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+def batches(n, shapes, seed=0, ints=None):
+    """``n`` batches of float32 arrays (or ints below ``ints`` for the entries marked True)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        b = []
+        for k, s in enumerate(shapes):
+            if ints and ints[k]:
+                b.append(rng.integers(0, ints[k], size=s).astype(np.int32))
+            else:
+                b.append(rng.normal(size=s).astype(np.float32))
+        out.append(tuple(b))
+    return out
+
+
+def reference_train(net, tx, data, loss_fn, grad_scale=1.0):
+    """Train a copy of ``net`` on device 0 with plain nnx + optax; -> (net, optax state, losses).
+
+    ``grad_scale`` multiplies the gradient of the mean loss (MindSpore's sum over data-parallel replicas)."""
+    net = nnx.clone(net)
+    dev = jax.devices()[0]
+    params = jax.device_put(nnx.state(net, nnx.Param), dev)
+    nnx.update(net, params)
+    opt_state = jax.device_put(tx.init(nnx.as_pure(nnx.state(net, nnx.Param))), dev)
+    gdef, _ = nnx.split(net)
+
+    @jax.jit
+    def step(state, opt_state, *b):
+        m = nnx.merge(gdef, state)
+
+        def lossf(m):
+            return loss_fn(m(*b[:-1]), b[-1])
+        loss, g = nnx.value_and_grad(lossf)(m)
+        g = jax.tree.map(lambda x: x * grad_scale, nnx.as_pure(g))
+        p = nnx.as_pure(nnx.state(m, nnx.Param))
+        upd, opt_state = tx.update(g, opt_state, p)
+        nnx.update(m, optax.apply_updates(p, upd))
+        return nnx.state(m), opt_state, loss
+
+    state = nnx.state(net)
+    losses = []
+    for b in data:
+        state, opt_state, loss = step(state, opt_state, *[jax.device_put(x, dev) for x in b])
+        losses.append(float(loss))
+    nnx.update(net, state)
+    return net, opt_state, losses
+
+
+
+def params_of(net):
+    return jax.tree.leaves(nnx.state(net, nnx.Param))
+
+
+def assert_params_close(a, b, rtol=PARAM_RTOL, atol=PARAM_ATOL):
+    pa, pb = params_of(a), params_of(b)
+    assert len(pa) == len(pb)
+    for x, y in zip(pa, pb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def assert_trees_close(a, b, rtol=PARAM_RTOL, atol=PARAM_ATOL):
+    """Leaves in order (an optax state of a WithLossCell has one more key level than the bare network's)."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert x.shape == y.shape
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
