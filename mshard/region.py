@@ -281,8 +281,9 @@ class Region:
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` of this region for these arguments (``.compile().as_text()`` gives HLO)."""
         comp, _, states, flat_data = self._prepare(args, kwargs)
-        flat_state = [x for s in states for x in jax.tree.leaves(s)]
-        return comp.jitted.lower(*flat_state, *flat_data)
+        flat = [x for s in states for x in jax.tree.leaves(s)] + list(flat_data)
+        return comp.jitted.lower(*[jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+                                   for x, sh in zip(flat, comp.in_shardings)])
 
     def layouts(self, *args) -> RegionLayouts:
         """The planned layouts (mesh, inputs, marks) for these arguments (traces, does not run)."""
@@ -307,8 +308,16 @@ def _follow_plan(flat_data: list, shardings: list) -> list:
     """Data arrays already committed to another layout (e.g. ``ms.dataset.shard_batch`` by dataset_strategy,
     where the region lays the input out as its first annotated consumer asks) are resharded to the plan;
     jax.jit would reject them."""
-    return [jax.device_put(x, sh) if isinstance(x, jax.Array) and x.committed and x.sharding != sh else x
-            for x, sh in zip(flat_data, shardings)]
+    multi = jax.process_count() > 1
+    out = []
+    for x, sh in zip(flat_data, shardings):
+        if isinstance(x, jax.Array):
+            x = jax.device_put(x, sh) if x.committed and x.sharding != sh else x
+        elif multi:   # a host value every process holds in full: each process fills its own devices' slices
+            host = np.asarray(x)
+            x = jax.make_array_from_callback(host.shape, sh, lambda idx, host=host: host[idx])
+        out.append(x)
+    return out
 
 
 def search_algorithm(ctx) -> str | None:
