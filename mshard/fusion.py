@@ -84,11 +84,17 @@ def _axes(axes: Sequence[str]):
     return None if not axes else (axes[0] if len(axes) == 1 else axes)
 
 
-def _after(x, token):
-    """``x`` plus a zero computed from ``token``: a data dependency XLA keeps, so a bucket's collective runs
-    after the previous bucket's and the collective combiner cannot merge them (``optimization_barrier`` is
-    expanded before the combiner runs). ``min(|t|, 0)`` is 0 for every finite or infinite ``t``."""
-    return x + jnp.minimum(jnp.abs(token), 0).astype(x.dtype)
+def after(x, token):
+    """``x`` plus a zero computed from ``token``: a data dependency XLA keeps, so whatever consumes the result
+    runs after ``token`` exists. Used to order a bucket's collective after the previous bucket's (so XLA's
+    collective combiner cannot merge them; ``optimization_barrier`` is expanded before the combiner runs) and
+    a recomputation after the cotangent that needs it (:meth:`mshard.nn.Cell.recompute`).
+    ``select(isfinite(t), t, 0) * 0`` is 0 for every ``t`` (NaN and inf included) and XLA does not fold it."""
+    t = jnp.asarray(token)
+    return x + (jnp.where(jnp.isfinite(t), t, jnp.zeros_like(t)) * 0).astype(x.dtype)
+
+
+_after = after
 
 
 def _smap(fn, mesh: Mesh, in_specs, out_specs):

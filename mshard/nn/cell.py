@@ -23,6 +23,7 @@ import weakref
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from .. import annotate
@@ -93,13 +94,51 @@ def _remat(cell: "Cell", call: Callable, path: str, trace, policy) -> Callable:
             changed[:] = [i for i, (x, y) in enumerate(zip(new, flat)) if x is not y]
             return out, [new[i] for i in changed]
 
-        out, written = jax.checkpoint(pure, policy=policy)(leaves, *args)
+        out, written = _ordered_checkpoint(pure, policy)(leaves, *args)
         if changed:
             new = list(leaves)
             for i, x in zip(changed, written):
                 new[i] = x
             nnx.update(cell, jax.tree.unflatten(tree, new))
         return out
+    return run
+
+
+def _ordered_checkpoint(fn: Callable, policy) -> Callable:
+    """``jax.checkpoint(fn, policy)`` whose backward recomputation is data-dependent on the incoming cotangent.
+
+    ``fn(state_leaves, *activations)``. jax.checkpoint orders the recomputation with an optimization barrier,
+    which XLA:CPU expands before scheduling, so the recomputation can be hoisted into the forward pass and
+    CSE'd away (no memory saved). Here the saved residuals other than the state (the activations, and the
+    values the policy saves) pass through :func:`mshard.fusion.after` with a cotangent element first, which
+    keeps each recomputation after its layer's cotangent on every backend.
+    """
+    from ..fusion import after
+    ck = jax.checkpoint(fn, policy=policy)
+    keep: list[bool] = []
+
+    @jax.custom_vjp
+    def run(*xs):
+        return fn(*xs)
+
+    def fwd(*xs):
+        out, vjp = jax.vjp(ck, *xs)
+        state = {id(x) for x in jax.tree.leaves(xs[0])}
+        keep[:] = [id(r) in state for r in jax.tree.leaves(vjp)]
+        return out, vjp
+
+    def bwd(vjp, ct):
+        cts = [c for c in jax.tree.leaves(ct) if hasattr(c, "dtype") and jnp.issubdtype(c.dtype, jnp.floating)
+               and c.size]
+        if cts:
+            t = cts[0].reshape(-1)[0]
+            leaves, tree = jax.tree.flatten(vjp)
+            leaves = [r if k or not jnp.issubdtype(r.dtype, jnp.floating) else after(r, t)
+                      for r, k in zip(leaves, keep)]
+            vjp = jax.tree.unflatten(tree, leaves)
+        return vjp(ct)
+
+    run.defvjp(fwd, bwd)
     return run
 
 
