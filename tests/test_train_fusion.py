@@ -1,0 +1,103 @@
+"""Gradient communication fusion (comm_fusion, all_reduce_fusion_config) as seen in the compiled step's HLO.
+
+The MLP's gradients, in parameter order (sorted paths), and their float32 sizes:
+fc1.bias 64 (256 B), fc1.weight 64x16 (4096 B), fc2.bias 64 (256 B), fc2.weight 64x64 (16384 B),
+fc3.bias 8 (32 B), fc3.weight 8x64 (2048 B). The loss's own all-reduce (the mean of the replicas' losses,
+a 4-byte f32[]) may be merged into any gradient all-reduce by XLA; it is counted apart below.
+"""
+
+import re
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mshard as ms
+from mshard import nn
+from mshard.errors import CommFusionWarning
+from mshard.fusion import plan_buckets
+
+from train_helpers import MLP, assert_params_close, batches, mse, reference_train
+
+SIZES = [256, 4096, 256, 16384, 32, 2048]
+
+
+def gradient_collectives(step, data, kind):
+    """Sizes of the ``kind`` collectives in the compiled step, without the 4-byte f32[] loss reduction."""
+    out = []
+    for c in ms.comm_report(step, *data).collectives:
+        if c.kind != kind:
+            continue
+        shape = c.text.split("=", 1)[1].split(kind)[0]
+        scalar = 4 * len(re.findall(r"f32\[\]", shape))
+        if c.nbytes - scalar:
+            out.append(c.nbytes - scalar)
+    return out
+
+
+def make_step(**ctx):
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True, **ctx)
+    net = MLP(nnx.Rngs(0))
+    return net, nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
+
+
+DATA = batches(2, [(32, 16), (32, 8)])
+
+
+def test_plan_buckets_modes():
+    assert plan_buckets(SIZES, "index", (2, 4)) == [[0, 1], [2, 3], [4, 5]]
+    assert plan_buckets(SIZES, "index", (20, 35)) == [[0, 1, 2, 3, 4, 5]]          # indices past the end
+    assert plan_buckets(SIZES, "size", 0.01) == [[0, 1, 2], [3], [4, 5]]           # 10485 B buckets
+    assert plan_buckets(SIZES, "auto", None) == [[0, 1, 2, 3, 4, 5]]               # 64 MB
+    assert plan_buckets([40 << 20, 30 << 20, 1 << 20], "auto", None) == [[0], [1, 2]]
+
+
+def test_default_auto_fusion_is_one_all_reduce_of_every_gradient():
+    _, step = make_step()
+    assert gradient_collectives(step, DATA[0], "all-reduce") == [sum(SIZES)]
+
+
+@pytest.mark.parametrize("ctx, buckets", [
+    (dict(all_reduce_fusion_config=[2, 4]), [[0, 1], [2, 3], [4, 5]]),
+    (dict(all_reduce_fusion_config=[1]), [[0], [1, 2, 3, 4, 5]]),
+    (dict(comm_fusion={"allreduce": {"mode": "index", "config": [3, 5]}}), [[0, 1, 2], [3, 4], [5]]),
+    (dict(comm_fusion={"allreduce": {"mode": "size", "config": 0.01}}), [[0, 1, 2], [3], [4, 5]]),
+    (dict(comm_fusion={"allreduce": {"mode": "size", "config": 0.001}}), [[0], [1], [2], [3], [4], [5]]),
+])
+def test_gradient_all_reduces_follow_the_fusion_config(ctx, buckets):
+    net, step = make_step(**ctx)
+    got = gradient_collectives(step, DATA[0], "all-reduce")
+    assert sorted(got) == sorted(sum(SIZES[i] for i in b) for b in buckets)
+    # and the step still trains exactly like one device
+    ref, _, _ = reference_train(net, optax.adam(1e-2), DATA, mse)
+    for b in DATA:
+        step(*b)
+    assert_params_close(net, ref)
+
+
+def test_optimizer_parallel_reduce_scatter_and_all_gather_buckets():
+    net, step = make_step(enable_parallel_optimizer=True,
+                          parallel_optimizer_config={"parallel_optimizer_threshold": 0},
+                          comm_fusion={"reducescatter": {"mode": "size", "config": 0.005},
+                                       "allgather": {"mode": "auto", "config": None}})
+    # every gradient is ZeRO-sharded: reduce-scatter buckets of <= 5242 B, one all-gather of all parameters
+    rs = gradient_collectives(step, DATA[0], "reduce-scatter")
+    expect = [sum(SIZES[i] for i in b) // 8 for b in plan_buckets(SIZES, "size", 0.005)]
+    assert sorted(rs) == sorted(expect) == [260, 576, 2048]     # [fc1.*, fc2.bias] [fc2.weight] [fc3.*], / 8
+    assert gradient_collectives(step, DATA[0], "all-gather") == [sum(SIZES)]
+    assert gradient_collectives(step, DATA[0], "all-reduce") == []
+    ref, _, _ = reference_train(net, optax.adam(1e-2), DATA, mse)
+    for b in DATA:
+        step(*b)
+    assert_params_close(net, ref)
+
+
+def test_fusion_config_on_a_model_parallel_step_warns():
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True,
+                                 all_reduce_fusion_config=[2, 4])
+    net = MLP(nnx.Rngs(0)).megatron(2, 4)
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
+    with pytest.warns(CommFusionWarning, match="model-parallel"):
+        loss = step(*DATA[0])
+    assert np.isfinite(float(loss))
