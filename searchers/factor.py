@@ -1,0 +1,323 @@
+"""A graph as a pairwise cost problem, the common input of dynamic_programming and ilp.
+
+Every op is a *node* with a list of candidate strategies and a cost vector over them
+(:func:`~searchers.cost_vectors.op_cost_vector`); every pair of ops joined by at least one
+edge is a *pair* with a matrix of redistribution costs between their candidates
+(:func:`~searchers.cost_vectors.edge_cost_matrix`; several edges between one pair — ``mul(x, x)``,
+or two results of one producer — are summed: MindSpore's edge elimination). The total cost
+of a choice of one candidate per node is the sum of the chosen unary entries and pair
+entries, which equals :func:`~searchers.cost.graph_cost`'s total.
+
+Every vector and matrix carries an integer *content key*: two arrays with one key are equal.
+Keys of derived arrays are built from the keys of their inputs, so the ops of identical
+layers produce identical keys and a searcher can memoise its expensive steps on them
+(this is how repeated layers are recognised: by content, not by name).
+
+Two exact shrinks are provided: :meth:`Problem.absorb_single` folds every node with one
+candidate (a user strategy, or an op that cannot be split) into its neighbours' vectors, and
+:meth:`Problem.follow_elementwise` ties an elementwise op to its only consumer
+(``elementwise_op_strategy_follow``).
+
+>>> from searchers.graph import DeviceMesh, Graph
+>>> from searchers.cost import CostParams, graph_cost
+>>> g = Graph(DeviceMesh((2,)))
+>>> x = g.source("x", (4, 6))
+>>> _ = g.add_op("exp", "exp", {"i": 4, "j": 6}, [x], [("i", "j")], [("i", "j")])
+>>> p = Problem.build(g, CostParams())
+>>> [len(c) for c in p.cands], p.pair_count()
+([3, 3], 1)
+>>> choice = {0: 1, 1: 1}
+>>> s = {v: p.cands[v][c] for v, c in choice.items()}
+>>> bool(abs(p.total(choice) - graph_cost(g, s, CostParams()).total) < 1e-12)
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from .cost import CostParams
+from .cost_vectors import layout_cost_matrix, spec_cost_vector
+from .graph import Graph, Strategy, TensorLayout
+from .spec import layout_of, spec_from_key, spec_key
+from .strategies import strategies_for
+
+
+class Keys:
+    """Interns hashable descriptions into small ints (content keys)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple, int] = {}
+        self._t: dict[int, int] = {}
+
+    def __call__(self, desc: tuple) -> int:
+        k = self._ids.get(desc)
+        if k is None:
+            k = self._ids[desc] = len(self._ids)
+        return k
+
+    def transposed(self, k: int) -> int:
+        """Key of the transpose of the matrix with key ``k`` (``transposed(transposed(k)) == k``)."""
+        t = self._t.get(k)
+        if t is None:
+            t = self(("T", k))
+            self._t[k], self._t[t] = t, k
+        return t
+
+
+class Problem:
+    """Nodes (ops) with candidates and cost vectors, pairs with cost matrices (see module doc).
+
+    ``adj[v]`` maps each neighbour of node ``v`` to the pair index; pair ``i`` joins
+    ``lo[i] < hi[i]`` with matrix ``mat[i]`` of shape ``(len(cands[lo]), len(cands[hi]))``.
+    Removed pairs have ``mat[i] is None``; removed nodes ``alive[v] is False``. Arrays are
+    shared between nodes and pairs with equal keys: never modify one in place.
+    """
+
+    def __init__(self, graph: Graph, params: CostParams) -> None:
+        self.graph, self.params = graph, params
+        self.keys = Keys()
+        self.cands: list[tuple[Strategy, ...]] = []
+        self.unary: list[np.ndarray] = []
+        self.ukey: list[int] = []
+        self.alive: list[bool] = []
+        self.adj: list[dict[int, int]] = []
+        self.lo: list[int] = []
+        self.hi: list[int] = []
+        self.mat: list[np.ndarray | None] = []
+        self.mkey: list[int] = []
+        self.decided: dict[int, int] = {}        # node -> candidate index, for nodes removed with one choice
+        self.follows: dict[int, tuple[int, np.ndarray]] = {}   # node -> (leader, candidate map)
+        self.cells = 0                           # sum over live pairs of len(cands[lo]) * len(cands[hi])
+
+    # -- building ------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
+              max_candidates: int | None = None) -> Problem:
+        """The problem of ``graph``: candidates as :func:`~searchers.strategies.enumerate_strategies`
+        gives them (a fixed op has its one strategy), costs from the cost model."""
+        self = cls(graph, params)
+        mesh, keys = graph.mesh, self.keys
+        tensors = graph.tensors
+        cand_ids: dict[tuple, int] = {}
+        cand_lists: list[tuple[Strategy, ...]] = []
+        vec_memo: dict[tuple, tuple[np.ndarray, int]] = {}
+        lay_memo: dict[tuple, tuple[int, tuple[TensorLayout, ...]]] = {}
+        mat_memo: dict[int, np.ndarray] = {}
+        res_index = [0] * len(tensors)
+        skeys = []
+        for op in graph.ops:
+            for j, tid in enumerate(op.outputs):
+                res_index[tid] = j
+            sk = spec_key(op, graph)
+            skeys.append(sk)
+            fixed = None if op.fixed is None else tuple(tuple(a) for a in op.fixed)
+            ck = (sk[0], fixed)
+            cid = cand_ids.get(ck)
+            if cid is None:
+                if fixed is not None:
+                    cands: tuple[Strategy, ...] = (fixed,)
+                else:
+                    spec = spec_from_key(sk)
+                    cands = strategies_for(spec.sizes, spec.unsplittable, mesh.shape,
+                                           fully_use_devices and not op.is_source, max_candidates)
+                cid = cand_ids[ck] = len(cand_lists)
+                cand_lists.append(cands)
+            cands = cand_lists[cid]
+            got = vec_memo.get((sk, cid))
+            if got is None:
+                vec = spec_cost_vector(spec_from_key(sk), cands, mesh, params)
+                got = vec_memo[sk, cid] = (vec, keys(("u", sk, cid)))
+            self.cands.append(cands)
+            self.unary.append(got[0])
+            self.ukey.append(got[1])
+            self.alive.append(True)
+            self.adj.append({})
+
+        def layouts(v: int, out: bool, idx: int) -> tuple[int, tuple[TensorLayout, ...]]:
+            sk = skeys[v]
+            cid = cand_ids[sk[0], None if graph.ops[v].fixed is None
+                           else tuple(tuple(a) for a in graph.ops[v].fixed)]
+            lk = (sk[0], cid, out, idx)
+            got = lay_memo.get(lk)
+            if got is None:
+                spec = spec_from_key(sk)
+                maps = spec.out_maps[idx] if out else spec.in_maps[idx]
+                lays = tuple(layout_of(maps, s) for s in cand_lists[cid])
+                got = lay_memo[lk] = (len(lay_memo), lays)
+            return got
+
+        for op in graph.ops:
+            c = op.id
+            for k, tid in enumerate(op.inputs):
+                p = tensors[tid].producer
+                src_id, src = layouts(p, True, res_index[tid])
+                dst_id, dst = layouts(c, False, k)
+                nbytes = tensors[tid].nbytes
+                mk = keys(("e", src_id, dst_id, nbytes))
+                m = mat_memo.get(mk)
+                if m is None:
+                    m = mat_memo[mk] = layout_cost_matrix(src, dst, nbytes, mesh, params)
+                self.add_pair(p, c, m, mk)
+        return self
+
+    # -- editing -------------------------------------------------------------------------------
+    def add_pair(self, a: int, b: int, m: np.ndarray, key: int) -> None:
+        """Add cost matrix ``m`` (shape ``a`` x ``b``) between nodes ``a != b``, summed into an
+        existing pair."""
+        if a > b:
+            a, b, m, key = b, a, m.T, self.keys.transposed(key)
+        i = self.adj[a].get(b)
+        if i is None:
+            i = len(self.lo)
+            self.lo.append(a)
+            self.hi.append(b)
+            self.mat.append(m)
+            self.mkey.append(key)
+            self.adj[a][b] = i
+            self.adj[b][a] = i
+            self.cells += m.size
+        else:
+            self.mat[i] = self.mat[i] + m
+            self.mkey[i] = self.keys(("+", self.mkey[i], key))
+
+    def oriented(self, i: int, v: int) -> tuple[np.ndarray, int]:
+        """Matrix of pair ``i`` with node ``v``'s candidates on the rows, and its key."""
+        m = self.mat[i]
+        assert m is not None
+        if v == self.lo[i]:
+            return m, self.mkey[i]
+        return m.T, self.keys.transposed(self.mkey[i])
+
+    def add_unary(self, v: int, vec: np.ndarray, key: int) -> None:
+        self.unary[v] = self.unary[v] + vec
+        self.ukey[v] = self.keys(("+", self.ukey[v], key))
+
+    def remove_pair(self, i: int) -> None:
+        a, b = self.lo[i], self.hi[i]
+        del self.adj[a][b], self.adj[b][a]
+        self.cells -= self.mat[i].size  # type: ignore[union-attr]
+        self.mat[i] = None
+
+    def fix(self, v: int, choice: int) -> None:
+        """Decide node ``v``: its pairs become vectors on its neighbours; ``v`` is removed."""
+        for u, i in list(self.adj[v].items()):
+            m, k = self.oriented(i, v)
+            self.add_unary(u, m[choice], self.keys(("row", k, choice)))
+            self.remove_pair(i)
+        self.alive[v] = False
+        self.decided[v] = choice
+
+    # -- exact shrinks -------------------------------------------------------------------------
+    def absorb_single(self) -> int:
+        """Fix every live node with exactly one candidate; returns how many."""
+        n = 0
+        for v, c in enumerate(self.cands):
+            if self.alive[v] and len(c) == 1:
+                self.fix(v, 0)
+                n += 1
+        return n
+
+    def follow_elementwise(self) -> int:
+        """``elementwise_op_strategy_follow``: an elementwise op (one result; every operand and the
+        result over the same loop dims) whose result has one consuming op takes the strategy that
+        gives its result the layout that consumer wants: it is merged into the consumer, and the
+        consumer's candidates whose operand layout the op cannot produce get an infinite cost.
+        Returns how many ops follow. Exact under the constraint."""
+        graph, n = self.graph, 0
+        for op in reversed(graph.ops):
+            v = op.id
+            if not self.alive[v] or not _elementwise(op) or len(self.cands[v]) < 2:
+                continue
+            users = set(graph.tensors[op.outputs[0]].consumers)
+            if len(users) != 1:
+                continue
+            (c,) = users
+            cons = graph.ops[c]
+            k = cons.inputs.index(op.outputs[0])
+            have = {layout_of_op(op, s, None): i for i, s in enumerate(self.cands[v])}
+            fmap = np.array([have.get(layout_of_op(cons, s, k), -1) for s in self.cands[c]], dtype=np.intp)
+            while c in self.follows:              # the consumer follows in turn: compose the maps
+                c, cmap = self.follows[c]
+                fmap = np.where(cmap >= 0, fmap[np.maximum(cmap, 0)], -1)
+            if not self.alive[c]:
+                continue
+            self._merge(v, c, fmap)
+            n += 1
+        return n
+
+    def _merge(self, v: int, c: int, fmap: np.ndarray) -> None:
+        """Node ``v``'s choice becomes ``fmap[choice of c]`` (-1: that choice of ``c`` is forbidden)."""
+        keys = self.keys
+        fk = keys(("map", fmap.tobytes()))
+        ok = fmap >= 0
+        safe = np.where(ok, fmap, 0)
+        bad = np.where(ok, 0.0, np.inf)
+        self.add_unary(c, self.unary[v][safe] + bad, keys(("pull", self.ukey[v], fk)))
+        for u, i in list(self.adj[v].items()):
+            m, k = self.oriented(i, u)            # u x v
+            self.remove_pair(i)
+            if u != c:
+                self.add_pair(u, c, m[:, safe], keys(("cols", k, fk)))
+            else:                                  # u == c: the v -> c redistribution on the diagonal
+                self.add_unary(c, m[np.arange(len(safe)), safe], keys(("diag", k, fk)))
+        self.alive[v] = False
+        self.follows[v] = (c, fmap)
+
+    def copy(self) -> Problem:
+        """An independent copy (arrays and the key table are shared: they are never modified)."""
+        new = Problem.__new__(Problem)
+        new.graph, new.params, new.keys = self.graph, self.params, self.keys
+        new.cands = self.cands
+        for name in ("unary", "ukey", "alive", "lo", "hi", "mat", "mkey"):
+            setattr(new, name, list(getattr(self, name)))
+        new.adj = [dict(d) for d in self.adj]
+        new.decided = dict(self.decided)
+        new.follows = dict(self.follows)
+        new.cells = self.cells
+        return new
+
+    # -- reading -------------------------------------------------------------------------------
+    def live(self) -> list[int]:
+        return [v for v, a in enumerate(self.alive) if a]
+
+    def pairs(self) -> Iterable[int]:
+        return (i for i, m in enumerate(self.mat) if m is not None)
+
+    def pair_count(self) -> int:
+        return sum(1 for _ in self.pairs())
+
+    def expand(self, choice: dict[int, int]) -> dict[int, int]:
+        """Complete a choice for the live nodes with the decided and following nodes."""
+        out = dict(self.decided)
+        out.update(choice)
+        for v in sorted(self.follows, reverse=True):     # a leader comes later in program order
+            c, fmap = self.follows[v]
+            out[v] = int(fmap[out[c]])
+        return out
+
+    def strategies(self, choice: dict[int, int]) -> dict[int, Strategy]:
+        return {v: self.cands[v][c] for v, c in sorted(choice.items())}
+
+    def total(self, choice: dict[int, int]) -> float:
+        """Cost of a choice for the live nodes under the current vectors and pairs."""
+        t = sum(float(self.unary[v][c]) for v, c in choice.items() if self.alive[v])
+        for i in self.pairs():
+            t += float(self.mat[i][choice[self.lo[i]], choice[self.hi[i]]])  # type: ignore[index]
+        return t
+
+
+def _elementwise(op) -> bool:
+    if op.is_source or len(op.outputs) != 1 or not op.inputs:
+        return False
+    out = op.out_dims[0]
+    return set(out) == set(op.dims) and all(d == out for d in op.in_dims)
+
+
+def layout_of_op(op, strategy: Strategy, index: int | None) -> TensorLayout:
+    """Operand ``index``'s layout (``None``: result 0's layout) of ``op`` under ``strategy``."""
+    where = dict(zip(op.dims, strategy))
+    dims = op.out_dims[0] if index is None else op.in_dims[index]
+    return tuple(where[d] if d is not None else () for d in dims)

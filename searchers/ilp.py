@@ -1,0 +1,315 @@
+"""ilp: an exact integer program over every op's strategies (Alpa; ALGORITHMS §6) — the yardstick.
+
+Variables: a binary ``x[v, s]`` per op ``v`` and candidate ``s`` (one per op: ``sum_s x[v, s] = 1``).
+Objective: ``sum x[v, s] * cost_v[s]`` plus, per pair of adjacent ops ``(a, b)``, the
+redistribution ``R_ab[s, t]`` of the chosen pair — linearised with Alpa's edge variables
+``e[a, b, s, t]`` (``sum_t e = x[a, s]``, ``sum_s e = x[b, t]``). Two shrinks keep it small and
+exact: candidates of an op whose rows (columns) of ``R`` are equal share one edge index
+(strategies that give a tensor the same layout), and a matrix that depends on one side only
+becomes a vector on that side; ops with one candidate (user strategies) are folded into their
+neighbours (:mod:`searchers.factor`). With ``elementwise_op_strategy_follow`` an elementwise
+op shares its consumer's variables.
+
+Memory: at every step (op, in program order) the live tensors, at the layout their producer
+gives them, must fit in ``device_memory_capacity`` bytes per device (:mod:`searchers.memory`);
+only steps that could exceed it get a row. A capacity no choice can meet raises ``ValueError``
+before solving.
+
+Solved with ``scipy.optimize.milp`` (HiGHS) under ``time_limit`` seconds. When it stops at the
+limit the best solution found is returned and a note gives the gap to the proven lower bound;
+when no solution was found in time, a note says so and the dynamic_programming answer is
+returned instead (``fallback=False`` raises ``TimeoutError``).
+
+>>> from searchers.graph import DeviceMesh, Graph
+>>> from searchers.cost import CostParams
+>>> g = Graph(DeviceMesh((2,)))
+>>> x = g.source("x", (4,), fixed=((0,),))
+>>> _ = g.add_op("neg", "neg", {"i": 4}, [x], [("i",)], [("i",)])
+>>> r = ilp(g, CostParams())
+>>> r.strategies, r.algorithm
+({0: ((0,),), 1: ((0,),)}, 'ilp')
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy import sparse
+from scipy.optimize import LinearConstraint, milp
+
+from .cache import cached_search
+from .cost import CostParams, graph_cost
+from .cost_vectors import candidate_tables
+from .factor import Problem
+from .graph import Graph
+from .memory import death_steps, live_ranges
+from .progress import Progress
+from .result import SearchResult
+from .spec import op_spec
+
+ALGORITHM = "ilp"
+
+_STATUS = {0: "optimal", 1: "stopped at the time limit", 2: "infeasible", 3: "unbounded", 4: "failed"}
+
+
+@dataclass
+class PairwiseSolution:
+    """The answer of :func:`solve_pairwise`: a candidate per node (``None`` when none was found),
+    whether it is proven optimal, the objective, the lower bound and their relative gap."""
+
+    choice: list[int] | None
+    optimal: bool
+    status: str
+    objective: float = math.nan
+    bound: float = math.nan
+    gap: float = math.nan
+    seconds: float = 0.0
+    size: dict[str, int] = field(default_factory=dict)
+
+
+def _groups(m: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """(representative index per group, group of every row (axis 0) or column (axis 1))."""
+    a = m if axis == 0 else m.T
+    _, first, inv = np.unique(a, axis=0, return_index=True, return_inverse=True)
+    return first, inv.reshape(-1)
+
+
+def solve_pairwise(unary: Sequence[np.ndarray], pairs: Sequence[tuple[int, int, np.ndarray]], *,
+                   time_limit: float = 60.0, mip_rel_gap: float = 1e-9,
+                   memory_rows: Sequence[tuple[dict[int, np.ndarray], float]] = ()) -> PairwiseSolution:
+    """Minimise ``sum_v unary[v][c_v] + sum_(a,b,R) R[c_a, c_b]`` over one candidate ``c_v`` per node.
+
+    ``pairs`` are ``(a, b, R)`` with ``R`` of shape ``(len(unary[a]), len(unary[b]))``; entries may
+    be ``inf`` (forbidden). ``memory_rows``: ``({node: bytes per candidate}, capacity)`` rows,
+    each ``sum_v bytes_v[c_v] <= capacity``.
+
+    >>> sol = solve_pairwise([np.array([1.0, 0.0]), np.array([0.0, 1.0])],
+    ...                      [(0, 1, np.array([[0.0, 5.0], [5.0, 0.0]]))])
+    >>> sol.choice, sol.optimal, round(sol.objective, 9)
+    ([0, 0], True, 1.0)
+    """
+    t0 = time.perf_counter()
+    n = len(unary)
+    if n == 0:
+        return PairwiseSolution([], True, "optimal", 0.0, 0.0, 0.0, 0.0)
+    uvec = [np.array(u, dtype=float) for u in unary]
+    const = 0.0
+    # pairs: compress equal rows/columns; one-sided matrices become vectors
+    edges = []
+    for a, b, m in pairs:
+        ra, ga = _groups(m, 0)
+        rb, gb = _groups(m, 1)
+        r = m[np.ix_(ra, rb)]
+        if len(ra) == 1 or len(rb) == 1:
+            if len(ra) == 1 and len(rb) == 1:
+                const += float(r[0, 0])
+            elif len(ra) == 1:
+                uvec[b] = uvec[b] + r[0, gb]
+            else:
+                uvec[a] = uvec[a] + r[ga, 0]
+            continue
+        edges.append((a, b, ga, gb, r))
+    offs = np.zeros(n + 1, dtype=np.int64)
+    offs[1:] = np.cumsum([len(u) for u in uvec])
+    nx = int(offs[-1])
+    scale_ref = sum(float(np.min(u[np.isfinite(u)])) if np.isfinite(u).any() else 0.0 for u in uvec)
+    cost_parts = [np.where(np.isfinite(u), u, 0.0) for u in uvec]
+    ub_parts = [np.where(np.isfinite(u), 1.0, 0.0) for u in uvec]
+    rows: list[np.ndarray] = []
+    cols: list[np.ndarray] = []
+    vals: list[np.ndarray] = []
+    lo: list[float] = []
+    hi: list[float] = []
+    nrow = 0
+    # one candidate per node
+    for v in range(n):
+        k = len(uvec[v])
+        rows.append(np.full(k, nrow))
+        cols.append(np.arange(offs[v], offs[v + 1]))
+        vals.append(np.ones(k))
+        lo.append(1.0)
+        hi.append(1.0)
+        nrow += 1
+    ne = 0
+    e_costs = []
+    for a, b, ga, gb, r in edges:
+        ok = np.isfinite(r)
+        ia, ib = np.nonzero(ok)
+        ids = nx + ne + np.arange(len(ia))
+        ne += len(ia)
+        e_costs.append(r[ia, ib])
+        scale_ref += float(np.min(r[ok])) if ok.any() else 0.0
+        A, B = r.shape
+        # sum_t e[g, t] - sum_{s in g} x[a, s] = 0 for every row group g; the same for columns
+        for side, node, grp, eidx in ((0, a, ga, ia), (1, b, gb, ib)):
+            G = A if side == 0 else B
+            rows.append(nrow + eidx)
+            cols.append(ids)
+            vals.append(np.ones(len(ids)))
+            rows.append(nrow + grp)
+            cols.append(offs[node] + np.arange(len(grp)))
+            vals.append(-np.ones(len(grp)))
+            lo.extend([0.0] * G)
+            hi.extend([0.0] * G)
+            nrow += G
+    for coefs, cap in memory_rows:
+        for v, byts in coefs.items():
+            nz = np.nonzero(byts)[0]
+            rows.append(np.full(len(nz), nrow))
+            cols.append(offs[v] + nz)
+            vals.append(np.asarray(byts, dtype=float)[nz])
+        lo.append(-np.inf)
+        hi.append(float(cap))
+        nrow += 1
+    nvar = nx + ne
+    c = np.concatenate(cost_parts + e_costs) if nvar else np.zeros(0)
+    scale = 1000.0 / scale_ref if scale_ref > 0 else (1000.0 / max(np.abs(c).max(), 1e-300) if nvar and
+                                                       np.abs(c).max() > 0 else 1.0)
+    ub = np.concatenate(ub_parts + [np.ones(ne)])
+    integrality = np.concatenate([np.ones(nx), np.zeros(ne)])   # e is integral once x is
+    A_ = sparse.csr_array((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(nrow, nvar))
+    size = {"nodes": n, "x": nx, "e": ne, "rows": nrow, "nonzeros": int(A_.nnz)}
+    res = milp(c * scale, integrality=integrality, bounds=(np.zeros(nvar), ub),
+               constraints=LinearConstraint(A_, np.array(lo), np.array(hi)),
+               options={"time_limit": max(0.01, float(time_limit)), "mip_rel_gap": mip_rel_gap,
+                        "disp": False})
+    secs = time.perf_counter() - t0
+    status = _STATUS.get(res.status, "failed")
+    if res.x is None:
+        return PairwiseSolution(None, False, status, seconds=secs, size=size)
+    x = res.x
+    choice = [int(np.argmax(x[offs[v]:offs[v + 1]])) for v in range(n)]
+    obj = float(res.fun) / scale + const
+    bound = getattr(res, "mip_dual_bound", None)
+    bound = float(bound) / scale + const if bound is not None and np.isfinite(bound) else math.nan
+    gap = float(getattr(res, "mip_gap", math.nan) or 0.0) if res.status != 0 else 0.0
+    return PairwiseSolution(choice, res.status == 0, status, obj, bound, gap, secs, size)
+
+
+# -- memory rows ----------------------------------------------------------------------------------
+def memory_rows(graph: Graph, prob: Problem, capacity: float, index: dict[int, int]
+                ) -> list[tuple[dict[int, np.ndarray], float]]:
+    """Rows ``sum bytes <= capacity`` for the steps that could exceed ``capacity`` (see the module
+    doc), over the live nodes numbered by ``index``. Raises ``ValueError`` when even the smallest
+    layouts exceed it at some step."""
+    n = len(graph.ops)
+    if not n or not math.isfinite(capacity):
+        return []
+    mesh = graph.mesh
+    first, last = live_ranges(graph)
+    # per tensor: bytes per candidate of its producer, as (owner node, vector over owner's candidates)
+    owner: dict[int, tuple[int, np.ndarray]] = {}
+    const = np.zeros(n + 1)
+    lo_d = np.zeros(n + 1)
+    hi_d = np.zeros(n + 1)
+    for op in graph.ops:
+        if not op.outputs:
+            continue
+        spec = op_spec(op, graph)
+        cands = prob.cands[op.id]
+        t = candidate_tables(spec.in_maps, spec.out_maps, spec.reduction, cands, mesh)
+        for j, tid in enumerate(op.outputs):
+            vec = t.out_div[:, j] * graph.tensors[tid].nbytes
+            f, l1 = first[tid], last[tid] + 1
+            v = op.id
+            if v in prob.decided:
+                const[f] += vec[prob.decided[v]]
+                const[l1] -= vec[prob.decided[v]]
+                continue
+            if v in prob.follows:
+                while v in prob.follows:
+                    lead, fmap = prob.follows[v]
+                    vec = np.where(fmap >= 0, vec[np.maximum(fmap, 0)], 0.0)
+                    v = lead
+                if v in prob.decided:
+                    const[f] += vec[prob.decided[v]]
+                    const[l1] -= vec[prob.decided[v]]
+                    continue
+            owner[tid] = (v, vec)
+            lo_d[f] += vec.min()
+            lo_d[l1] -= vec.min()
+            hi_d[f] += vec.max()
+            hi_d[l1] -= vec.max()
+    base = np.cumsum(const[:-1])
+    low = base + np.cumsum(lo_d[:-1])
+    high = base + np.cumsum(hi_d[:-1])
+    worst = int(np.argmax(low))
+    if low[worst] > capacity * (1 + 1e-12):
+        raise ValueError(
+            f"ilp: no choice of strategies fits device_memory_capacity={capacity:,.0f} bytes per device: "
+            f"at op {graph.ops[worst].name!r} (step {worst}) the live tensors need at least "
+            f"{low[worst]:,.0f} bytes even at their smallest layouts. Raise device_memory_capacity "
+            f"(set_cost_model_context), use more devices, or recompute activations.")
+    out = []
+    tids = np.array(sorted(owner), dtype=np.int64)
+    if not len(tids):
+        return out
+    tf, tl = first[tids], last[tids]
+    for step in death_steps(graph):
+        if high[step] <= capacity:
+            continue
+        coefs: dict[int, np.ndarray] = {}
+        for tid in tids[(tf <= step) & (tl >= step)]:
+            v, vec = owner[int(tid)]
+            k = index[v]
+            coefs[k] = coefs[k] + vec if k in coefs else vec
+        out.append((coefs, capacity - float(base[step])))
+    return out
+
+
+# -- the searcher -----------------------------------------------------------------------------
+@cached_search
+def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
+        elementwise_op_strategy_follow: bool = False, time_limit: float = 60.0,
+        mip_rel_gap: float = 1e-9, memory_limit: bool = True, max_candidates: int | None = None,
+        fallback: bool = True) -> SearchResult:
+    """The optimal strategies of ``graph`` under the cost model and the memory limit (module doc).
+
+    ``time_limit`` (seconds) bounds the solver; ``memory_limit=False`` drops the memory rows;
+    ``max_candidates`` keeps each op's first candidates (then it is exact only over those).
+    """
+    t0 = time.perf_counter()
+    notes: list[str] = []
+    with Progress(f"ilp: {len(graph)} ops", None) as bar:
+        prob = Problem.build(graph, params, fully_use_devices=fully_use_devices, max_candidates=max_candidates)
+        if elementwise_op_strategy_follow:
+            k = prob.follow_elementwise()
+            if k:
+                notes.append(f"elementwise_op_strategy_follow: {k} elementwise op(s) share their consumer's strategy")
+        prob.absorb_single()
+        live = prob.live()
+        index = {v: i for i, v in enumerate(live)}
+        pairs = [(index[prob.lo[i]], index[prob.hi[i]], prob.mat[i]) for i in prob.pairs()]
+        rows = memory_rows(graph, prob, params.device_memory_capacity, index) if memory_limit else []
+        if rows:
+            notes.append(f"memory: {len(rows)} step(s) could exceed device_memory_capacity="
+                         f"{params.device_memory_capacity:,.0f} B and are constrained")
+        bar.update(description=f"ilp: {len(live)} ops, {len(pairs)} pairs, time limit {time_limit:g} s")
+        left = max(0.01, time_limit - (time.perf_counter() - t0))
+        sol = solve_pairwise([prob.unary[v] for v in live], pairs, time_limit=left, mip_rel_gap=mip_rel_gap,
+                             memory_rows=rows)
+    if sol.status == "infeasible":
+        raise ValueError(f"ilp: no choice of strategies fits device_memory_capacity="
+                         f"{params.device_memory_capacity:,.0f} bytes per device (the integer program is "
+                         f"infeasible). Raise device_memory_capacity (set_cost_model_context) or use more devices.")
+    if sol.choice is None:
+        msg = (f"ilp: no solution found within time_limit={time_limit:g} s ({sol.size.get('x', 0)} strategy and "
+               f"{sol.size.get('e', 0)} edge variables); raise time_limit, or use dynamic_programming")
+        if not fallback:
+            raise TimeoutError(msg)
+        from .dynamic_programming import dynamic_programming
+        dp = dynamic_programming(graph, params, fully_use_devices=fully_use_devices,
+                                 elementwise_op_strategy_follow=elementwise_op_strategy_follow, cache=False)
+        return SearchResult(dp.strategies, dp.cost, ALGORITHM, time.perf_counter() - t0,
+                            notes + [msg + ": returned the dynamic_programming plan instead"] + dp.notes)
+    if not sol.optimal:
+        notes.append(f"ilp stopped at time_limit={time_limit:g} s before proving optimality: the plan costs "
+                     f"{sol.objective:.6g}, the lower bound is {sol.bound:.6g} (gap {100 * sol.gap:.3g}%)")
+    choice = prob.expand({v: sol.choice[i] for i, v in enumerate(live)})
+    strategies = prob.strategies(choice)
+    cost = graph_cost(graph, strategies, params)
+    return SearchResult(strategies, cost, ALGORITHM, time.perf_counter() - t0, notes)

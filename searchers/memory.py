@@ -1,0 +1,85 @@
+"""Per-device memory over program order: live ranges, the peak of a plan, bounds per step.
+
+The model (Alpa's): at step ``t`` (the ``t``-th op in program order) every tensor whose
+producer is at or before ``t`` and whose last consumer is at or after ``t`` is live (a graph
+output stays live to the end), and takes its global bytes divided by the split count of the
+layout its producer gives it. Redistributed copies and temporaries are not counted.
+
+>>> from searchers.graph import DeviceMesh, Graph
+>>> g = Graph(DeviceMesh((2,)))
+>>> x = g.source("x", (4, 4))                                       # 64 B
+>>> (y,) = g.add_op("exp", "exp", {"i": 4, "j": 4}, [x], [("i", "j")], [("i", "j")])
+>>> g.outputs.append(y)
+>>> peak_memory(g, {0: ((0,), ()), 1: ((), ())})                   # step 1: x (32 B) + y (64 B)
+(96.0, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from .graph import Graph, Strategy
+
+
+def live_ranges(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
+    """``(first, last)`` step of every tensor (indexed by tensor id)."""
+    n = len(graph.ops)
+    first = np.array([t.producer for t in graph.tensors], dtype=np.int64)
+    last = first.copy()
+    for t in graph.tensors:
+        if t.consumers:
+            last[t.id] = max(t.consumers)
+    for tid in graph.outputs:
+        last[tid] = n - 1
+    return first, last
+
+
+def _split(layout, shape) -> int:
+    n = 1
+    for axes in layout:
+        for a in axes:
+            n *= shape[a]
+    return n
+
+
+def local_bytes(graph: Graph, op_id: int, strategy: Strategy) -> list[float]:
+    """Local bytes of each result of op ``op_id`` under ``strategy``."""
+    op, shape = graph.ops[op_id], graph.mesh.shape
+    where = dict(zip(op.dims, strategy))
+    out = []
+    for tid, dims in zip(op.outputs, op.out_dims):
+        lay = tuple(where[d] if d is not None else () for d in dims)
+        out.append(graph.tensors[tid].nbytes / _split(lay, shape))
+    return out
+
+
+def memory_profile(graph: Graph, strategies: Mapping[int, Strategy]) -> np.ndarray:
+    """Bytes per device live at every step under ``strategies``."""
+    first, last = live_ranges(graph)
+    diff = np.zeros(len(graph.ops) + 1)
+    for op in graph.ops:
+        for tid, b in zip(op.outputs, local_bytes(graph, op.id, strategies[op.id])):
+            diff[first[tid]] += b
+            diff[last[tid] + 1] -= b
+    return np.cumsum(diff[:-1])
+
+
+def peak_memory(graph: Graph, strategies: Mapping[int, Strategy]) -> tuple[float, int]:
+    """``(peak bytes per device, step of the peak)``; ``(0.0, -1)`` for an empty graph."""
+    if not graph.ops:
+        return 0.0, -1
+    prof = memory_profile(graph, strategies)
+    t = int(np.argmax(prof))
+    return float(prof[t]), t
+
+
+def death_steps(graph: Graph) -> np.ndarray:
+    """Steps after which some tensor dies (and the last step): the only steps whose live set is
+    not contained in the next step's, so the only memory constraints that are not implied."""
+    _first, last = live_ranges(graph)
+    steps = set(last.tolist())
+    if graph.ops:
+        steps.add(len(graph.ops) - 1)
+    return np.array(sorted(steps), dtype=np.int64)

@@ -1,0 +1,305 @@
+"""recursive_programming: the double-recursive search (Wang et al., Euro-Par 2021; ALGORITHMS §5).
+
+The outer recursion splits the device count one prime factor at a time: one round per mesh
+axis (the mesh has one axis per prime factor, so 8 devices take log2(8) = 3 rounds of halving
+and 12 devices rounds of 2, 2 and 3). The inner recursion visits every op, heaviest first
+(weight: the op's cost when replicated), and gives it this round's *cut*: which loop dim the
+axis splits (or none). A cut is priced by the cost model on the op's partial strategy (the
+axes of the rounds so far): compute over the devices used, the all-reduce of a split
+reduction dim, memory — the symbolic costs of the paper (cutting ``i`` of a MatMul replicates
+the weight, cutting ``k`` leaves partial sums) — plus the redistribution against the
+neighbours already decided in this round, at their partial layouts.
+
+An op's round-``r`` cut depends only on its own earlier cuts and on the round-``r`` state of the
+heavier neighbours; so the rounds are run op by op in one pass (identical results to running
+them round by round), and each op's decision is memoised on (op shape and sizes, the decided
+neighbours' layouts): repeated layers cost one evaluation. Work is linear in the number of
+ops and edges; no sort beyond the weight order.
+
+Differences from MindSpore: user strategies (``op.fixed``) are always honoured (MindSpore only
+behind an environment variable); any device count works, not only powers of two up to 1024;
+the cut may be "none" when splitting costs more than it saves (disabled by
+``fully_use_devices``, which keeps only cuts that can still complete to a strategy using every
+mesh axis).
+
+>>> from searchers.graph import DeviceMesh, Graph
+>>> from searchers.cost import CostParams
+>>> g = Graph(DeviceMesh((2, 3)))
+>>> x = g.source("x", (12, 6))
+>>> w = g.source("w", (6, 4), kind="param")
+>>> (y,) = g.add_op("mm", "dot_general", {"m": 12, "k": 6, "n": 4}, [x, w], [("m", "k"), ("k", "n")], [("m", "n")])
+>>> r = recursive_programming(g, CostParams())
+>>> r.strategies[2]        # both rounds cut m (12 = 2 * 3 * 2): no all-reduce, the small weight replicated
+((0, 1), (), ())
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+
+from .cache import cached_search
+from .cost import CostParams
+from .graph import Graph, Strategy
+from .progress import Progress
+from .propagation import _predicted_cost, _State, _Tables
+from .result import SearchResult
+from .spec import layout_of, spec_key
+from .strategies import strategies_for
+
+ALGORITHM = "recursive_programming"
+_REL_TIE = 1e-9
+
+
+class _Rounds:
+    """Per op structure: the cuts allowed in each round, as candidate indices: ``kids[(r, i)]`` are
+    the candidates that extend partial strategy ``i`` (axes ``< r``) by a cut of axis ``r``."""
+
+    __slots__ = ("final_array", "finals", "kids", "n_axes", "rep")
+
+    def __init__(self, cands: tuple[Strategy, ...], finals: tuple[Strategy, ...], n_axes: int):
+        def code(s: Strategy) -> tuple[int, ...]:
+            where = [-1] * n_axes
+            for d, axes in enumerate(s):
+                for a in axes:
+                    where[a] = d
+            return tuple(where)
+
+        index = {code(s): i for i, s in enumerate(cands)}
+        self.n_axes = n_axes
+        self.rep = index[(-1,) * n_axes]
+        none = (-1,) * n_axes
+        kids: dict[tuple[int, int], set[int]] = {}
+        fin = set()
+        for f in finals:
+            c = code(f)
+            fin.add(index[c])
+            parent = self.rep
+            for r in range(n_axes):
+                kid = index[c[:r + 1] + none[r + 1:]]
+                kids.setdefault((r, parent), set()).add(kid)
+                parent = kid
+        # ties go to the cut of the leading loop dim (the batch dim first, as in data parallel), "none" last
+        dim_of = {i: c for c, i in index.items()}
+        self.kids = {(r, p): np.array(sorted(v, key=lambda i: (dim_of[i][r] < 0, dim_of[i][r])), dtype=np.intp)
+                     for (r, p), v in kids.items()}
+        self.finals = frozenset(fin)
+        self.final_array = np.array(sorted(fin), dtype=np.intp)
+
+
+@cached_search
+def recursive_programming(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
+                          elementwise_op_strategy_follow: bool = False, refine: int = 1) -> SearchResult:
+    """Strategies for every op of ``graph`` by the double-recursive search (see the module doc).
+
+    With ``elementwise_op_strategy_follow`` an elementwise op whose only consumer is already
+    decided takes the strategy that gives that consumer its operand without redistribution.
+    """
+    enabled = gc.isenabled()
+    gc.disable()            # only acyclic tuples and lists are allocated (see sharding_propagation)
+    try:
+        return _search(graph, params, fully_use_devices, elementwise_op_strategy_follow, refine)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine: int) -> SearchResult:
+    t0 = time.perf_counter()
+    mesh, ops, tensors = graph.mesh, graph.ops, graph.tensors
+    n, n_axes = len(ops), len(mesh.shape)
+    tab = _Tables(graph, params, False, None)          # every partial strategy is a candidate here
+    sids = [tab.spec_id(spec_key(op, graph)) for op in ops]
+    # flat layout slots: every op's operands then results; refs[v]: the slots of v's neighbours
+    # that v's cost depends on (its operands' producer results, its results' consumer operands)
+    in_base, out_base, nslot = [0] * n, [0] * n, 0
+    res_slot = [0] * len(tensors)
+    for op in ops:
+        in_base[op.id] = nslot
+        nslot += len(op.inputs)
+        out_base[op.id] = nslot
+        for j, tid in enumerate(op.outputs):
+            res_slot[tid] = nslot + j
+        nslot += len(op.outputs)
+    in_src: list[list[tuple[int, int]]] = []
+    refs: list[list[int]] = [[] for _ in ops]
+    outj: list[list[int]] = [[] for _ in ops]       # per op: the result index behind each consumer ref
+    for op in ops:
+        row = []
+        c, cb = op.id, in_base[op.id]
+        mine = refs[c]
+        for k, tid in enumerate(op.inputs):
+            p = tensors[tid].producer
+            slot = res_slot[tid]
+            j = slot - out_base[p]
+            row.append((p, j))
+            mine.append(slot)
+            refs[p].append(cb + k)
+            outj[p].append(j)
+        in_src.append(row)
+    # a signature says which operand / result each ref is: (operand count, result index per consumer ref)
+    sig_ids: dict[tuple, int] = {}
+    sigs: list[tuple] = []
+    sig_of = []
+    for op, js in zip(ops, outj):
+        t = (len(op.inputs), tuple(js))
+        i = sig_ids.get(t)
+        if i is None:
+            i = sig_ids[t] = len(sigs)
+            sigs.append(tuple((0, k) for k in range(t[0])) + tuple((1, j) for j in js))
+        sig_of.append(i)
+    rounds: dict[int, _Rounds] = {}
+    decisions: dict[tuple, int] = {}
+
+    def rounds_of(sid: int) -> _Rounds:
+        struct = tab.struct_of[sid]
+        got = rounds.get(struct)
+        if got is None:
+            spec = tab.specs[sid]
+            cands = tab.ensure(sid).cands
+            finals = strategies_for(spec.sizes, spec.unsplittable, mesh.shape, fully and bool(spec.in_maps))
+            got = rounds[struct] = _Rounds(cands, finals, n_axes)
+        return got
+
+    def decide(sid: int, sig: int, r: int, state: int, lids: tuple) -> int:
+        kids = rounds_of(sid).kids.get((r, state))
+        if kids is None:
+            return state
+        cost = tab.own[sid][kids]          # type: ignore[index]
+        for (out, idx), lid in zip(sigs[sig], lids):
+            cost = cost + tab.vector(sid, out, idx, lid)[kids]
+        lo = cost.min()
+        return int(kids[int(np.argmax(cost <= lo + _REL_TIE * abs(lo)))])
+
+    def refine_one(sid: int, sig: int, state: int, lids: tuple) -> int:
+        ro = rounds_of(sid)
+        fin = ro.final_array
+        cost = tab.own[sid][fin]           # type: ignore[index]
+        for (out, idx), lid in zip(sigs[sig], lids):
+            cost = cost + tab.vector(sid, out, idx, lid)[fin]
+        cur = cost[int(np.searchsorted(fin, state))] if state in ro.finals else np.inf
+        best = int(np.argmin(cost))
+        return int(fin[best]) if cost[best] < cur - _REL_TIE * abs(cur) else state
+
+    # heaviest first: fixed ops, then by the replicated cost, then program order
+    weight = np.zeros(len(tab.specs))
+    for sid in range(len(tab.specs)):
+        tab.ensure(sid)
+        weight[sid] = float(np.max(tab.own[sid]))   # type: ignore[arg-type]
+    is_fixed = [op.fixed is not None for op in ops]
+    order = (np.lexsort((np.arange(n), -weight[np.array(sids, dtype=np.intp)], ~np.array(is_fixed))).tolist()
+             if n else [])
+    # every op starts replicated (the state before round 0); fixed ops hold their strategy
+    lay = [0] * nslot
+    state = [0] * n
+    fixed_strategy: dict[int, Strategy] = {}
+    reps = {}
+    for v, op in enumerate(ops):
+        sid = sids[v]
+        if op.fixed is not None:
+            f = fixed_strategy[v] = tuple(tuple(a) for a in op.fixed)
+            spec = tab.specs[sid]
+            ins = [tab.lid(layout_of(m, f)) for m in spec.in_maps]
+            outs = [tab.lid(layout_of(m, f)) for m in spec.out_maps]
+        else:
+            rep = reps.get(sid)
+            if rep is None:
+                rep = reps[sid] = rounds_of(sid).rep
+            state[v] = rep
+            s = tab.structs[sid]
+            ins, outs = s.in_rows[rep], s.out_rows[rep]   # type: ignore[union-attr]
+        b = in_base[v]
+        lay[b:b + len(ins)] = ins
+        b = out_base[v]
+        lay[b:b + len(outs)] = outs
+    movable = [v for v in order if not is_fixed[v]]
+    structs = tab.structs
+    get = lay.__getitem__
+    with Progress(f"recursive_programming: {n} ops", n * n_axes) as bar:
+        for r in range(n_axes):
+            for v in movable:
+                sid = sids[v]
+                lids = tuple(map(get, refs[v]))
+                key = (sid, sig_of[v], r, state[v], lids)
+                c = decisions.get(key)
+                if c is None:
+                    c = decisions[key] = decide(sid, sig_of[v], r, state[v], lids)
+                if c != state[v]:
+                    state[v] = c
+                    st = structs[sid]
+                    ins, outs = st.in_rows[c], st.out_rows[c]   # type: ignore[union-attr]
+                    b = in_base[v]
+                    lay[b:b + len(ins)] = ins
+                    b = out_base[v]
+                    lay[b:b + len(outs)] = outs
+            bar.advance(n)
+        for _sweep in range(refine):
+            moved = 0
+            for v in movable:
+                sid = sids[v]
+                lids = tuple(map(get, refs[v]))
+                key = (sid, sig_of[v], -1, state[v], lids)
+                c = decisions.get(key)
+                if c is None:
+                    c = decisions[key] = refine_one(sid, sig_of[v], state[v], lids)
+                if c != state[v]:
+                    moved += 1
+                    state[v] = c
+                    st = structs[sid]
+                    ins, outs = st.in_rows[c], st.out_rows[c]   # type: ignore[union-attr]
+                    b = in_base[v]
+                    lay[b:b + len(ins)] = ins
+                    b = out_base[v]
+                    lay[b:b + len(outs)] = outs
+            if not moved:
+                break
+        followers = _follow(ops, movable, sids, tab, refs, lay, in_base, out_base, state, rounds_of) \
+            if follow else 0
+    result = _State(n)
+    for v in range(n):
+        if v in fixed_strategy:
+            result.chosen[v] = fixed_strategy[v]
+        else:
+            result.chosen[v] = structs[sids[v]].cands[state[v]]   # type: ignore[union-attr]
+        result.in_l[v] = tuple(lay[in_base[v]:in_base[v] + len(ops[v].inputs)])
+        result.out_l[v] = tuple(lay[out_base[v]:out_base[v] + len(ops[v].outputs)])
+    notes = []
+    if followers:
+        notes.append(f"elementwise_op_strategy_follow: {followers} elementwise op(s) took their consumer's layout")
+    cost = _predicted_cost(tab, sids, in_src, result, mesh, params)
+    return SearchResult(dict(enumerate(result.chosen)), cost, ALGORITHM, time.perf_counter() - t0, notes)  # type: ignore[arg-type]
+
+
+def _follow(ops, movable, sids, tab, refs, lay, in_base, out_base, state, rounds_of) -> int:
+    """Give every elementwise op whose result has one consuming op the final strategy whose result
+    layout is the one that consumer wants (consumers first, so chains follow through)."""
+    n = 0
+    for v in sorted(movable, reverse=True):
+        op = ops[v]
+        if op.is_source or len(op.outputs) != 1 or not op.inputs:
+            continue
+        od = op.out_dims[0]
+        if set(od) != set(op.dims) or any(d != od for d in op.in_dims):
+            continue
+        slots = refs[v][len(op.inputs):]                 # the consumers' operand slots
+        users = {_owner(in_base, s) for s in slots}
+        if len(users) != 1:
+            continue
+        want = lay[slots[0]]
+        s = tab.structs[sids[v]]
+        ro = rounds_of(sids[v])
+        hit = [i for i in sorted(ro.finals) if s.out_rows[i][0] == want]
+        if hit and hit[0] != state[v]:
+            c = state[v] = hit[0]
+            lay[in_base[v]:in_base[v] + len(op.inputs)] = s.in_rows[c]
+            lay[out_base[v]] = s.out_rows[c][0]
+            n += 1
+    return n
+
+
+def _owner(in_base: list[int], slot: int) -> int:
+    """The op whose operand slot ``slot`` is (``in_base`` is ascending)."""
+    import bisect
+    return bisect.bisect_right(in_base, slot) - 1

@@ -1,0 +1,165 @@
+"""What every searcher promises (issue 5): a strategy per op from its candidates, the predicted
+cost equal to graph_cost, user strategies untouched, fully_use_devices, any device count,
+the search cache and a silent progress bar under pytest."""
+
+import io
+
+import pytest
+
+from searchers.cache import SEARCH_CACHE, graph_key
+from searchers.cost import CostParams, graph_cost
+from searchers.dynamic_programming import dynamic_programming
+from searchers.generators import conv_net, mlp_chain, random_dag, transformer_stack
+from searchers.graph import DeviceMesh, Graph
+from searchers.ilp import ilp
+from searchers.progress import Progress, progress_enabled
+from searchers.propagation import sharding_propagation
+from searchers.recursive_programming import recursive_programming
+from searchers.result import SearchResult
+from searchers.strategies import enumerate_strategies
+
+P = CostParams()
+SEARCHERS = {"dynamic_programming": dynamic_programming, "recursive_programming": recursive_programming,
+             "ilp": ilp}
+
+
+def valid(g, strategies, fully=False):
+    assert set(strategies) == {op.id for op in g.ops}
+    for op in g.ops:
+        assert strategies[op.id] in enumerate_strategies(op, g.mesh, fully_use_devices=fully), op.name
+
+
+def small_graphs(mesh):
+    return {
+        "mlp": mlp_chain(2, 16, 8, mesh),
+        "mlp_training": mlp_chain(1, 16, 8, mesh, backward=True),
+        "block": transformer_stack(1, 2, 6, 12, 2, 24, mesh, backward=False),
+        "conv": conv_net(4, 4, (2, 4), 6, mesh),
+        "random": random_dag(30, 1, mesh),
+    }
+
+
+@pytest.mark.parametrize("name", SEARCHERS)
+@pytest.mark.parametrize("graph", ["mlp", "mlp_training", "block", "conv", "random"])
+def test_result_is_a_valid_plan_with_its_graph_cost(name, graph):
+    g = small_graphs(DeviceMesh((2, 2)))[graph]
+    res = SEARCHERS[name](g, P, cache=False)
+    assert isinstance(res, SearchResult) and res.algorithm == name and res.seconds >= 0
+    valid(g, res.strategies)
+    ref = graph_cost(g, res.strategies, P)
+    assert res.cost.total == pytest.approx(ref.total, rel=1e-9)
+    assert res.cost.memory == pytest.approx(ref.memory, rel=1e-9)
+
+
+@pytest.mark.parametrize("name", SEARCHERS)
+def test_user_strategies_survive(name):
+    g = transformer_stack(1, 2, 6, 12, 2, 24, DeviceMesh((2, 2)), backward=True)
+    fixed = {}
+    for op in g.ops:
+        if op.kind == "data":
+            op.fixed = ((0, 1), (), ())
+        elif op.name.endswith("mlp/fc1/dot_general"):
+            op.fixed = ((), (), (0, 1), ())             # b s f d: f split (Megatron column)
+        elif op.name.endswith("attn/wq"):
+            op.fixed = ((), (1,), ())                   # a parameter layout
+        elif op.name.endswith("ln2/rsqrt"):
+            op.fixed = ((), ())                         # replicated on purpose
+        if op.fixed is not None:
+            fixed[op.id] = op.fixed
+    assert len(fixed) == 4
+    res = SEARCHERS[name](g, P, cache=False)
+    for oid, s in fixed.items():
+        assert res.strategies[oid] == s, g.ops[oid].name
+
+
+@pytest.mark.parametrize("name", SEARCHERS)
+def test_fully_use_devices_uses_every_axis(name):
+    mesh = DeviceMesh((2, 2, 2))
+    g = mlp_chain(2, 16, 8, mesh, backward=True)
+    res = SEARCHERS[name](g, P, fully_use_devices=True, cache=False)
+    valid(g, res.strategies, fully=True)
+    for op in g.ops:
+        if not op.is_source:            # inputs are exempt: a tensor's layout follows its users
+            used = sorted(a for axes in res.strategies[op.id] for a in axes)
+            assert used == [0, 1, 2], (op.name, res.strategies[op.id])
+    free = SEARCHERS[name](g, P, cache=False)
+    assert res.cost.total >= free.cost.total * (1 - 1e-9) or name == "recursive_programming"
+
+
+@pytest.mark.parametrize("name", SEARCHERS)
+@pytest.mark.parametrize("devices", [6, 12])
+def test_device_counts_that_are_not_powers_of_two(name, devices):
+    mesh = DeviceMesh.prime(devices)
+    assert mesh.shape == ((2, 3) if devices == 6 else (2, 2, 3))
+    g = mlp_chain(2, 24, 12, mesh, backward=True)
+    res = SEARCHERS[name](g, P, cache=False)
+    valid(g, res.strategies)
+    assert res.cost.total == pytest.approx(graph_cost(g, res.strategies, P).total, rel=1e-9)
+    # the 24-row batch splits over every device in the data-parallel way somewhere
+    assert any(res.strategies[op.id] and any(len(a) for a in res.strategies[op.id]) for op in g.ops)
+
+
+@pytest.mark.parametrize("name", SEARCHERS)
+def test_a_graph_without_ops_and_a_one_device_mesh(name):
+    assert SEARCHERS[name](Graph(DeviceMesh((2,))), P, cache=False).strategies == {}
+    g = mlp_chain(1, 4, 4, DeviceMesh((1,)))
+    res = SEARCHERS[name](g, P, cache=False)
+    assert all(all(a == () or a == (0,) for a in s) for s in res.strategies.values())
+
+
+@pytest.mark.parametrize("name", SEARCHERS)
+def test_second_search_of_the_same_graph_is_a_cache_hit(name):
+    SEARCH_CACHE.clear()
+    g = mlp_chain(2, 16, 8, DeviceMesh((2, 2)))
+    first = SEARCHERS[name](g, P)
+    again = SEARCHERS[name](mlp_chain(2, 16, 8, DeviceMesh((2, 2))), P)      # an equal, new graph
+    assert SEARCH_CACHE.hits == 1 and SEARCH_CACHE.misses == 1
+    assert again.strategies == first.strategies and again.cost == first.cost
+    assert any("from the search cache" in n for n in again.notes)
+    again.strategies.clear()                                               # callers may edit results
+    assert SEARCHERS[name](g, P).strategies == first.strategies
+    # other options, other parameters, a changed graph, or cache=False: a new search
+    SEARCHERS[name](g, P, fully_use_devices=True)
+    SEARCHERS[name](g, CostParams(beta=1.0))
+    g.ops[0].fixed = ((0,), ())
+    SEARCHERS[name](g, P)
+    assert SEARCH_CACHE.misses == 4
+    SEARCHERS[name](g, P, cache=False)
+    assert SEARCH_CACHE.misses == 4 and SEARCH_CACHE.hits == 2
+
+
+def test_graph_key_sees_structure_not_identity():
+    a, b = mlp_chain(2, 16, 8, DeviceMesh((2, 2))), mlp_chain(2, 16, 8, DeviceMesh((2, 2)))
+    assert graph_key(a) == graph_key(b)
+    assert graph_key(a) != graph_key(mlp_chain(2, 16, 16, DeviceMesh((2, 2))))
+    assert graph_key(a) != graph_key(mlp_chain(2, 16, 8, DeviceMesh((2, 2, 1))))
+
+
+@pytest.mark.parametrize("name", SEARCHERS)
+def test_searchers_print_nothing_under_pytest(name, capsys):
+    assert not progress_enabled()
+    SEARCHERS[name](transformer_stack(1, 2, 6, 12, 2, 24, DeviceMesh((2, 2))), P, cache=False)
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""
+
+
+def test_progress_bar_appears_only_after_its_delay():
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=80)
+    with Progress("searching", total=4, enabled=True, delay=0.0, console=console) as bar:
+        bar.advance(2)
+        bar.update(description="still searching")
+    assert bar.shown
+    with Progress("quick", total=4, enabled=True, delay=30.0, console=console) as quick:
+        quick.advance(4)
+    assert not quick.shown                   # finished before the delay: never drawn
+
+
+def test_sharding_propagation_keeps_its_own_contract():
+    g = mlp_chain(2, 16, 8, DeviceMesh((2, 2)))
+    g.ops[0].fixed = ((0, 1), ())
+    res = sharding_propagation(g, P)
+    valid(g, res.strategies)
+    assert dynamic_programming(g, P, cache=False).cost.total <= res.cost.total * (1 + 1e-9)
