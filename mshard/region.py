@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -246,7 +247,11 @@ class Region:
             leaves, tree = jax.tree.flatten(s)
             shs = comp.in_shardings[off:off + len(leaves)]
             off += len(leaves)
-            placed = [x if getattr(x, "sharding", None) == sh else jax.device_put(x, sh)
+            # a donating region places copies: device_put may alias the caller's buffer (even with
+            # may_alias=False, one device -> replicated), and donating the placed array would delete arrays the
+            # caller still holds (e.g. a clone of the initial model)
+            copy = jnp.copy if self.donate_params else (lambda x: x)
+            placed = [x if getattr(x, "sharding", None) == sh else jax.device_put(copy(x), sh)
                       for x, sh in zip(leaves, shs)]
             if any(p is not x for p, x in zip(placed, leaves)):
                 nnx.update(m, jax.tree.unflatten(tree, placed))
