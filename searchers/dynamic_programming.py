@@ -221,7 +221,7 @@ class _Pass:
 def _one_pass(base: Problem, memo: dict[int, tuple], bar: Progress, *, values: dict[int, int] | None,
               taboo: frozenset[int], exact_limit: int, core_ilp_limit: int, core_time_limit: float) -> _Pass:
     """Eliminate everything on a copy of ``base`` and replay: a choice for every live node of ``base``."""
-    prob = base.copy()
+    prob = base.normalised()
     notes: list[str] = []
     el = _Eliminator(prob, bar, memo, values=values, taboo=taboo)
     for v in prob.live():

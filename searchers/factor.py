@@ -34,6 +34,7 @@ True
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 
 import numpy as np
@@ -57,6 +58,11 @@ class Keys:
         if k is None:
             k = self._ids[desc] = len(self._ids)
         return k
+
+    def of_value(self, a: np.ndarray) -> int:
+        """The key of an array's value (shape and a 128-bit digest of its bytes)."""
+        a = np.ascontiguousarray(a)
+        return self(("=", a.shape, hashlib.blake2b(memoryview(a).cast("B"), digest_size=16).digest()))
 
     def transposed(self, k: int) -> int:
         """Key of the transpose of the matrix with key ``k`` (``transposed(transposed(k)) == k``)."""
@@ -91,6 +97,7 @@ class Problem:
         self.decided: dict[int, int] = {}        # node -> candidate index, for nodes removed with one choice
         self.follows: dict[int, tuple[int, np.ndarray]] = {}   # node -> (leader, candidate map)
         self.cells = 0                           # sum over live pairs of len(cands[lo]) * len(cands[hi])
+        self.normalise = False                   # see normalised()
 
     # -- building ------------------------------------------------------------------------------
     @classmethod
@@ -182,6 +189,16 @@ class Problem:
         else:
             self.mat[i] = self.mat[i] + m
             self.mkey[i] = self.keys(("+", self.mkey[i], key))
+        if self.normalise:
+            self._normalise_pair(i)
+
+    def _normalise_pair(self, i: int) -> None:
+        m = self.mat[i]
+        assert m is not None
+        lo = m.min()
+        if np.isfinite(lo) and lo != 0.0:
+            m = self.mat[i] = m - lo
+        self.mkey[i] = self.keys.of_value(m)
 
     def oriented(self, i: int, v: int) -> tuple[np.ndarray, int]:
         """Matrix of pair ``i`` with node ``v``'s candidates on the rows, and its key."""
@@ -192,8 +209,14 @@ class Problem:
         return m.T, self.keys.transposed(self.mkey[i])
 
     def add_unary(self, v: int, vec: np.ndarray, key: int) -> None:
-        self.unary[v] = self.unary[v] + vec
-        self.ukey[v] = self.keys(("+", self.ukey[v], key))
+        u = self.unary[v] + vec
+        if self.normalise:
+            lo = u.min()
+            if np.isfinite(lo) and lo != 0.0:
+                u = u - lo
+            self.unary[v], self.ukey[v] = u, self.keys.of_value(u)
+        else:
+            self.unary[v], self.ukey[v] = u, self.keys(("+", self.ukey[v], key))
 
     def remove_pair(self, i: int) -> None:
         a, b = self.lo[i], self.hi[i]
@@ -277,6 +300,16 @@ class Problem:
         new.decided = dict(self.decided)
         new.follows = dict(self.follows)
         new.cells = self.cells
+        new.normalise = self.normalise
+        return new
+
+    def normalised(self) -> Problem:
+        """A copy in which every vector and matrix changed from now on is shifted to a minimum of 0
+        and keyed by its value. Shifts change every choice's total by the same constant, so the
+        best choice is the same; value keys let results computed along different paths (the
+        same layer reached after a different prefix) share one key."""
+        new = self.copy()
+        new.normalise = True
         return new
 
     # -- reading -------------------------------------------------------------------------------

@@ -183,7 +183,7 @@ def solve_pairwise(unary: Sequence[np.ndarray], pairs: Sequence[tuple[int, int, 
         return PairwiseSolution(None, False, status, seconds=secs, size=size)
     x = res.x
     choice = [int(np.argmax(x[offs[v]:offs[v + 1]])) for v in range(n)]
-    obj = float(res.fun) / scale + const
+    obj = float(float(res.fun) / scale + const)
     bound = getattr(res, "mip_dual_bound", None)
     bound = float(bound) / scale + const if bound is not None and np.isfinite(bound) else math.nan
     gap = float(getattr(res, "mip_gap", math.nan) or 0.0) if res.status != 0 else 0.0

@@ -42,6 +42,7 @@ import numpy as np
 
 from .cache import cached_search
 from .cost import CostParams
+from .cost_vectors import layout_cost_matrix
 from .graph import Graph, Strategy
 from .progress import Progress
 from .propagation import _predicted_cost, _State, _Tables
@@ -163,13 +164,31 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
             got = rounds[struct] = _Rounds(cands, finals, n_axes)
         return got
 
+    leaf_msgs: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def side(sid: int, out: int, idx: int, lid: int) -> np.ndarray:
+        """Redistribution per candidate against one neighbour's layout ``lid``; ``lid < 0`` marks a
+        leaf input (of spec ``-lid - 1``) that follows this op: its best response per candidate."""
+        if lid >= 0:
+            return tab.vector(sid, out, idx, lid)
+        key = (sid, idx, -lid - 1)
+        got = leaf_msgs.get(key)
+        if got is None:
+            usid = -lid - 1
+            su, fin = tab.ensure(usid), rounds_of(usid).final_array
+            src = tuple(tab.layouts[su.out_rows[i][0]] for i in fin)
+            dst = tuple(tab.layouts[row[idx]] for row in tab.ensure(sid).in_rows)
+            R = layout_cost_matrix(src, dst, tab.specs[usid].out_bytes[0], mesh, params)
+            got = leaf_msgs[key] = (tab.own[usid][fin][:, None] + R).min(axis=0)   # type: ignore[index]
+        return got
+
     def decide(sid: int, sig: int, r: int, state: int, lids: tuple) -> int:
         kids = rounds_of(sid).kids.get((r, state))
         if kids is None:
             return state
         cost = tab.own[sid][kids]          # type: ignore[index]
         for (out, idx), lid in zip(sigs[sig], lids):
-            cost = cost + tab.vector(sid, out, idx, lid)[kids]
+            cost = cost + side(sid, out, idx, lid)[kids]
         lo = cost.min()
         return int(kids[int(np.argmax(cost <= lo + _REL_TIE * abs(lo)))])
 
@@ -178,7 +197,7 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
         fin = ro.final_array
         cost = tab.own[sid][fin]           # type: ignore[index]
         for (out, idx), lid in zip(sigs[sig], lids):
-            cost = cost + tab.vector(sid, out, idx, lid)[fin]
+            cost = cost + side(sid, out, idx, lid)[fin]
         cur = cost[int(np.searchsorted(fin, state))] if state in ro.finals else np.inf
         best = int(np.argmin(cost))
         return int(fin[best]) if cost[best] < cur - _REL_TIE * abs(cur) else state
@@ -214,7 +233,15 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
         lay[b:b + len(ins)] = ins
         b = out_base[v]
         lay[b:b + len(outs)] = outs
-    movable = [v for v in order if not is_fixed[v]]
+    # leaves: inputs used once (a weight of one op) follow their user, as MindSpore's merge
+    # elimination folds them; their slot holds a marker until the end
+    leaves = [op.id for op in ops if op.is_source and op.fixed is None and len(op.outputs) == 1
+              and len(tensors[op.outputs[0]].consumers) == 1 and ops[tensors[op.outputs[0]].consumers[0]].fixed is None]
+    is_leaf = [False] * n
+    for u in leaves:
+        is_leaf[u] = True
+        lay[out_base[u]] = -sids[u] - 1
+    movable = [v for v in order if not is_fixed[v] and not is_leaf[v]]
     structs = tab.structs
     get = lay.__getitem__
     with Progress(f"recursive_programming: {n} ops", n * n_axes) as bar:
@@ -255,6 +282,13 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
                     lay[b:b + len(outs)] = outs
             if not moved:
                 break
+        for u in leaves:                  # each leaf's best response to its user's final layout
+            (c,) = tensors[ops[u].outputs[0]].consumers
+            want = lay[in_base[c] + ops[c].inputs.index(ops[u].outputs[0])]
+            fin = rounds_of(sids[u]).final_array
+            cost = tab.own[sids[u]][fin] + tab.vector(sids[u], 1, 0, want)[fin]   # type: ignore[index]
+            k = state[u] = int(fin[int(np.argmin(cost))])
+            lay[out_base[u]] = structs[sids[u]].out_rows[k][0]   # type: ignore[union-attr]
         followers = _follow(ops, movable, sids, tab, refs, lay, in_base, out_base, state, rounds_of) \
             if follow else 0
     result = _State(n)

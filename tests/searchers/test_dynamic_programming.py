@@ -1,0 +1,95 @@
+"""dynamic_programming specifics: the pairwise problem it shrinks, repeated layers, the follow
+flag, memory notes and the documented fallback."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from searchers.cost import CostParams, graph_cost
+from searchers.dynamic_programming import _series, dynamic_programming
+from searchers.factor import Problem
+from searchers.generators import mlp_chain, transformer_stack
+from searchers.graph import DeviceMesh, Graph
+from searchers.ilp import ilp
+
+P = CostParams()
+
+
+def test_problem_total_is_graph_cost_for_any_choice():
+    g = mlp_chain(1, 8, 4, DeviceMesh((2,)), backward=True)
+    prob = Problem.build(g, P)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        choice = {v: int(rng.integers(len(c))) for v, c in enumerate(prob.cands)}
+        assert prob.total(choice) == pytest.approx(graph_cost(g, prob.strategies(choice), P).total, rel=1e-12)
+
+
+def test_absorbing_fixed_ops_keeps_totals():
+    g = mlp_chain(1, 8, 4, DeviceMesh((2, 2)))
+    g.ops[0].fixed = ((0,), ())
+    full = Problem.build(g, P)
+    small = Problem.build(g, P)
+    assert small.absorb_single() >= 1 and 0 in small.decided
+    choice = {v: 0 for v in small.live()}
+    dropped = sum(float(full.unary[v][c]) for v, c in small.decided.items())   # a constant
+    assert small.total(choice) + dropped == pytest.approx(full.total(small.expand(choice)), rel=1e-12)
+
+
+def test_op_elimination_is_a_min_plus_product():
+    rng = np.random.default_rng(1)
+    mh, c, mj = rng.random((5, 3)), rng.random(5), rng.random((5, 4))
+    best, arg = _series(mh, c, mj)
+    for a, b in itertools.product(range(3), range(4)):
+        vals = mh[:, a] + c + mj[:, b]
+        assert best[a, b] == pytest.approx(vals.min()) and arg[a, b] == int(np.argmin(vals))
+
+
+def test_repeated_layers_are_reused():
+    g = transformer_stack(12, 2, 8, 16, 2, 32, DeviceMesh((2, 2)), backward=False)
+    g.ops[0].fixed = ((0, 1), (), ())                # the batch split of the data (dataset_strategy)
+    res = dynamic_programming(g, P, cache=False)
+    note = next(n for n in res.notes if n.startswith("repeated structure"))
+    hits, total = (int(x) for x in note.split(": ")[1].split(" eliminations")[0].split(" of "))
+    assert hits / total > 0.8                     # after the first copies, a layer's eliminations are lookups
+
+
+def test_elementwise_op_strategy_follow():
+    g = Graph(DeviceMesh((2,)))
+    x = g.source("x", (8, 6))
+    w = g.source("w", (6, 4), kind="param")
+    (r,) = g.add_op("relu", "relu", {"i": 8, "j": 6}, [x], [("i", "j")], [("i", "j")])
+    g.add_op("mm", "dot_general", {"m": 8, "k": 6, "n": 4}, [r, w], [("m", "k"), ("k", "n")], [("m", "n")],
+             fixed=((), (0,), ()))                  # wants its operand split along k (relu's j)
+    for searcher in (dynamic_programming, ilp):
+        res = searcher(g, P, elementwise_op_strategy_follow=True, cache=False)
+        assert res.strategies[2] == ((), (0,)), searcher.__name__
+        assert any("elementwise_op_strategy_follow" in n for n in res.notes)
+
+
+def test_follow_is_exact_under_its_constraint():
+    g = mlp_chain(2, 8, 4, DeviceMesh((2,)))
+    free = dynamic_programming(g, P, cache=False)
+    tied = dynamic_programming(g, P, elementwise_op_strategy_follow=True, cache=False)
+    assert tied.cost.total >= free.cost.total * (1 - 1e-12)
+    assert tied.cost.total == pytest.approx(ilp(g, P, elementwise_op_strategy_follow=True, cache=False).cost.total,
+                                            rel=1e-9)
+
+
+def test_a_plan_over_the_memory_capacity_gets_a_note():
+    g = mlp_chain(1, 64, 64, DeviceMesh((2,)))
+    res = dynamic_programming(g, CostParams(device_memory_capacity=1000.0), cache=False)
+    assert any("exceeds device_memory_capacity" in n and "ilp" in n for n in res.notes)
+
+
+def test_training_graph_through_the_fallback_beats_propagation():
+    from searchers.propagation import sharding_propagation
+    from searchers.strategies import data_parallel_strategy
+    g = transformer_stack(3, 2, 8, 16, 2, 32, DeviceMesh((2, 2, 2)))
+    for op in g.ops:
+        if op.kind == "data":
+            op.fixed = data_parallel_strategy(op, g.mesh)
+    res = dynamic_programming(g, P, core_time_limit=0, cache=False)
+    assert any("star elimination" in n for n in res.notes)
+    assert res.cost.total <= sharding_propagation(g, P).cost.total
+    assert res.cost.total == pytest.approx(graph_cost(g, res.strategies, P).total, rel=1e-9)

@@ -1,0 +1,119 @@
+"""ilp: the pairwise integer program against enumeration, the memory limit, the time limit."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from searchers.cost import CostParams, graph_cost
+from searchers.generators import mlp_chain
+from searchers.graph import DeviceMesh, Graph
+from searchers.ilp import ilp, solve_pairwise
+from searchers.memory import memory_profile, peak_memory
+
+P = CostParams()
+
+
+def enumerate_pairwise(unary, pairs):
+    best = (np.inf, None)
+    for choice in itertools.product(*[range(len(u)) for u in unary]):
+        t = sum(u[c] for u, c in zip(unary, choice)) + sum(m[choice[a], choice[b]] for a, b, m in pairs)
+        if t < best[0]:
+            best = (t, choice)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_solve_pairwise_equals_enumeration(seed):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(2, 5, size=5)
+    unary = [rng.random(k) for k in sizes]
+    pairs = []
+    for a, b in [(0, 1), (1, 2), (2, 3), (3, 4), (0, 2), (1, 4), (0, 4)]:
+        m = np.round(rng.random((sizes[a], sizes[b])) * 3, 1)     # ties and repeated rows/columns
+        m[rng.random(m.shape) < 0.15] = np.inf                     # forbidden pairs
+        pairs.append((a, b, m))
+    unary[3][0] = np.inf
+    want, _ = enumerate_pairwise(unary, pairs)
+    sol = solve_pairwise(unary, pairs)
+    assert sol.optimal and sol.objective == pytest.approx(want, rel=1e-9)
+    got = sum(u[c] for u, c in zip(unary, sol.choice)) + sum(m[sol.choice[a], sol.choice[b]] for a, b, m in pairs)
+    assert got == pytest.approx(want, rel=1e-9)
+
+
+def test_one_sided_matrices_become_vectors():
+    sol = solve_pairwise([np.zeros(3), np.zeros(2)], [(0, 1, np.array([[1.0, 5.0]] * 3))])
+    assert sol.size["e"] == 0 and sol.choice[1] == 0 and sol.objective == pytest.approx(1.0)
+
+
+def big_activation_graph():
+    """x[64, 256] -> exp -> exp: 3 x 64 KiB live at the end when replicated."""
+    g = Graph(DeviceMesh((2, 2)))
+    x = g.source("x", (64, 256))
+    (y,) = g.add_op("exp", "exp", {"i": 64, "j": 256}, [x], [("i", "j")], [("i", "j")])
+    (z,) = g.add_op("exp2", "exp", {"i": 64, "j": 256}, [y], [("i", "j")], [("i", "j")])
+    g.outputs.append(z)
+    return g
+
+
+def big_weight_graph():
+    """A replicated input and output around x[4, 256] @ w[256, 256]: replicating everything needs
+    no collective; a 256 KiB weight that does not fit must be split, and that costs one."""
+    g = Graph(DeviceMesh((2, 2)))
+    x = g.source("x", (4, 256), fixed=((), ()))
+    w = g.source("w", (256, 256), kind="param")
+    (y,) = g.add_op("mm", "dot_general", {"m": 4, "k": 256, "n": 256}, [x, w], [("m", "k"), ("k", "n")], [("m", "n")])
+    (z,) = g.add_op("relu", "relu", {"i": 4, "j": 256}, [y], [("i", "j")], [("i", "j")], fixed=((), ()))
+    g.outputs.append(z)
+    return g
+
+
+def test_memory_limit_changes_the_plan():
+    g = big_weight_graph()
+    free = ilp(g, P, cache=False)
+    assert free.strategies[1] == ((), ()) and free.cost.communication == 0
+    peak_free, _ = peak_memory(g, free.strategies)
+    cap = peak_free * 0.6
+    tight = ilp(g, CostParams(device_memory_capacity=cap), cache=False)
+    assert peak_memory(g, tight.strategies)[0] <= cap * (1 + 1e-9)
+    assert max(memory_profile(g, tight.strategies)) <= cap * (1 + 1e-9)
+    assert tight.strategies[1] != ((), ()) and tight.cost.communication > 0
+    assert tight.cost.total > free.cost.total
+    assert any("constrained" in n for n in tight.notes)
+
+
+def test_memory_limit_no_plan_can_meet_is_a_clear_error():
+    g = big_activation_graph()
+    with pytest.raises(ValueError, match=r"device_memory_capacity=.*Raise device_memory_capacity"):
+        ilp(g, CostParams(device_memory_capacity=1000.0), cache=False)
+
+
+def test_memory_rows_can_be_switched_off():
+    g = big_activation_graph()
+    res = ilp(g, CostParams(device_memory_capacity=1000.0), memory_limit=False, cache=False)
+    assert res.cost.total == pytest.approx(graph_cost(g, res.strategies, P).total, rel=1e-9)
+
+
+def test_time_limit_gives_a_clear_note():
+    g = mlp_chain(2, 16, 8, DeviceMesh((2, 2, 2)), backward=True)
+    res = ilp(g, P, time_limit=0.001, cache=False)
+    assert len(res.strategies) == len(g)
+    assert any("time_limit=0.001" in n for n in res.notes), res.notes
+
+
+def test_time_limit_without_fallback_raises():
+    g = mlp_chain(2, 16, 8, DeviceMesh((2, 2, 2)), backward=True)
+    try:
+        res = ilp(g, P, time_limit=0.001, fallback=False, cache=False)
+    except TimeoutError as e:
+        assert "no solution found within time_limit=0.001" in str(e)
+    else:                                           # HiGHS found a first solution in time
+        assert any("stopped at time_limit" in n for n in res.notes)
+
+
+def test_mlp_training_graph_is_solved_to_optimality():
+    g = mlp_chain(2, 16, 8, DeviceMesh((2, 2)), backward=True)
+    res = ilp(g, P, cache=False)
+    assert not any("time_limit" in n for n in res.notes)
+    from searchers.dynamic_programming import dynamic_programming
+    assert res.cost.total == pytest.approx(dynamic_programming(g, P, cache=False).cost.total, rel=1e-9)
