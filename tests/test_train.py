@@ -240,3 +240,24 @@ def test_optimizer_weight_shard_size_limits_the_shard_and_must_fit_the_data_para
 def test_train_one_step_cell_rejects_a_non_optax_optimizer():
     with pytest.raises(TypeError, match="optax GradientTransformation"):
         nn.TrainOneStepCell(nn.WithLossCell(MLP(nnx.Rngs(0)), mse), "adam")
+
+
+def test_repeated_steps_see_written_values_and_context_changes():
+    """After its first call a step skips the region's per-call split/update; it must still see parameter values
+    written into the network and re-plan when the context changes."""
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True)
+    data = batches(3, [(32, 16), (32, 8)], seed=13)
+    net = MLP(nnx.Rngs(13))
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.sgd(0.05))
+    step(*data[0])
+    other = MLP(nnx.Rngs(14))
+    nnx.update(net, nnx.state(other, nnx.Param))           # overwrite every parameter between steps
+    ref, _, _ = reference_train(other, optax.sgd(0.05), data[1:2], mse)
+    step(*data[1])
+    assert_params_close(net, ref)
+    # a new context: the step is planned again (three gradient buckets now), and still trains like one device
+    ms.set_auto_parallel_context(all_reduce_fusion_config=[2, 4])
+    ref2, _, _ = reference_train(net, optax.sgd(0.05), data[2:], mse)
+    step(*data[2])
+    assert_params_close(net, ref2)
+    assert ms.comm_report(step, *data[2]).count("all-reduce") == 3

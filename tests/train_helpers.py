@@ -77,8 +77,7 @@ def reference_train(net, tx, data, loss_fn, grad_scale=1.0):
     ``grad_scale`` multiplies the gradient of the mean loss (MindSpore's sum over data-parallel replicas)."""
     net = nnx.clone(net)
     dev = jax.devices()[0]
-    params = jax.device_put(nnx.state(net, nnx.Param), dev)
-    nnx.update(net, params)
+    nnx.update(net, jax.device_put(nnx.state(net), dev))
     opt_state = jax.device_put(tx.init(nnx.as_pure(nnx.state(net, nnx.Param))), dev)
     gdef, _ = nnx.split(net)
 

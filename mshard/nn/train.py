@@ -320,6 +320,7 @@ class _Runtime:
         self.pending: _StepPlan | None = None
         self.last: _StepPlan | None = None
         self.warned = False
+        self.fast: _FastPath | None = None
 
     # traced once per (shapes, context): fn(*data, cell)
     def step_fn(self, *args):
@@ -369,12 +370,17 @@ class _Runtime:
         gdef, pst, rest = nnx.split(net, nnx.Param, ...)
         pst, rest = nnx.as_pure(pst), nnx.as_pure(rest)
 
+        micro = net.micro_size if isinstance(net, GradAccumulationCell) else 1
+
         def per_replica(x):
             if not hasattr(x, "ndim") or x.ndim == 0:
                 return x
-            if x.shape[0] % dp:
-                raise ValueError(f"TrainOneStepCell: batch dim {x.shape[0]} is not divisible by the data-parallel "
-                                 f"size {dp}.")
+            if x.shape[0] % (dp * micro):
+                extra = f" x micro_size {micro}" if micro > 1 else ""
+                raise ValueError(f"TrainOneStepCell: the batch dim {x.shape[0]} (input shape {tuple(x.shape)}) is not "
+                                 f"divisible by the data-parallel size {dp}{extra}; every replica's slice of the batch "
+                                 f"must split into equal micro-batches. Use a batch size that is a multiple of "
+                                 f"{dp * micro}.")
             y = x.reshape(dp, x.shape[0] // dp, *x.shape[1:])
             return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec_of(((tuple(plan.dp_axes)),)
                                                                                     + ((),) * x.ndim)))
@@ -476,6 +482,70 @@ def _by_key(indices: list[int], keys: list, buckets: list[list[int]]):
     return list(out.values())
 
 
+_MISS = object()
+
+
+class _FastPath:
+    """Repeated steps without the region's per-call ``nnx.split``/``nnx.update`` (tens of ms for a model with a
+    few hundred Variables): after a first call through the region, the step keeps the network's and optimizer's
+    Variables in the region's input order and the compiled step, reads the Variables' arrays, calls the compiled
+    step and writes the changed arrays back into the same Variables.
+
+    Valid while the context, algorithm/cost-model parameters, strategy epoch and the data's structure, shapes and
+    dtypes are unchanged; otherwise (or if the compiled step rejects the arrays, e.g. a value replaced with one of
+    another sharding) the step goes through the region again. As MindSpore compiles a training graph once, Cells or
+    Variables *assigned* to the network after the first step are not seen (values written into its Variables,
+    e.g. by ``nnx.update``, are).
+    """
+
+    def __init__(self, comp, variables, raw, tree, avals, shardings):
+        self.comp, self.variables, self.raw = comp, variables, raw
+        self.tree, self.avals, self.shardings = tree, avals, shardings
+        self.ctx, self.algo, self.cost = ctxmod.current(), ctxmod.get_algo_parameters(), ctxmod.get_cost_model_context()
+        self.epoch = annotate.epoch()
+        self.user_tree = comp.out_tree.children()[0]
+        self.changed = list(comp.changed)
+
+    @staticmethod
+    def build(region: Region, cell: "TrainOneStepCell", data: tuple) -> "_FastPath | None":
+        flat, tree = jax.tree.flatten(data)
+        if not all(isinstance(x, jax.Array) for x in flat):
+            return None
+        comp = region._prepare((*data, cell), {})[0]       # the compiled step just used (a cache hit)
+        _, state = nnx.split(cell)
+        variables = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        if len(variables) != len(jax.tree.leaves(state)) or not all(isinstance(v, nnx.Variable) for v in variables):
+            return None
+        raw = [not any(k in v._var_metadata for k in ("on_get_value", "on_set_value"))
+               and not v._var_metadata.get("ref") and not v._var_metadata.get("hijax") for v in variables]
+        avals = [(x.shape, x.dtype) for x in flat]
+        shardings = comp.in_shardings[len(variables):]
+        return _FastPath(comp, variables, raw, tree, avals, shardings)
+
+    def __call__(self, data: tuple):
+        if (ctxmod.current() is not self.ctx or annotate.epoch() != self.epoch
+                or ctxmod.get_algo_parameters() is not self.algo or ctxmod.get_cost_model_context() is not self.cost):
+            return _MISS
+        flat, tree = jax.tree.flatten(data)
+        if tree != self.tree or any(not isinstance(x, jax.Array) or (x.shape, x.dtype) != a
+                                    for x, a in zip(flat, self.avals)):
+            return _MISS
+        flat = [jax.device_put(x, sh) if x.committed and x.sharding != sh else x for x, sh in zip(flat, self.shardings)]
+        vals = [v._raw_value if r else v.get_value() for v, r in zip(self.variables, self.raw)]
+        try:
+            outs = self.comp.jitted(*vals, *flat)
+        except (ValueError, TypeError):
+            return _MISS
+        n_user = len(outs) - len(self.changed)
+        for i, x in zip(self.changed, outs[n_user:]):
+            v = self.variables[i]
+            if self.raw[i]:
+                v._raw_value = x
+            else:
+                v.set_value(x)
+        return jax.tree.unflatten(self.user_tree, list(outs[:n_user]))
+
+
 _RUNTIMES: "weakref.WeakKeyDictionary[TrainOneStepCell, _Runtime]" = weakref.WeakKeyDictionary()
 
 
@@ -509,7 +579,15 @@ class TrainOneStepCell(Cell):
         return rt
 
     def __call__(self, *data):
-        return self._rt.region(*data, self)
+        rt = self._rt
+        fast = rt.fast
+        if fast is not None:
+            out = fast(data)
+            if out is not _MISS:
+                return out
+        loss = rt.region(*data, self)
+        rt.fast = _FastPath.build(rt.region, self, data)
+        return loss
 
     @property
     def opt_state(self) -> Any:
