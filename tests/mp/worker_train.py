@@ -1,0 +1,90 @@
+"""One process of a 2-process x 4-device training run (started by tests/test_train_multiprocess.py).
+
+Each process feeds its own half of every batch through ms.dataset.shard_batch; TrainOneStepCell trains
+data-parallel with optimizer parallel over all 8 devices. Every process also trains the same model on its
+first local device alone on the full batches (plain nnx + optax) and compares the shards it holds.
+"""
+
+import os
+import sys
+
+pid, port = int(sys.argv[1]), sys.argv[2]
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import mshard as ms  # noqa: E402
+from mshard import nn  # noqa: E402
+
+
+class MLP(nn.Cell):
+    def __init__(self, rngs):
+        self.fc1 = nn.Dense(16, 64, activation="relu", rngs=rngs)
+        self.fc2 = nn.Dense(64, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(self.fc1(x))
+
+
+def mse(p, y):
+    return jnp.mean((p - y) ** 2)
+
+
+assert jax.device_count() == 8 and jax.local_device_count() == 4
+rng = np.random.default_rng(0)                      # the same batches in both processes
+data = [(rng.normal(size=(32, 16)).astype(np.float32), rng.normal(size=(32, 8)).astype(np.float32))
+        for _ in range(3)]
+tx = optax.adam(1e-2)
+
+# one local device, full batches
+dev = jax.local_devices()[0]
+ref = MLP(nnx.Rngs(0))
+gdef, state = nnx.split(ref)
+state = jax.device_put(state, dev)
+opt = jax.device_put(tx.init(nnx.as_pure(nnx.state(ref, nnx.Param))), dev)
+
+
+@jax.jit
+def ref_step(state, opt, x, y):
+    m = nnx.merge(gdef, state)
+    loss, g = nnx.value_and_grad(lambda m: mse(m(x), y))(m)
+    p = nnx.as_pure(nnx.state(m, nnx.Param))
+    u, opt = tx.update(nnx.as_pure(g), opt, p)
+    nnx.update(m, optax.apply_updates(p, u))
+    return nnx.state(m), opt, loss
+
+
+ref_losses = []
+for x, y in data:
+    state, opt, loss = ref_step(state, opt, jax.device_put(x, dev), jax.device_put(y, dev))
+    ref_losses.append(float(loss))
+ref_params = jax.tree.leaves(nnx.as_pure(nnx.state(nnx.merge(gdef, state), nnx.Param)))
+
+# 8 devices in 2 processes
+ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True,
+                             enable_parallel_optimizer=True, parallel_optimizer_config={"parallel_optimizer_threshold": 0})
+net = MLP(nnx.Rngs(0))
+step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), tx)
+losses = []
+for x, y in data:
+    half = slice(pid * 16, (pid + 1) * 16)          # this process's rows
+    bx, by = ms.dataset.shard_batch((x[half], y[half]))
+    assert bx.shape == (32, 16) and not bx.is_fully_addressable
+    losses.append(float(step(bx, by)))
+np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+for got, want in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), ref_params):
+    for shard in got.addressable_shards:
+        np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=2e-5, atol=2e-6)
+mu = step.opt_state[0].mu["backbone"]["fc1"]["weight"]
+assert mu.sharding.shard_shape(mu.shape) == (8, 16)          # Adam's moment sharded 8 ways across processes
+print(f"process {pid} OK", losses, flush=True)
+jax.distributed.shutdown()
