@@ -24,14 +24,14 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
 
-import mshard as ms  # noqa: E402
-from mshard import nn  # noqa: E402
+import mshard as ms
+from mshard import nn
 
 SIZES = {"small": dict(vocab=256, hidden=128, heads=4, ffn=512, seq=64, batch=16),
          "medium": dict(vocab=512, hidden=256, heads=8, ffn=1024, seq=128, batch=32)}

@@ -20,13 +20,13 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import numpy as np
+import optax
+from flax import nnx
 
-import mshard as ms  # noqa: E402
-from mshard import nn  # noqa: E402
+import mshard as ms
+from mshard import nn
 
 RTOL, ATOL = 1e-4, 1e-6
 

@@ -25,7 +25,8 @@ the step moves nothing.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -36,7 +37,7 @@ from .assign import Assigner, InputInfo, data_layout
 from .errors import DatasetStrategyError
 from .layout import DimAxes, RegionMesh, TensorStrategy, spec_of
 
-__all__ = ["shard_batch", "batch_shardings"]
+__all__ = ["batch_shardings", "shard_batch"]
 
 
 def _is_leaf_array(x: Any) -> bool:

@@ -6,20 +6,17 @@ tests use SGD with momentum: the attention key bias has an exactly-zero gradient
 whose float noise (~1e-9, different for every partitioning) Adam would scale up to full-size updates.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import split_counts
+from train_helpers import MLP, TinyGPT, assert_params_close, assert_trees_close, batches, mse, reference_train, token_loss
 
 import mshard as ms
 from mshard import nn
 from mshard.errors import OptimizerParallelError
-
-from helpers import split_counts
-from train_helpers import (MLP, TinyGPT, assert_params_close, assert_trees_close, batches, mse, reference_train,
-                           token_loss)
 
 STEPS = 3
 
@@ -273,3 +270,14 @@ def test_auto_parallel_every_search_mode_trains_like_one_device(search_mode):
     step, _ = run(net, optax.adam(1e-2), data)
     assert_params_close(net, ref)
     assert_trees_close(step.opt_state, ref_opt)
+
+
+def test_sens_scales_the_gradients():
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True)
+    data = batches(2, [(32, 16), (32, 8)], seed=16)
+    net = MLP(nnx.Rngs(16))
+    ref, _, _ = reference_train(net, optax.sgd(1e-2), data, mse, grad_scale=4.0)
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.sgd(1e-2), sens=4.0)
+    for b in data:
+        step(*b)
+    assert_params_close(net, ref)

@@ -6,12 +6,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from train_helpers import assert_params_close, reference_train
 
 import mshard as ms
 from mshard import nn
 from mshard.errors import DatasetStrategyError
-
-from train_helpers import assert_params_close, reference_train
 
 
 def host(*shape, seed=0):

@@ -12,13 +12,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from train_helpers import MLP, assert_params_close, batches, mse, reference_train
 
 import mshard as ms
 from mshard import nn
 from mshard.errors import CommFusionWarning
 from mshard.fusion import plan_buckets
-
-from train_helpers import MLP, assert_params_close, batches, mse, reference_train
 
 SIZES = [256, 4096, 256, 16384, 32, 2048]
 

@@ -4,11 +4,10 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from train_helpers import MLP, TinyGPT, batches, mse, token_loss
 
 import mshard as ms
 from mshard import nn
-
-from train_helpers import MLP, TinyGPT, batches, mse, token_loss
 
 
 def memory(step, *data):

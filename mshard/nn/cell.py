@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +74,7 @@ def register_paths(trace: annotate.RegionTrace, module: nnx.Module, prefix: str)
             trace.module_paths[id(sub)] = ".".join(x for x in (prefix, rel) if x)
 
 
-def _remat(cell: "Cell", call: Callable, path: str, trace, policy) -> Callable:
+def _remat(cell: Cell, call: Callable, path: str, trace, policy) -> Callable:
     """``jax.checkpoint`` around ``call(cell, ...)``, functional over the Cell's state.
 
     The Cell is split and re-merged inside the checkpointed function (nnx state must not be mutated
@@ -147,10 +148,10 @@ _POLICIES = ("everything_saveable", "nothing_saveable", "dots_saveable", "checkp
 _MS_RECOMPUTE_KWARGS = ("mp_comm_recompute", "parallel_optimizer_comm_recompute", "recompute_slice_activation")
 
 
-_regions: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_regions: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-def _cell_region(cell: "Cell"):
+def _cell_region(cell: Cell):
     from ..region import Region
     cfg = cell._mshard_shard
     key = cfg
@@ -172,7 +173,7 @@ class Cell(nnx.Module):
             cls.__call__ = _wrap_call(call)
 
     def shard(self, in_strategy: Any, out_strategy: Any = None, parameter_plan: dict | None = None,
-              device: str = "CPU", level: int = 0) -> "Cell":
+              device: str = "CPU", level: int = 0) -> Cell:
         """Strategies for this Cell's inputs/outputs and a ``parameter_plan`` ``{"dense1.weight": (1, 8)}``.
 
         Inside a region the Cell's inside is propagated from these layouts (MindSpore's functional shard).
@@ -194,7 +195,7 @@ class Cell(nnx.Module):
         annotate.bump_epoch()
         return self
 
-    def recompute(self, policy: Callable | str | None = None, **kwargs: Any) -> "Cell":
+    def recompute(self, policy: Callable | str | None = None, **kwargs: Any) -> Cell:
         """Recompute this Cell's activations in the backward pass (``jax.checkpoint`` around ``__call__``).
 
         ``policy``: a ``jax.checkpoint_policies`` policy or its name, e.g. ``"dots_saveable"`` (keep the
@@ -216,7 +217,7 @@ class Cell(nnx.Module):
         annotate.bump_epoch()
         return self
 
-    def set_train(self, mode: bool = True) -> "Cell":
+    def set_train(self, mode: bool = True) -> Cell:
         """MindSpore's ``set_train``: ``False`` makes Dropout deterministic in this Cell and below (nnx's
         ``eval()``), ``True`` (the nnx default) enables it again (nnx's ``train()``)."""
         self.set_attributes(deterministic=not mode, use_running_average=not mode, raise_if_not_found=False)

@@ -18,7 +18,8 @@ random state, like flax's layers.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -241,7 +242,7 @@ class MultiHeadAttention(Cell):
         ctx = self.pv(probs, v).transpose(0, 2, 1, 3).reshape(b, s, self.hidden_size)
         return self.projection(ctx)
 
-    def shard_megatron(self, data_parallel: int, model_parallel: int) -> "MultiHeadAttention":
+    def shard_megatron(self, data_parallel: int, model_parallel: int) -> MultiHeadAttention:
         """Megatron: q/k/v column parallel, heads split ``model_parallel`` ways, the projection row parallel."""
         dp, mp = data_parallel, model_parallel
         for d in (self.query, self.key, self.value):
@@ -267,7 +268,7 @@ class FeedForward(Cell):
     def __call__(self, x):
         return self.dropout(self.projection(self.mapping(x)))
 
-    def shard_megatron(self, data_parallel: int, model_parallel: int) -> "FeedForward":
+    def shard_megatron(self, data_parallel: int, model_parallel: int) -> FeedForward:
         """Megatron: the first Dense column parallel, the second row parallel (one all-reduce forward)."""
         dp, mp = data_parallel, model_parallel
         self.mapping.matmul.shard(((dp, 1), (mp, 1)))
@@ -300,7 +301,7 @@ class TransformerBlock(Cell):
         x = x + self.dropout(self.attention(self.layernorm1(x)))
         return x + self.output(self.layernorm2(x))
 
-    def shard_megatron(self, data_parallel: int, model_parallel: int) -> "TransformerBlock":
+    def shard_megatron(self, data_parallel: int, model_parallel: int) -> TransformerBlock:
         dp = data_parallel
         self.attention.shard_megatron(dp, model_parallel)
         self.output.shard_megatron(dp, model_parallel)

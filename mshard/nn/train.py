@@ -57,8 +57,9 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,15 +68,14 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from .. import annotate
+from .. import annotate, fusion
 from .. import context as ctxmod
-from .. import fusion
 from ..errors import CommFusionWarning, OptimizerParallelError
 from ..layout import DimAxes, RegionMesh, choose_axes, spec_of
 from ..region import Region, search_algorithm
 from .cell import Cell, register_paths
 
-__all__ = ["WithLossCell", "TrainOneStepCell", "GradAccumulationCell", "MicroBatchInterleaved"]
+__all__ = ["GradAccumulationCell", "MicroBatchInterleaved", "TrainOneStepCell", "WithLossCell"]
 
 
 # -- the loss and micro-batch wrappers -------------------------------------------------------------
@@ -507,7 +507,7 @@ class _FastPath:
         self.changed = list(comp.changed)
 
     @staticmethod
-    def build(region: Region, cell: "TrainOneStepCell", data: tuple) -> "_FastPath | None":
+    def build(region: Region, cell: TrainOneStepCell, data: tuple) -> _FastPath | None:
         flat, tree = jax.tree.flatten(data)
         if not all(isinstance(x, jax.Array) for x in flat):
             return None
@@ -546,7 +546,7 @@ class _FastPath:
         return jax.tree.unflatten(self.user_tree, list(outs[:n_user]))
 
 
-_RUNTIMES: "weakref.WeakKeyDictionary[TrainOneStepCell, _Runtime]" = weakref.WeakKeyDictionary()
+_RUNTIMES: weakref.WeakKeyDictionary[TrainOneStepCell, _Runtime] = weakref.WeakKeyDictionary()
 
 
 class TrainOneStepCell(Cell):
