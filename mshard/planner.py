@@ -19,8 +19,11 @@ from jax.extend import core as jcore
 
 from searchers import DeviceMesh, Graph
 from searchers.cost import CostParams, op_cost, redistribution_cost
+from searchers.dynamic_programming import dynamic_programming
 from searchers.graph import ms_strategy, operand_layout, result_layout
+from searchers.ilp import ilp
 from searchers.propagation import sharding_propagation
+from searchers.recursive_programming import recursive_programming
 from searchers.strategies import data_parallel_strategy, enumerate_strategies
 
 from . import context as ctxmod
@@ -46,7 +49,10 @@ def _user_search(graph: Graph, params: CostParams, *, fully_use_devices: bool = 
 
 
 # search_mode -> searcher(graph, params, *, fully_use_devices) -> SearchResult
-SEARCHERS: dict[str, Callable] = {"sharding_propagation": sharding_propagation, "user": _user_search}
+SEARCHERS: dict[str, Callable] = {"sharding_propagation": sharding_propagation, "user": _user_search,
+                                  "dynamic_programming": dynamic_programming,
+                                  "recursive_programming": recursive_programming,
+                                  "ilp": ilp}
 
 
 def register_searcher(name: str, fn: Callable) -> None:
