@@ -16,7 +16,8 @@ These steps are exact. When none applies (every remaining op has three or more n
 training graphs, whose forward and backward passes form a ladder, always leave such a core)
 the remaining graph is solved exactly when it is small: by enumeration (``exact_limit``
 combinations) or by the integer program of :mod:`searchers.ilp` on the reduced graph
-(``core_ilp_limit`` candidate pairs, ``core_time_limit`` seconds, first pass only). Otherwise
+(``core_ilp_limit`` candidate pairs, ``core_time_limit`` seconds; tried once, on the first
+core). Otherwise
 the documented fallback applies, *star elimination*: the op with the most neighbours (a star's
 centre) is fixed to the candidate with the least cost against optimistic neighbours,
 ``c_v[s] + sum_u min_t (R_vu[s, t] + c_u[t])``; its edges become vectors on its neighbours and
@@ -240,7 +241,7 @@ def _one_pass(base: Problem, memo: dict[int, tuple], bar: Progress, *, values: d
             if math.prod(len(prob.cands[v]) for v in core) <= exact_limit:
                 core_choice = _enumerate(prob, core)
                 break
-        if not tried_ilp and core_time_limit > 0 and small_core:
+        if not tried_ilp and core_time_limit > 0 and small_core and not el.fixed_approx:
             tried_ilp = True
             idx = {v: k for k, v in enumerate(core)}
             pairs = [(idx[prob.lo[i]], idx[prob.hi[i]], prob.mat[i]) for i in prob.pairs()]
@@ -327,13 +328,15 @@ def dynamic_programming(graph: Graph, params: CostParams, *, fully_use_devices: 
                         elementwise_op_strategy_follow: bool = False, max_candidates: int | None = None,
                         exact_limit: int = 200_000, core_ilp_limit: int = 200_000,
                         core_time_limit: float = 1.0, improve_passes: int = 4,
-                        polish: bool = True) -> SearchResult:
+                        improve_seconds: float = 10.0, polish: bool = True) -> SearchResult:
     """Strategies for every op of ``graph`` by graph eliminations (see the module doc).
 
     ``exact_limit``: the most candidate combinations a remaining core is enumerated over;
     ``core_ilp_limit``: the most candidate pairs (edge variables before compression) for which a
     core is handed to the integer program, with ``core_time_limit`` seconds (0: never);
-    ``improve_passes``: the most improvement passes after a star elimination; ``polish``:
+    ``improve_passes``: the most improvement passes after a star elimination, within
+    ``improve_seconds`` for the starting plans and passes together (a pass that would start later
+    is skipped, so the result depends on the machine only for large graphs); ``polish``:
     local improvement at the end. ``max_candidates`` keeps each op's first candidates.
     """
     t0 = time.perf_counter()
@@ -359,7 +362,10 @@ def dynamic_programming(graph: Graph, params: CostParams, *, fully_use_devices: 
             best = prob.total(choice)
             taboo = frozenset(first.fixed)
             passes, origin = 0, "greedy star choices"
+            start = time.perf_counter()
             for name, seed in _seeds(graph, params, prob, live, fully_use_devices, max_candidates):
+                if time.perf_counter() - start > improve_seconds:
+                    break
                 bar.update(completed=0, description=f"dynamic_programming: pass from {name}")
                 nxt = _one_pass(prob, memo, bar, values=seed, taboo=frozenset(), **later)
                 passes += 1
@@ -369,6 +375,9 @@ def dynamic_programming(graph: Graph, params: CostParams, *, fully_use_devices: 
                     choice, best, origin = nxt.choice, cost, name
                 taboo |= frozenset(nxt.fixed)
             for k in range(improve_passes):
+                if time.perf_counter() - start > improve_seconds:
+                    notes.append(f"improvement passes stopped after improve_seconds={improve_seconds:g} s")
+                    break
                 bar.update(completed=0, description=f"dynamic_programming: improvement pass {k + 1}")
                 nxt = _one_pass(prob, memo, bar, values=choice, taboo=taboo, **later)
                 passes += 1

@@ -17,8 +17,9 @@ before solving.
 
 Solved with ``scipy.optimize.milp`` (HiGHS) under ``time_limit`` seconds. When it stops at the
 limit the best solution found is returned and a note gives the gap to the proven lower bound;
-when no solution was found in time, a note says so and the dynamic_programming answer is
-returned instead (``fallback=False`` raises ``TimeoutError``).
+when no solution was found in time (or the program is too large to build, ``max_variables``),
+a note says so and the dynamic_programming answer is returned instead (``fallback=False``
+raises ``TimeoutError``).
 
 >>> from searchers.graph import DeviceMesh, Graph
 >>> from searchers.cost import CostParams
@@ -80,12 +81,14 @@ def _groups(m: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
 
 def solve_pairwise(unary: Sequence[np.ndarray], pairs: Sequence[tuple[int, int, np.ndarray]], *,
                    time_limit: float = 60.0, mip_rel_gap: float = 1e-9,
-                   memory_rows: Sequence[tuple[dict[int, np.ndarray], float]] = ()) -> PairwiseSolution:
+                   memory_rows: Sequence[tuple[dict[int, np.ndarray], float]] = (),
+                   max_variables: int | None = None) -> PairwiseSolution:
     """Minimise ``sum_v unary[v][c_v] + sum_(a,b,R) R[c_a, c_b]`` over one candidate ``c_v`` per node.
 
     ``pairs`` are ``(a, b, R)`` with ``R`` of shape ``(len(unary[a]), len(unary[b]))``; entries may
     be ``inf`` (forbidden). ``memory_rows``: ``({node: bytes per candidate}, capacity)`` rows,
-    each ``sum_v bytes_v[c_v] <= capacity``.
+    each ``sum_v bytes_v[c_v] <= capacity``. With more than ``max_variables`` variables after the
+    shrinks the program is not built: the answer has no choice and status ``"too large"``.
 
     >>> sol = solve_pairwise([np.array([1.0, 0.0]), np.array([0.0, 1.0])],
     ...                      [(0, 1, np.array([[0.0, 5.0], [5.0, 0.0]]))])
@@ -116,6 +119,10 @@ def solve_pairwise(unary: Sequence[np.ndarray], pairs: Sequence[tuple[int, int, 
     offs = np.zeros(n + 1, dtype=np.int64)
     offs[1:] = np.cumsum([len(u) for u in uvec])
     nx = int(offs[-1])
+    n_e = sum(int(np.isfinite(e[4]).sum()) for e in edges)
+    if max_variables is not None and nx + n_e > max_variables:
+        return PairwiseSolution(None, False, "too large", seconds=time.perf_counter() - t0,
+                                size={"nodes": n, "x": nx, "e": n_e})
     scale_ref = sum(float(np.min(u[np.isfinite(u)])) if np.isfinite(u).any() else 0.0 for u in uvec)
     cost_parts = [np.where(np.isfinite(u), u, 0.0) for u in uvec]
     ub_parts = [np.where(np.isfinite(u), 1.0, 0.0) for u in uvec]
@@ -266,11 +273,13 @@ def memory_rows(graph: Graph, prob: Problem, capacity: float, index: dict[int, i
 def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
         elementwise_op_strategy_follow: bool = False, time_limit: float = 60.0,
         mip_rel_gap: float = 1e-9, memory_limit: bool = True, max_candidates: int | None = None,
-        fallback: bool = True) -> SearchResult:
+        max_variables: int = 4_000_000, fallback: bool = True) -> SearchResult:
     """The optimal strategies of ``graph`` under the cost model and the memory limit (module doc).
 
     ``time_limit`` (seconds) bounds the solver; ``memory_limit=False`` drops the memory rows;
-    ``max_candidates`` keeps each op's first candidates (then it is exact only over those).
+    ``max_candidates`` keeps each op's first candidates (then it is exact only over those);
+    a program with more than ``max_variables`` variables is not built (HiGHS would need many GB),
+    which is handled like a time-out.
     """
     t0 = time.perf_counter()
     notes: list[str] = []
@@ -291,14 +300,18 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
         bar.update(description=f"ilp: {len(live)} ops, {len(pairs)} pairs, time limit {time_limit:g} s")
         left = max(0.01, time_limit - (time.perf_counter() - t0))
         sol = solve_pairwise([prob.unary[v] for v in live], pairs, time_limit=left, mip_rel_gap=mip_rel_gap,
-                             memory_rows=rows)
+                             memory_rows=rows, max_variables=max_variables)
     if sol.status == "infeasible":
         raise ValueError(f"ilp: no choice of strategies fits device_memory_capacity="
                          f"{params.device_memory_capacity:,.0f} bytes per device (the integer program is "
                          f"infeasible). Raise device_memory_capacity (set_cost_model_context) or use more devices.")
     if sol.choice is None:
-        msg = (f"ilp: no solution found within time_limit={time_limit:g} s ({sol.size.get('x', 0)} strategy and "
-               f"{sol.size.get('e', 0)} edge variables); raise time_limit, or use dynamic_programming")
+        if sol.status == "too large":
+            msg = (f"ilp: the integer program is too large to build ({sol.size['x']} strategy and {sol.size['e']} "
+                   f"edge variables > max_variables={max_variables}); use dynamic_programming")
+        else:
+            msg = (f"ilp: no solution found within time_limit={time_limit:g} s ({sol.size.get('x', 0)} strategy "
+                   f"and {sol.size.get('e', 0)} edge variables); raise time_limit, or use dynamic_programming")
         if not fallback:
             raise TimeoutError(msg)
         from .dynamic_programming import dynamic_programming
