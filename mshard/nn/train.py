@@ -485,6 +485,16 @@ def _by_key(indices: list[int], keys: list, buckets: list[list[int]]):
 _MISS = object()
 
 
+def _raw_ok(v: nnx.Variable) -> bool:
+    """Whether a Variable's array can be read/written directly (``_raw_value``: no get/set hooks, not a ref);
+    otherwise the fast path uses ``get_value``/``set_value`` (about 10 us each)."""
+    meta = getattr(v, "_var_metadata", None)
+    if not isinstance(meta, dict) or not hasattr(v, "_raw_value"):
+        return False
+    return not any(k in meta for k in ("on_get_value", "on_set_value")) and not meta.get("ref") \
+        and not meta.get("hijax") and isinstance(v._raw_value, jax.Array)
+
+
 class _FastPath:
     """Repeated steps without the region's per-call ``nnx.split``/``nnx.update`` (tens of ms for a model with a
     few hundred Variables): after a first call through the region, the step keeps the network's and optimizer's
@@ -509,15 +519,14 @@ class _FastPath:
     @staticmethod
     def build(region: Region, cell: TrainOneStepCell, data: tuple) -> _FastPath | None:
         flat, tree = jax.tree.flatten(data)
-        if not all(isinstance(x, jax.Array) for x in flat):
+        if not all(isinstance(x, (jax.Array, np.ndarray)) for x in flat):
             return None
         comp = region._prepare((*data, cell), {})[0]       # the compiled step just used (a cache hit)
         _, state = nnx.split(cell)
         variables = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
         if len(variables) != len(jax.tree.leaves(state)) or not all(isinstance(v, nnx.Variable) for v in variables):
             return None
-        raw = [not any(k in v._var_metadata for k in ("on_get_value", "on_set_value"))
-               and not v._var_metadata.get("ref") and not v._var_metadata.get("hijax") for v in variables]
+        raw = [_raw_ok(v) for v in variables]
         avals = [(x.shape, x.dtype) for x in flat]
         shardings = comp.in_shardings[len(variables):]
         return _FastPath(comp, variables, raw, tree, avals, shardings)
@@ -527,10 +536,11 @@ class _FastPath:
                 or ctxmod.get_algo_parameters() is not self.algo or ctxmod.get_cost_model_context() is not self.cost):
             return _MISS
         flat, tree = jax.tree.flatten(data)
-        if tree != self.tree or any(not isinstance(x, jax.Array) or (x.shape, x.dtype) != a
+        if tree != self.tree or any(not isinstance(x, (jax.Array, np.ndarray)) or (x.shape, x.dtype) != a
                                     for x, a in zip(flat, self.avals)):
             return _MISS
-        flat = [jax.device_put(x, sh) if x.committed and x.sharding != sh else x for x, sh in zip(flat, self.shardings)]
+        flat = [jax.device_put(x, sh) if isinstance(x, jax.Array) and x.committed and x.sharding != sh else x
+                for x, sh in zip(flat, self.shardings)]
         vals = [v._raw_value if r else v.get_value() for v, r in zip(self.variables, self.raw)]
         try:
             outs = self.comp.jitted(*vals, *flat)

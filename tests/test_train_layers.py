@@ -1,0 +1,118 @@
+"""The nn layers against independent numpy formulas, and sharded (ms.jit, 8 devices) against one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import assert_close, rand
+
+import mshard as ms
+from mshard import nn
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_is_a_table_lookup_and_one_hot_agrees():
+    emb = nn.Embedding(10, 4, padding_idx=0, rngs=nnx.Rngs(0))
+    table = np.asarray(emb.embedding_table[...])
+    ids = np.array([[1, 2, 0], [9, 9, 3]])
+    np.testing.assert_allclose(np.asarray(emb(ids)), table[ids], **TOL)
+    assert not table[0].any()
+    emb.use_one_hot = True
+    np.testing.assert_allclose(np.asarray(emb(ids)), table[ids], **TOL)
+
+
+def test_layernorm_matches_the_formula():
+    ln = nn.LayerNorm((6,), epsilon=1e-7)
+    ln.gamma[...] = jnp.arange(1.0, 7.0)
+    ln.beta[...] = jnp.full((6,), 0.5)
+    x = np.asarray(rand(0, 3, 5, 6))
+    mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    want = (x - mean) / np.sqrt(var + 1e-7) * np.arange(1.0, 7.0) + 0.5
+    np.testing.assert_allclose(np.asarray(ln(x)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_rate_scale_and_train_mode():
+    d = nn.Dropout(keep_prob=0.75, rngs=nnx.Rngs(0))
+    assert d.p == 0.25
+    y = np.asarray(d(jnp.ones((200, 200))))
+    kept = y != 0
+    assert abs(kept.mean() - 0.75) < 0.01 and np.allclose(y[kept], 1 / 0.75)
+    d.set_train(False)
+    np.testing.assert_array_equal(np.asarray(d(jnp.ones((3, 3)))), np.ones((3, 3)))
+    with pytest.raises(ValueError, match="must be in"):
+        nn.Dropout(p=1.0, rngs=nnx.Rngs(0))
+
+
+def _conv_numpy(x, w, pad):
+    n, c, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    xp = np.pad(x, ((0, 0), (0, 0), pad, pad))
+    out = np.zeros((n, o, xp.shape[2] - kh + 1, xp.shape[3] - kw + 1), np.float32)
+    for i in range(out.shape[2]):
+        for j in range(out.shape[3]):
+            out[:, :, i, j] = np.einsum("nchw,ochw->no", xp[:, :, i:i + kh, j:j + kw], w)
+    return out
+
+
+def test_conv2d_same_and_valid_and_maxpool():
+    conv = nn.Conv2d(3, 4, 3, pad_mode="same", has_bias=True, rngs=nnx.Rngs(0))
+    conv.bias[...] = jnp.arange(4.0)
+    x = np.asarray(rand(1, 2, 3, 8, 8))
+    w = np.asarray(conv.weight[...])
+    want = _conv_numpy(x, w, (1, 1)) + np.arange(4.0)[None, :, None, None]
+    np.testing.assert_allclose(np.asarray(conv(x)), want, rtol=1e-4, atol=1e-4)
+    valid = nn.Conv2d(3, 4, 3, pad_mode="valid", rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(np.asarray(valid(x)), _conv_numpy(x, w, (0, 0)), rtol=1e-4, atol=1e-4)
+    pool = nn.MaxPool2d(2, 2)
+    np.testing.assert_array_equal(np.asarray(pool(x)), x.reshape(2, 3, 4, 2, 4, 2).max(axis=(3, 5)))
+
+
+def _attention_numpy(att, x):
+    b, s, h = x.shape
+    nh, hd = att.num_heads, att.head_dim
+
+    def dense(d, t):
+        return t @ np.asarray(d.weight[...]).T + np.asarray(d.bias[...])
+    q, k, v = (dense(d, x).reshape(b, s, nh, hd).transpose(0, 2, 1, 3) for d in (att.query, att.key, att.value))
+    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd)
+    scores = np.where(np.tril(np.ones((s, s), bool)), scores, -1e9)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ctx = (p @ v).transpose(0, 2, 1, 3).reshape(b, s, h)
+    return dense(att.projection, ctx)
+
+
+def test_multi_head_attention_matches_numpy_and_megatron_sharding():
+    att = nn.MultiHeadAttention(16, 4, rngs=nnx.Rngs(0))
+    x = np.asarray(rand(2, 8, 8, 16))
+    want = _attention_numpy(att, x)
+    np.testing.assert_allclose(np.asarray(att(x)), want, rtol=1e-4, atol=1e-5)
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    att.shard_megatron(2, 4)
+    f = ms.jit(lambda m, x: m(x))
+    assert_close(f(att, x), want, rtol=1e-4, atol=1e-5)
+    rep = ms.comm_report(f, att, x)
+    assert rep.count("all-reduce") >= 1       # the row-parallel projection's partial sums
+
+
+def test_transformer_block_sharded_equals_one_device():
+    blk = nn.TransformerBlock(16, 4, 32, rngs=nnx.Rngs(1))
+    x = rand(3, 8, 8, 16)
+    want = jax.jit(lambda x: blk(x))(x)
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    blk.shard_megatron(2, 4)
+    assert_close(ms.jit(lambda m, x: m(x))(blk, x), want, rtol=1e-4, atol=1e-5)
+
+
+def test_losses():
+    logits, labels = np.asarray(rand(4, 6, 5)), np.array([0, 4, 2, 1, 3, 3])
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    want = -logp[np.arange(6), labels]
+    sparse = nn.SoftmaxCrossEntropyWithLogits(sparse=True)
+    np.testing.assert_allclose(np.asarray(sparse(logits, labels)), want, rtol=1e-5)
+    dense = nn.SoftmaxCrossEntropyWithLogits(reduction="mean")
+    np.testing.assert_allclose(float(dense(logits, np.eye(5)[labels])), want.mean(), rtol=1e-5)
+    with pytest.raises(ValueError, match="reduction"):
+        nn.MSELoss(reduction="avg")
