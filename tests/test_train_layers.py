@@ -46,7 +46,7 @@ def test_dropout_rate_scale_and_train_mode():
 
 
 def _conv_numpy(x, w, pad):
-    n, c, h, wd = x.shape
+    n = x.shape[0]
     o, _, kh, kw = w.shape
     xp = np.pad(x, ((0, 0), (0, 0), pad, pad))
     out = np.zeros((n, o, xp.shape[2] - kh + 1, xp.shape[3] - kw + 1), np.float32)
