@@ -1,0 +1,104 @@
+"""Issue 5 end to end: auto_parallel with search_mode dynamic_programming / recursive_programming /
+ilp traces the region, searches, and the plan executes on 8 devices equal to one device."""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from helpers import assert_close
+
+import mshard as ms
+from mshard import ops
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from models import MLP, ConvNet, TransformerBlock, inputs
+
+SEARCH_MODES = ("dynamic_programming", "recursive_programming", "ilp")
+
+
+def auto(mode, **kw):
+    return ms.parallel_context(parallel_mode="auto_parallel", search_mode=mode, device_num=8, **kw)
+
+
+def loss_and_grad(m, *a):
+    return nnx.value_and_grad(lambda m, *a: jnp.sum(m(*a)))(m, *a)
+
+
+def small_block():
+    return TransformerBlock(d=32, heads=4, d_ff=64), (jax.random.normal(jax.random.key(1), (8, 8, 32)),)
+
+
+@pytest.mark.parametrize("mode", SEARCH_MODES)
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+def test_plan_executes_and_matches_one_device(mode, model):
+    m, args = (MLP(), inputs("mlp")) if model == "mlp" else small_block()
+    ref_y = m(*args)
+    ref_l, ref_g = loss_and_grad(m, *args)          # eager: plain JAX on one device
+    with auto(mode):
+        y = ms.jit(lambda m, *a: m(*a))(m, *args)
+        f = ms.jit(loss_and_grad)
+        (l, g) = f(m, *args)
+        plan = f.plan(m, *args)
+    assert_close(y, ref_y, rtol=1e-4, atol=1e-5)
+    assert_close(l, ref_l, rtol=1e-4, atol=1e-4)
+    assert_close(g, ref_g, rtol=1e-4, atol=1e-4)
+    assert plan.algorithm == mode and len(plan.ops) > 5
+    assert plan.cost.total > 0
+
+
+@pytest.mark.parametrize("mode", SEARCH_MODES)
+def test_conv_net_plan_matches_one_device(mode):
+    m, args = ConvNet(), inputs("conv")
+    with auto(mode):
+        y = ms.jit(lambda m, x: m(x))(m, *args)
+    assert_close(y, m(*args), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", SEARCH_MODES)
+def test_user_strategies_are_fixed(mode):
+    m, (x,) = MLP(), inputs("mlp")
+    mm1 = ops.MatMul().shard(((2, 1), (1, 4)))
+    fn = lambda m, x: jax.nn.relu(mm1(x, m.w1[...])) @ m.w2[...]
+    with auto(mode):
+        f = ms.jit(fn)
+        y = f(m, x)
+        plan = f.plan(m, x)
+    assert plan.strategy_of("MatMul") == ((2, 1), (1, 4))
+    assert_close(y, jax.nn.relu(x @ m.w1[...]) @ m.w2[...])
+
+
+@pytest.mark.parametrize("mode", SEARCH_MODES)
+def test_fully_use_devices_takes_effect(mode):
+    m, args = MLP(), inputs("mlp")
+    fn = lambda m, x: jnp.sum(m(x))
+    ms.set_algo_parameters(fully_use_devices=True)
+    with auto(mode):
+        plan = ms.jit(fn).plan(m, *args)
+    for name, axes in plan.graph_axes.items():
+        used = sorted(a for ax in axes for a in ax)
+        if len(used) != len(plan.mesh.shape) and "reduce_sum" not in name:
+            raise AssertionError(f"{name} uses {used} of {plan.mesh.names}")
+
+
+@pytest.mark.parametrize("mode", SEARCH_MODES)
+def test_cost_model_context_takes_effect(mode):
+    m, args = MLP(), inputs("mlp")
+    fn = lambda m, x: m(x)
+    with auto(mode):
+        base = ms.jit(fn).plan(m, *args)
+    ms.set_cost_model_context(costmodel_alpha=10.0)
+    with auto(mode):
+        heavy = ms.jit(fn).plan(m, *args)
+    assert heavy.cost.compute == pytest.approx(base.cost.compute, rel=1e-6) or heavy.cost.total != base.cost.total
+    assert heavy.cost.total > base.cost.total
+
+
+def test_a_second_region_with_the_same_graph_is_not_searched_again():
+    m, args = MLP(), inputs("mlp")
+    with auto("dynamic_programming"):
+        ms.jit(lambda m, x: m(x)).plan(m, *args)
+        again = ms.jit(lambda m, x: m(x)).plan(m, *args)          # a new jit: traced again, same graph
+    assert any("from the search cache" in n for n in again.notes)
