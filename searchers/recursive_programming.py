@@ -37,15 +37,16 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import Counter
 
 import numpy as np
 
 from .cache import cached_search
-from .cost import CostParams
+from .cost import Cost, CostParams, counted_cost
 from .cost_vectors import layout_cost_matrix
-from .graph import Graph, Strategy
+from .graph import DeviceMesh, Graph, Strategy
 from .progress import Progress
-from .propagation import _predicted_cost, _State, _Tables
+from .propagation import _Tables
 from .result import SearchResult
 from .spec import layout_of, spec_key
 from .strategies import strategies_for
@@ -112,34 +113,37 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     mesh, ops, tensors = graph.mesh, graph.ops, graph.tensors
     n, n_axes = len(ops), len(mesh.shape)
     tab = _Tables(graph, params, False, None)          # every partial strategy is a candidate here
-    sids = [tab.spec_id(spec_key(op, graph)) for op in ops]
-    # flat layout slots: every op's operands then results; refs[v]: the slots of v's neighbours
-    # that v's cost depends on (its operands' producer results, its results' consumer operands)
+    # one pass: spec ids, and flat layout slots (every op's operands then results); refs[v]: the
+    # slots of v's neighbours that v's cost depends on (its operands' producer results, its
+    # results' consumer operands); e_*: per edge, the operand slot, the producer result slot, bytes
+    sids: list[int] = []
     in_base, out_base, nslot = [0] * n, [0] * n, 0
     res_slot = [0] * len(tensors)
-    for op in ops:
-        in_base[op.id] = nslot
-        nslot += len(op.inputs)
-        out_base[op.id] = nslot
-        for j, tid in enumerate(op.outputs):
-            res_slot[tid] = nslot + j
-        nslot += len(op.outputs)
-    in_src: list[list[tuple[int, int]]] = []
     refs: list[list[int]] = [[] for _ in ops]
     outj: list[list[int]] = [[] for _ in ops]       # per op: the result index behind each consumer ref
+    e_in: list[int] = []
+    e_src: list[int] = []
+    e_bytes: list[int] = []
     for op in ops:
-        row = []
-        c, cb = op.id, in_base[op.id]
-        mine = refs[c]
+        v = op.id
+        sid = tab.spec_id(spec_key(op, graph))
+        sids.append(sid)
+        in_base[v] = cb = nslot
+        mine = refs[v]
         for k, tid in enumerate(op.inputs):
             p = tensors[tid].producer
             slot = res_slot[tid]
-            j = slot - out_base[p]
-            row.append((p, j))
             mine.append(slot)
             refs[p].append(cb + k)
-            outj[p].append(j)
-        in_src.append(row)
+            outj[p].append(slot - out_base[p])
+            e_in.append(cb + k)
+            e_src.append(slot)
+        e_bytes.extend(tab.specs[sid].in_bytes)
+        nslot += len(op.inputs)
+        out_base[v] = nslot
+        for j, tid in enumerate(op.outputs):
+            res_slot[tid] = nslot + j
+        nslot += len(op.outputs)
     # a signature says which operand / result each ref is: (operand count, result index per consumer ref)
     sig_ids: dict[tuple, int] = {}
     sigs: list[tuple] = []
@@ -244,42 +248,39 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     movable = [v for v in order if not is_fixed[v] and not is_leaf[v]]
     structs = tab.structs
     get = lay.__getitem__
+    dget = decisions.get
+    work = [(v, sids[v], sig_of[v], refs[v], in_base[v], in_base[v] + len(ops[v].inputs), out_base[v],
+             out_base[v] + len(ops[v].outputs)) for v in movable]
     with Progress(f"recursive_programming: {n} ops", n * n_axes) as bar:
         for r in range(n_axes):
-            for v in movable:
-                sid = sids[v]
-                lids = tuple(map(get, refs[v]))
-                key = (sid, sig_of[v], r, state[v], lids)
-                c = decisions.get(key)
+            for v, sid, sig, rf, ib, ie, ob, oe in work:
+                s0 = state[v]
+                lids = tuple(map(get, rf))
+                key = (sid, sig, r, s0, lids)
+                c = dget(key)
                 if c is None:
-                    c = decisions[key] = decide(sid, sig_of[v], r, state[v], lids)
-                if c != state[v]:
+                    c = decisions[key] = decide(sid, sig, r, s0, lids)
+                if c != s0:
                     state[v] = c
                     st = structs[sid]
-                    ins, outs = st.in_rows[c], st.out_rows[c]   # type: ignore[union-attr]
-                    b = in_base[v]
-                    lay[b:b + len(ins)] = ins
-                    b = out_base[v]
-                    lay[b:b + len(outs)] = outs
+                    lay[ib:ie] = st.in_rows[c]    # type: ignore[union-attr]
+                    lay[ob:oe] = st.out_rows[c]   # type: ignore[union-attr]
             bar.advance(n)
         for _sweep in range(refine):
             moved = 0
-            for v in movable:
-                sid = sids[v]
-                lids = tuple(map(get, refs[v]))
-                key = (sid, sig_of[v], -1, state[v], lids)
-                c = decisions.get(key)
+            for v, sid, sig, rf, ib, ie, ob, oe in work:
+                s0 = state[v]
+                lids = tuple(map(get, rf))
+                key = (sid, sig, -1, s0, lids)
+                c = dget(key)
                 if c is None:
-                    c = decisions[key] = refine_one(sid, sig_of[v], state[v], lids)
-                if c != state[v]:
+                    c = decisions[key] = refine_one(sid, sig, s0, lids)
+                if c != s0:
                     moved += 1
                     state[v] = c
                     st = structs[sid]
-                    ins, outs = st.in_rows[c], st.out_rows[c]   # type: ignore[union-attr]
-                    b = in_base[v]
-                    lay[b:b + len(ins)] = ins
-                    b = out_base[v]
-                    lay[b:b + len(outs)] = outs
+                    lay[ib:ie] = st.in_rows[c]    # type: ignore[union-attr]
+                    lay[ob:oe] = st.out_rows[c]   # type: ignore[union-attr]
             if not moved:
                 break
         for u in leaves:                  # each leaf's best response to its user's final layout
@@ -291,19 +292,28 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
             lay[out_base[u]] = structs[sids[u]].out_rows[k][0]   # type: ignore[union-attr]
         followers = _follow(ops, movable, sids, tab, refs, lay, in_base, out_base, state, rounds_of) \
             if follow else 0
-    result = _State(n)
-    for v in range(n):
-        if v in fixed_strategy:
-            result.chosen[v] = fixed_strategy[v]
-        else:
-            result.chosen[v] = structs[sids[v]].cands[state[v]]   # type: ignore[union-attr]
-        result.in_l[v] = tuple(lay[in_base[v]:in_base[v] + len(ops[v].inputs)])
-        result.out_l[v] = tuple(lay[out_base[v]:out_base[v] + len(ops[v].outputs)])
+    chosen: list[Strategy] = [fixed_strategy[v] if v in fixed_strategy else
+                              structs[sids[v]].cands[state[v]] for v in range(n)]   # type: ignore[union-attr]
     notes = []
     if followers:
         notes.append(f"elementwise_op_strategy_follow: {followers} elementwise op(s) took their consumer's layout")
-    cost = _predicted_cost(tab, sids, in_src, result, mesh, params)
-    return SearchResult(dict(enumerate(result.chosen)), cost, ALGORITHM, time.perf_counter() - t0, notes)  # type: ignore[arg-type]
+    cost = _cost(tab, sids, chosen, lay, e_in, e_src, e_bytes, mesh, params)
+    return SearchResult(dict(enumerate(chosen)), cost, ALGORITHM, time.perf_counter() - t0, notes)
+
+
+def _cost(tab: _Tables, sids: list[int], chosen: list[Strategy], lay: list[int], e_in: list[int],
+          e_src: list[int], e_bytes: list[int], mesh: DeviceMesh, params: CostParams) -> Cost:
+    """:func:`~searchers.cost.graph_cost` of the plan, counted on the layout ids at hand."""
+    by_spec: Counter = Counter()
+    for (sid, st), c in Counter(zip(sids, chosen)).items():   # distinct sids may share an OpSpec
+        by_spec[tab.specs[sid], st] += c
+    red: Counter = Counter()
+    for a, b, nb in zip(e_src, e_in, e_bytes):
+        la, lb = lay[a], lay[b]
+        if la != lb:
+            red[la, lb, nb] += 1
+    layouts = tab.layouts
+    return counted_cost(by_spec, {(layouts[a], layouts[b], nb): c for (a, b, nb), c in red.items()}, mesh, params)
 
 
 def _follow(ops, movable, sids, tab, refs, lay, in_base, out_base, state, rounds_of) -> int:
