@@ -54,14 +54,16 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .cache import cached_search
 from .cost import CostParams, graph_cost
 from .factor import Problem
-from .graph import Graph
+from .graph import Graph, Strategy
 from .ilp import solve_pairwise
 from .memory import peak_memory
 from .progress import Progress
@@ -243,8 +245,7 @@ def _one_pass(base: Problem, memo: dict[int, tuple], bar: Progress, *, values: d
                 break
         if not tried_ilp and core_time_limit > 0 and small_core and not el.fixed_approx:
             tried_ilp = True
-            idx = {v: k for k, v in enumerate(core)}
-            pairs = [(idx[prob.lo[i]], idx[prob.hi[i]], prob.mat[i]) for i in prob.pairs()]
+            pairs = prob.pair_list({v: k for k, v in enumerate(core)})
             bar.update(description=f"dynamic_programming: integer program on a core of {len(core)} ops")
             sol = solve_pairwise([prob.unary[v] for v in core], pairs, time_limit=core_time_limit)
             if sol.choice is not None and sol.optimal:
@@ -261,8 +262,7 @@ def _one_pass(base: Problem, memo: dict[int, tuple], bar: Progress, *, values: d
 def _enumerate(prob: Problem, nodes: list[int]) -> dict[int, int]:
     """Exact minimum over the live ``nodes`` by enumeration (chunked, vectorised)."""
     sizes = tuple(len(prob.cands[v]) for v in nodes)
-    idx = {v: k for k, v in enumerate(nodes)}
-    pairs = [(idx[prob.lo[i]], idx[prob.hi[i]], prob.mat[i]) for i in prob.pairs()]
+    pairs = prob.pair_list({v: k for k, v in enumerate(nodes)})
     total = math.prod(sizes)
     best_val, best_flat = math.inf, 0
     for start in range(0, total, 1 << 16):
@@ -302,15 +302,15 @@ def _polish(prob: Problem, nodes: list[int], choice: dict[int, int], sweeps: int
 
 
 def _seeds(graph: Graph, params: CostParams, prob: Problem, live: list[int], fully: bool,
-           max_candidates: int | None):
+           max_candidates: int | None) -> Iterator[tuple[str, dict[int, int]]]:
     """Starting plans for the passes after a star elimination: every op replicated (or its first
     candidate), MindSpore's data-parallel default, and sharding_propagation's plan."""
     from .propagation import sharding_propagation
     from .strategies import data_parallel_strategy
 
-    index: dict[int, dict] = {}
+    index: dict[int, dict[Strategy, int]] = {}
 
-    def pick(v: int, s) -> int:
+    def pick(v: int, s: Strategy) -> int:
         cands = prob.cands[v]
         d = index.get(id(cands))
         if d is None:
@@ -349,7 +349,8 @@ def dynamic_programming(graph: Graph, params: CostParams, *, fully_use_devices: 
     prob.absorb_single()
     live = prob.live()
     memo: dict[int, tuple] = {}
-    kw = dict(exact_limit=exact_limit, core_ilp_limit=core_ilp_limit, core_time_limit=core_time_limit)
+    kw: dict[str, Any] = {"exact_limit": exact_limit, "core_ilp_limit": core_ilp_limit,
+                          "core_time_limit": core_time_limit}
     later = dict(kw, core_time_limit=0.0)         # the integer program is tried in the first pass only
     with Progress(f"dynamic_programming: {len(graph)} ops", len(live)) as bar:
         first = _one_pass(prob, memo, bar, values=None, taboo=frozenset(), **kw)
@@ -397,11 +398,11 @@ def dynamic_programming(graph: Graph, params: CostParams, *, fully_use_devices: 
                     notes.append(f"local improvement changed {moved} op choice(s)")
     choice = prob.expand(choice)
     strategies = prob.strategies(choice)
-    cost = graph_cost(graph, strategies, params)
+    predicted = graph_cost(graph, strategies, params)
     peak, step = peak_memory(graph, strategies)
     if peak > params.device_memory_capacity:
         notes.append(f"the plan's peak memory {peak:,.0f} B per device (at op {graph.ops[step].name!r}) exceeds "
                      f"device_memory_capacity={params.device_memory_capacity:,.0f} B; search_mode='ilp' enforces it")
     if hits:
         notes.append(f"repeated structure: {hits} of {hits + misses} eliminations reused an earlier identical one")
-    return SearchResult(strategies, cost, ALGORITHM, time.perf_counter() - t0, notes)
+    return SearchResult(strategies, predicted, ALGORITHM, time.perf_counter() - t0, notes)

@@ -41,7 +41,7 @@ import numpy as np
 
 from .cost import CostParams
 from .cost_vectors import layout_cost_matrix, spec_cost_vector
-from .graph import Graph, Strategy, TensorLayout
+from .graph import Graph, Op, Strategy, TensorLayout, operand_layout, result_layout
 from .spec import layout_of, spec_from_key, spec_key
 from .strategies import strategies_for
 
@@ -145,8 +145,8 @@ class Problem:
 
         def layouts(v: int, out: bool, idx: int) -> tuple[int, tuple[TensorLayout, ...]]:
             sk = skeys[v]
-            cid = cand_ids[sk[0], None if graph.ops[v].fixed is None
-                           else tuple(tuple(a) for a in graph.ops[v].fixed)]
+            fx = graph.ops[v].fixed
+            cid = cand_ids[sk[0], None if fx is None else tuple(tuple(a) for a in fx)]
             lk = (sk[0], cid, out, idx)
             got = lay_memo.get(lk)
             if got is None:
@@ -260,8 +260,8 @@ class Problem:
             (c,) = users
             cons = graph.ops[c]
             k = cons.inputs.index(op.outputs[0])
-            have = {layout_of_op(op, s, None): i for i, s in enumerate(self.cands[v])}
-            fmap = np.array([have.get(layout_of_op(cons, s, k), -1) for s in self.cands[c]], dtype=np.intp)
+            have = {result_layout(op, s, 0): i for i, s in enumerate(self.cands[v])}
+            fmap = np.array([have.get(operand_layout(cons, s, k), -1) for s in self.cands[c]], dtype=np.intp)
             while c in self.follows:              # the consumer follows in turn: compose the maps
                 c, cmap = self.follows[c]
                 fmap = np.where(cmap >= 0, fmap[np.maximum(cmap, 0)], -1)
@@ -319,6 +319,15 @@ class Problem:
     def pairs(self) -> Iterable[int]:
         return (i for i, m in enumerate(self.mat) if m is not None)
 
+    def pair_list(self, index: dict[int, int]) -> list[tuple[int, int, np.ndarray]]:
+        """``(index[lo], index[hi], matrix)`` of every live pair (nodes renumbered by ``index``)."""
+        out = []
+        for i in self.pairs():
+            m = self.mat[i]
+            assert m is not None
+            out.append((index[self.lo[i]], index[self.hi[i]], m))
+        return out
+
     def pair_count(self) -> int:
         return sum(1 for _ in self.pairs())
 
@@ -336,21 +345,19 @@ class Problem:
 
     def total(self, choice: dict[int, int]) -> float:
         """Cost of a choice for the live nodes under the current vectors and pairs."""
-        t = sum(float(self.unary[v][c]) for v, c in choice.items() if self.alive[v])
+        t = 0.0
+        for v, c in choice.items():
+            if self.alive[v]:
+                t += float(self.unary[v][c])
         for i in self.pairs():
-            t += float(self.mat[i][choice[self.lo[i]], choice[self.hi[i]]])  # type: ignore[index]
+            m = self.mat[i]
+            assert m is not None
+            t += float(m[choice[self.lo[i]], choice[self.hi[i]]])
         return t
 
 
-def _elementwise(op) -> bool:
+def _elementwise(op: Op) -> bool:
     if op.is_source or len(op.outputs) != 1 or not op.inputs:
         return False
     out = op.out_dims[0]
     return set(out) == set(op.dims) and all(d == out for d in op.in_dims)
-
-
-def layout_of_op(op, strategy: Strategy, index: int | None) -> TensorLayout:
-    """Operand ``index``'s layout (``None``: result 0's layout) of ``op`` under ``strategy``."""
-    where = dict(zip(op.dims, strategy))
-    dims = op.out_dims[0] if index is None else op.in_dims[index]
-    return tuple(where[d] if d is not None else () for d in dims)

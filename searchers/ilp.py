@@ -251,7 +251,7 @@ def memory_rows(graph: Graph, prob: Problem, capacity: float, index: dict[int, i
             f"at op {graph.ops[worst].name!r} (step {worst}) the live tensors need at least "
             f"{low[worst]:,.0f} bytes even at their smallest layouts. Raise device_memory_capacity "
             f"(set_cost_model_context), use more devices, or recompute activations.")
-    out = []
+    out: list[tuple[dict[int, np.ndarray], float]] = []
     tids = np.array(sorted(owner), dtype=np.int64)
     if not len(tids):
         return out
@@ -292,7 +292,7 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
         prob.absorb_single()
         live = prob.live()
         index = {v: i for i, v in enumerate(live)}
-        pairs = [(index[prob.lo[i]], index[prob.hi[i]], prob.mat[i]) for i in prob.pairs()]
+        pairs = prob.pair_list(index)
         rows = memory_rows(graph, prob, params.device_memory_capacity, index) if memory_limit else []
         if rows:
             notes.append(f"memory: {len(rows)} step(s) could exceed device_memory_capacity="

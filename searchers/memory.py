@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .graph import Graph, Strategy
+from .graph import Graph, Strategy, TensorLayout
 
 
 def live_ranges(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
@@ -36,7 +36,7 @@ def live_ranges(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
     return first, last
 
 
-def _split(layout, shape) -> int:
+def _split(layout: TensorLayout, shape: tuple[int, ...]) -> int:
     n = 1
     for axes in layout:
         for a in axes:

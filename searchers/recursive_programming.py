@@ -38,13 +38,14 @@ from __future__ import annotations
 import gc
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 
 from .cache import cached_search
 from .cost import Cost, CostParams, counted_cost
 from .cost_vectors import layout_cost_matrix
-from .graph import DeviceMesh, Graph, Strategy
+from .graph import DeviceMesh, Graph, Op, Strategy
 from .progress import Progress
 from .propagation import _Tables
 from .result import SearchResult
@@ -218,7 +219,7 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     lay = [0] * nslot
     state = [0] * n
     fixed_strategy: dict[int, Strategy] = {}
-    reps = {}
+    reps: dict[int, int] = {}
     for v, op in enumerate(ops):
         sid = sids[v]
         if op.fixed is not None:
@@ -231,8 +232,8 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
             if rep is None:
                 rep = reps[sid] = rounds_of(sid).rep
             state[v] = rep
-            s = tab.structs[sid]
-            ins, outs = s.in_rows[rep], s.out_rows[rep]   # type: ignore[union-attr]
+            s = tab.ensure(sid)
+            ins, outs = list(s.in_rows[rep]), list(s.out_rows[rep])
         b = in_base[v]
         lay[b:b + len(ins)] = ins
         b = out_base[v]
@@ -316,7 +317,8 @@ def _cost(tab: _Tables, sids: list[int], chosen: list[Strategy], lay: list[int],
     return counted_cost(by_spec, {(layouts[a], layouts[b], nb): c for (a, b, nb), c in red.items()}, mesh, params)
 
 
-def _follow(ops, movable, sids, tab, refs, lay, in_base, out_base, state, rounds_of) -> int:
+def _follow(ops: list[Op], movable: list[int], sids: list[int], tab: _Tables, refs: list[list[int]], lay: list[int],
+            in_base: list[int], out_base: list[int], state: list[int], rounds_of: Callable[[int], _Rounds]) -> int:
     """Give every elementwise op whose result has one consuming op the final strategy whose result
     layout is the one that consumer wants (consumers first, so chains follow through)."""
     n = 0
@@ -332,7 +334,7 @@ def _follow(ops, movable, sids, tab, refs, lay, in_base, out_base, state, rounds
         if len(users) != 1:
             continue
         want = lay[slots[0]]
-        s = tab.structs[sids[v]]
+        s = tab.ensure(sids[v])
         ro = rounds_of(sids[v])
         hit = [i for i in sorted(ro.finals) if s.out_rows[i][0] == want]
         if hit and hit[0] != state[v]:
