@@ -1,6 +1,6 @@
 """Train a small GPT on synthetic tokens under data_parallel, semi_auto_parallel (Megatron) and auto_parallel.
 
-    python examples/train_gpt.py [--steps 20] [--modes data_parallel,semi_auto_parallel,auto_parallel]
+    python examples/train_gpt.py [--steps 20] [--layers 4] [--modes data_parallel,semi_auto_parallel,auto_parallel]
 
 The model: token + position embeddings, 4 pre-LayerNorm transformer blocks (nn.TransformerBlock), a final
 LayerNorm and a vocabulary head. The data: sequences of an affine recurrence modulo the vocabulary
@@ -35,10 +35,10 @@ LOSS_RTOL = 1e-4
 
 
 class GPT(nn.Cell):
-    def __init__(self, rngs: nnx.Rngs):
+    def __init__(self, rngs: nnx.Rngs, layers: int = LAYERS):
         self.embedding = nn.Embedding(VOCAB, HIDDEN, rngs=rngs)
         self.position = nn.Embedding(SEQ, HIDDEN, rngs=rngs)
-        self.blocks = nnx.List([nn.TransformerBlock(HIDDEN, HEADS, FFN, rngs=rngs) for _ in range(LAYERS)])
+        self.blocks = nnx.List([nn.TransformerBlock(HIDDEN, HEADS, FFN, rngs=rngs) for _ in range(layers)])
         self.final_norm = nn.LayerNorm((HIDDEN,))
         self.head = nn.Dense(HIDDEN, VOCAB, has_bias=False, rngs=rngs)
 
@@ -106,9 +106,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--modes", default="data_parallel,semi_auto_parallel,auto_parallel")
+    ap.add_argument("--layers", type=int, default=LAYERS)
     args = ap.parse_args(argv)
     data = synthetic_batches(args.steps)
-    init = GPT(nnx.Rngs(0))
+    init = GPT(nnx.Rngs(0), args.layers)
     tx = optax.adamw(3e-3)
     ref = one_device(init, tx, data)
     print(f"one device: loss {ref[0]:.4f} -> {ref[-1]:.4f} in {args.steps} steps")

@@ -55,8 +55,8 @@ def test_optimizer_parallel_threshold_keeps_small_parameters_whole():
         "reason"]
 
 
-def gpt_step(recompute=None, micro=None):
-    net = TinyGPT(nnx.Rngs(0), vocab=32, hidden=32, heads=4, layers=4, seq=32, ffn=128)
+def gpt_step(recompute=None, micro=None, layers=4):
+    net = TinyGPT(nnx.Rngs(0), vocab=32, hidden=32, heads=4, layers=layers, seq=32, ffn=128)
     if recompute is not None:
         for blk in net.blocks:
             blk.recompute(policy=recompute or None)
@@ -80,10 +80,10 @@ def test_grad_accumulation_keeps_the_activation_memory_of_one_micro_batch():
     ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True)
     full = batches(1, [(32, 32), (32, 32)], ints=[32, 32])[0]
     quarter = tuple(x[:8] for x in full)
-    t_full = memory(gpt_step(), *full).temp_size_in_bytes
-    t_acc = memory(gpt_step(micro=4), *full).temp_size_in_bytes
-    t_micro = memory(gpt_step(), *quarter).temp_size_in_bytes
-    param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(gpt_step().network, nnx.Param)))
+    t_full = memory(gpt_step(layers=2), *full).temp_size_in_bytes
+    t_acc = memory(gpt_step(micro=4, layers=2), *full).temp_size_in_bytes
+    t_micro = memory(gpt_step(layers=2), *quarter).temp_size_in_bytes
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(gpt_step(layers=2).network, nnx.Param)))
     print(f"temp bytes per device: full batch {t_full}, 4 accumulated micro-batches {t_acc}, one micro-batch "
           f"{t_micro}, parameters {param_bytes}")
     assert t_acc < 0.6 * t_full
