@@ -225,6 +225,7 @@ def main() -> None:
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--searchers", default=",".join(SEARCHER_NAMES))
     ap.add_argument("--ilp-time", type=float, default=120.0)
+    ap.add_argument("--ilp-max-ops", type=int, default=20_000, help="skip ILP on larger graphs")
     ap.add_argument("--timeout", type=float, default=1200.0, help="per run, seconds")
     ap.add_argument("--quick", action="store_true", help="sizes 10 and 100 plus the 24-layer transformer")
     ap.add_argument("--no-24-layers", action="store_true")
@@ -255,6 +256,10 @@ def main() -> None:
     for fam, size in cases:
         for name in names:
             spec = {"family": fam, "size": size, "searcher": name, "ilp_time": a.ilp_time}
+            if name == "ilp" and size > a.ilp_max_ops:
+                rows.append({"family": fam, "target": size, "searcher": name,
+                             "status": f"skipped (> {a.ilp_max_ops} ops)"})
+                continue
             row = _run_child(spec, a.timeout)
             rows.append(row)
             if not a.json:

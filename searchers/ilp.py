@@ -99,6 +99,10 @@ def solve_pairwise(unary: Sequence[np.ndarray], pairs: Sequence[tuple[int, int, 
     n = len(unary)
     if n == 0:
         return PairwiseSolution([], True, "optimal", 0.0, 0.0, 0.0, 0.0)
+    n_x = sum(len(u) for u in unary)
+    if max_variables is not None and n_x > max_variables:        # before any work on the pairs
+        return PairwiseSolution(None, False, "too large", seconds=time.perf_counter() - t0,
+                                size={"nodes": n, "x": n_x, "e": 0})
     uvec = [np.array(u, dtype=float) for u in unary]
     const = 0.0
     # pairs: compress equal rows/columns; one-sided matrices become vectors
@@ -307,8 +311,9 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
                          f"infeasible). Raise device_memory_capacity (set_cost_model_context) or use more devices.")
     if sol.choice is None:
         if sol.status == "too large":
-            msg = (f"ilp: the integer program is too large to build ({sol.size['x']} strategy and {sol.size['e']} "
-                   f"edge variables > max_variables={max_variables}); use dynamic_programming")
+            msg = (f"ilp: the integer program is too large to build ({sol.size['x']} strategy variables"
+                   f"{'' if not sol.size['e'] else ' and ' + str(sol.size['e']) + ' edge variables'} > "
+                   f"max_variables={max_variables}); use dynamic_programming")
         else:
             msg = (f"ilp: no solution found within time_limit={time_limit:g} s ({sol.size.get('x', 0)} strategy "
                    f"and {sol.size.get('e', 0)} edge variables); raise time_limit, or use dynamic_programming")
