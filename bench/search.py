@@ -10,9 +10,10 @@ and random DAGs, of about 10, 100, 1k, 10k and 100k ops, on 8 devices (a (2, 2, 
 the data inputs fixed to the data-parallel layout as mshard's dataset_strategy does; plus the
 24-layer transformer training graph (d_model 512, 8 heads, seq 128, batch 8).
 
-Every (graph, searcher) runs in a fresh process: the graph is built, then the search runs once
-with the cache off; its wall time is measured, and its peak memory is the peak resident set
-size during the search (sampled every 2 ms) above the size before it. ILP runs with a time
+Every (graph, searcher) runs in a fresh process: the graph is built, then the search runs with
+the cache off; its wall time is measured (a run under 5 s is repeated, ``--repeat`` times in
+all, and the least time counts), and its peak memory is the peak resident set size during the
+first run (sampled every 2 ms) above the size before it. ILP runs with a time
 limit (``--ilp-time``) and no fallback; a ratio to ILP is given where ILP proved optimality.
 Results go to ``bench/out/search.json`` (``--out``) and a table is printed; ``--json`` prints the
 JSON to stdout instead of the table.
@@ -104,6 +105,12 @@ def _child(spec: dict) -> dict:
     done.set()
     th.join()
     peak[0] = max(peak[0], proc.memory_info().rss)
+    for _ in range(spec.get("repeat", 1) - 1):      # short runs again: the least time counts
+        if secs > 5.0:
+            break
+        t = time.perf_counter()
+        fn(g, CostParams(), **kw)
+        secs = min(secs, time.perf_counter() - t)
     status = "ok"
     if name == "ilp":
         status = "optimal" if not any("time_limit" in n for n in res.notes) else "time limit"
@@ -227,6 +234,7 @@ def main() -> None:
     ap.add_argument("--ilp-time", type=float, default=120.0)
     ap.add_argument("--ilp-max-ops", type=int, default=20_000, help="skip ILP on larger graphs")
     ap.add_argument("--timeout", type=float, default=1200.0, help="per run, seconds")
+    ap.add_argument("--repeat", type=int, default=3, help="runs under 5 s are repeated; the least time counts")
     ap.add_argument("--quick", action="store_true", help="sizes 10 and 100 plus the 24-layer transformer")
     ap.add_argument("--no-24-layers", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "search.json"))
@@ -255,7 +263,7 @@ def main() -> None:
     rows = []
     for fam, size in cases:
         for name in names:
-            spec = {"family": fam, "size": size, "searcher": name, "ilp_time": a.ilp_time}
+            spec = {"family": fam, "size": size, "searcher": name, "ilp_time": a.ilp_time, "repeat": a.repeat}
             if name == "ilp" and size > a.ilp_max_ops:
                 rows.append({"family": fam, "target": size, "searcher": name,
                              "status": f"skipped (> {a.ilp_max_ops} ops)"})
