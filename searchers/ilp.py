@@ -202,11 +202,12 @@ def solve_pairwise(unary: Sequence[np.ndarray], pairs: Sequence[tuple[int, int, 
 
 
 # -- memory rows ----------------------------------------------------------------------------------
-def memory_rows(graph: Graph, prob: Problem, capacity: float, index: dict[int, int]
-                ) -> list[tuple[dict[int, np.ndarray], float]]:
+def memory_rows(graph: Graph, prob: Problem, capacity: float, index: dict[int, int], *,
+                max_nonzeros: int | None = None) -> list[tuple[dict[int, np.ndarray], float]] | None:
     """Rows ``sum bytes <= capacity`` for the steps that could exceed ``capacity`` (see the module
     doc), over the live nodes numbered by ``index``. Raises ``ValueError`` when even the smallest
-    layouts exceed it at some step."""
+    layouts exceed it at some step; returns ``None`` when the rows would hold more than
+    ``max_nonzeros`` coefficients."""
     n = len(graph.ops)
     if not n or not math.isfinite(capacity):
         return []
@@ -260,9 +261,16 @@ def memory_rows(graph: Graph, prob: Problem, capacity: float, index: dict[int, i
     if not len(tids):
         return out
     tf, tl = first[tids], last[tids]
-    for step in death_steps(graph):
-        if high[step] <= capacity:
-            continue
+    steps = [s for s in death_steps(graph).tolist() if high[s] > capacity]
+    if max_nonzeros is not None and steps:
+        sizes = np.array([len(prob.cands[owner[int(t)][0]]) for t in tids])
+        starts = np.zeros(len(graph.ops) + 1)
+        np.add.at(starts, tf, sizes)
+        np.add.at(starts, tl + 1, -sizes)
+        live_nnz = np.cumsum(starts[:-1])
+        if float(live_nnz[steps].sum()) > max_nonzeros:
+            return None
+    for step in steps:
         coefs: dict[int, np.ndarray] = {}
         for tid in tids[(tf <= step) & (tl >= step)]:
             v, vec = owner[int(tid)]
@@ -296,15 +304,22 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
         prob.absorb_single()
         live = prob.live()
         index = {v: i for i, v in enumerate(live)}
-        pairs = prob.pair_list(index)
-        rows = memory_rows(graph, prob, params.device_memory_capacity, index) if memory_limit else []
-        if rows:
-            notes.append(f"memory: {len(rows)} step(s) could exceed device_memory_capacity="
-                         f"{params.device_memory_capacity:,.0f} B and are constrained")
-        bar.update(description=f"ilp: {len(live)} ops, {len(pairs)} pairs, time limit {time_limit:g} s")
-        left = max(0.01, time_limit - (time.perf_counter() - t0))
-        sol = solve_pairwise([prob.unary[v] for v in live], pairs, time_limit=left, mip_rel_gap=mip_rel_gap,
-                             memory_rows=rows, max_variables=max_variables)
+        n_x = sum(len(prob.cands[v]) for v in live)
+        rows = None
+        if n_x <= max_variables:
+            rows = (memory_rows(graph, prob, params.device_memory_capacity, index, max_nonzeros=max_variables)
+                    if memory_limit else [])
+        if rows is None:
+            sol = PairwiseSolution(None, False, "too large", size={"nodes": len(live), "x": n_x, "e": 0})
+        else:
+            if rows:
+                notes.append(f"memory: {len(rows)} step(s) could exceed device_memory_capacity="
+                             f"{params.device_memory_capacity:,.0f} B and are constrained")
+            pairs = prob.pair_list(index)
+            bar.update(description=f"ilp: {len(live)} ops, {len(pairs)} pairs, time limit {time_limit:g} s")
+            left = max(0.01, time_limit - (time.perf_counter() - t0))
+            sol = solve_pairwise([prob.unary[v] for v in live], pairs, time_limit=left, mip_rel_gap=mip_rel_gap,
+                                 memory_rows=rows, max_variables=max_variables)
     if sol.status == "infeasible":
         raise ValueError(f"ilp: no choice of strategies fits device_memory_capacity="
                          f"{params.device_memory_capacity:,.0f} bytes per device (the integer program is "
