@@ -32,7 +32,8 @@ sharding_propagation's plan; the best result then seeds up to ``improve_passes``
 prefer other star centres, so the ops held fixed before are optimised too. Last, iterated
 local improvement (each op re-chosen against its neighbours' choices) polishes the plan. The
 notes say when the plan came through star elimination (it is then not guaranteed optimal).
-The plan is never worse than sharding_propagation's.
+The plan is no worse than sharding_propagation's whenever that plan's strategies are candidates here
+and its pass runs within ``improve_seconds``.
 
 Repeated layers: every vector and matrix carries a content key (equal keys, equal arrays);
 elimination results are memoised on the keys of their inputs, so the eliminations of the
