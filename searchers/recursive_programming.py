@@ -118,7 +118,7 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     # slots of v's neighbours that v's cost depends on (its operands' producer results, its
     # results' consumer operands); e_*: per edge, the operand slot, the producer result slot, bytes
     sids: list[int] = []
-    in_base, out_base, nslot = [0] * n, [0] * n, 0
+    in_base, out_base, in_end, out_end, nslot = [0] * n, [0] * n, [0] * n, [0] * n, 0
     res_slot = [0] * len(tensors)
     refs: list[list[int]] = [[] for _ in ops]
     outj: list[list[int]] = [[] for _ in ops]       # per op: the result index behind each consumer ref
@@ -141,10 +141,11 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
             e_src.append(slot)
         e_bytes.extend(tab.specs[sid].in_bytes)
         nslot += len(op.inputs)
-        out_base[v] = nslot
+        in_end[v] = out_base[v] = nslot
         for j, tid in enumerate(op.outputs):
             res_slot[tid] = nslot + j
         nslot += len(op.outputs)
+        out_end[v] = nslot
     # a signature says which operand / result each ref is: (operand count, result index per consumer ref)
     sig_ids: dict[tuple, int] = {}
     sigs: list[tuple] = []
@@ -250,8 +251,7 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     structs = tab.structs
     get = lay.__getitem__
     dget = decisions.get
-    work = [(v, sids[v], sig_of[v], refs[v], in_base[v], in_base[v] + len(ops[v].inputs), out_base[v],
-             out_base[v] + len(ops[v].outputs)) for v in movable]
+    work = [(v, sids[v], sig_of[v], refs[v], in_base[v], in_end[v], out_base[v], out_end[v]) for v in movable]
     with Progress(f"recursive_programming: {n} ops", n * n_axes) as bar:
         for r in range(n_axes):
             for v, sid, sig, rf, ib, ie, ob, oe in work:
