@@ -17,7 +17,12 @@ Memory: the compiled step's ``memory_analysis()`` per device, for optimizer para
 optimizer-state bytes from shard shapes), recompute of every block (temp bytes) and gradient accumulation
 over 2 micro-batches (temp bytes), each against the same step without the feature.
 
-Devices: 8 simulated CPU devices unless JAX sees accelerators (then every accelerator).
+Python overhead: mshard's per-step Python (the executable stubbed out) against flattening the same state
+pytree, which the hand-written call also does.
+
+Devices: 8 simulated CPU devices unless JAX sees accelerators (then every accelerator). On CPU, keep
+``--steps`` small: many asynchronously queued 8-device executions can exhaust XLA:CPU's collective
+rendezvous (a 40 s termination timeout) on a loaded 2-core machine, for mshard and hand-written alike.
 """
 
 import argparse
@@ -140,6 +145,35 @@ def bench_time(cfg, mode, n, steps, repeats, megatron=False):
     return med(ms_t), med(hw_t), med(dr_t), med(ratios), ratios, med(overhead)
 
 
+def python_overhead(cfg, n, calls=2000):
+    """Per-step Python time of mshard's step with the compiled executable stubbed out (bench only: internals),
+    and of flattening the same state pytree, which a hand-written ``jitted(state, ...)`` call also pays."""
+    step = make_step(cfg, "data_parallel", n)
+    data = ms.dataset.shard_batch(batch(cfg))
+    for _ in range(2):
+        jax.block_until_ready(step(*data))
+    fast = step._rt.fast
+    loss = jnp.zeros(())
+
+    class Stub:
+        def __init__(self, comp):
+            self.changed, self.out_tree, self.in_shardings = comp.changed, comp.out_tree, comp.in_shardings
+
+        def jitted(self, *args):
+            return [loss] + [args[i] for i in self.changed]
+    real, fast.comp = fast.comp, Stub(fast.comp)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        step(*data)
+    ms_us = (time.perf_counter() - t0) / calls * 1e6
+    fast.comp = real
+    _, state = nnx.split(step)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        jax.tree.flatten(state)
+    return ms_us, (time.perf_counter() - t0) / calls * 1e6, len(fast.variables)
+
+
 def per_device_bytes(tree):
     return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
@@ -186,6 +220,9 @@ def main(argv=None):
         if megatron:
             print("  note: the hand-written step has the same input/output shardings but none of the Megatron "
                   "constraints inside, so XLA runs it data parallel: a different program")
+    ms_us, flat_us, nvars = python_overhead(cfg, n)
+    print(f"per-step Python of mshard's step (executable stubbed): {ms_us:.0f} us for {nvars} Variables; flattening "
+          f"the same state for a hand-written jitted(state, ...) call: {flat_us:.0f} us")
     if not args.skip_memory:
         print(f"\nper-device memory, data_parallel on {n} devices (compiled memory_analysis / shard shapes):")
         for name, off, on in bench_memory(cfg, n):
