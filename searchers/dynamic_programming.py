@@ -328,7 +328,7 @@ def _seeds(graph: Graph, params: CostParams, prob: Problem, live: list[int], ful
 def dynamic_programming(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
                         elementwise_op_strategy_follow: bool = False, max_candidates: int | None = None,
                         exact_limit: int = 200_000, core_ilp_limit: int = 200_000,
-                        core_time_limit: float = 1.0, improve_passes: int = 4,
+                        core_time_limit: float = 1.0, improve_passes: int = 12,
                         improve_seconds: float = 10.0, polish: bool = True) -> SearchResult:
     """Strategies for every op of ``graph`` by graph eliminations (see the module doc).
 
