@@ -422,6 +422,8 @@ def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode:
             assigner.known[jaxpr.invars[i]] = in_layouts[i]
         elif i in fixed:
             assigner.pending[jaxpr.invars[i]] = (fixed[i], f"parameter {info.name}")
+        elif first_use.get(jaxpr.invars[i]) is not None:
+            continue   # a parameter sliced as the op that consumes it first asks (MindSpore's parameter slicing)
         else:
             in_layouts[i] = ((),) * len(info.shape)
             assigner.known[jaxpr.invars[i]] = in_layouts[i]
@@ -432,6 +434,8 @@ def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode:
         if in_layouts[i] is None and info.kind == "data":
             eqn = first_use[jaxpr.invars[i]]
             in_layouts[i] = assigner.marks.get(mark_key(eqn)) or data_layout(info, dataset_strategy, i, mesh, assigner)
+        elif in_layouts[i] is None and first_use.get(jaxpr.invars[i]) is not None:
+            in_layouts[i] = assigner.marks.get(mark_key(first_use[jaxpr.invars[i]])) or ((),) * len(info.shape)
         elif in_layouts[i] is None:
             in_layouts[i] = assigner.layout_of(jaxpr.invars[i])
     user = {i for i, info in enumerate(inputs) if info.kind == "data" or i in fixed}

@@ -253,3 +253,17 @@ def test_parameter_plan_megatron_cell_gives_one_all_reduce():
     rep = ms.comm_report(net, x)
     assert rep.by_kind.keys() == {"all-reduce"} and rep.count("all-reduce") == 1
     assert rep.bytes("all-reduce") == (16 // 2) * 16 * 4      # one (8, 16) f32 partial sum per device
+
+
+def test_parameters_are_sliced_as_their_first_annotated_consumer_asks():
+    """MindSpore slices a parameter by the strategy of the op that uses it: no replicated copy, no gather."""
+    ms.set_auto_parallel_context(**SEMI)
+    x = rand(0, 16, 32)
+    w1, w2 = nnx.Param(rand(1, 32, 64)), nnx.Param(rand(2, 64, 32))
+    mm1, mm2 = ops.MatMul().shard(((2, 1), (1, 4))), ops.MatMul().shard(((2, 4), (4, 1)))
+    f = ms.jit(lambda x, a, b: mm2(jax.nn.relu(mm1(x, a[...])), b[...]))
+    y = f(x, w1, w2)
+    assert_close(y, on_one_device(mlp, x, w1[...], w2[...]))
+    assert split_counts(w1[...]) == (1, 4) and split_counts(w2[...]) == (4, 1)
+    rep = ms.comm_report(f, x, w1, w2)
+    assert rep.by_kind.keys() == {"all-reduce"} and rep.count("all-reduce") == 1
