@@ -96,7 +96,8 @@ def _child(spec: dict) -> dict:
     try:
         res = fn(g, CostParams(), **kw)
     except TimeoutError as e:
-        row.update(seconds=time.perf_counter() - t, status="no solution", note=str(e))
+        row.update(seconds=time.perf_counter() - t, note=str(e),
+                   status="too large" if "too large" in str(e) else "no solution in time")
         done.set()
         th.join()
         row["peak_mib"] = round((peak[0] - base) / 2**20, 1)
@@ -151,7 +152,7 @@ def _growth(rows: list[dict]) -> dict:
     for name in SEARCHER_NAMES:
         for fam in FAMILIES:
             pts = [(r["ops"], r["seconds"]) for r in rows if r["searcher"] == name and r["family"] == fam
-                   and r.get("ops", 0) >= 1000 and r.get("status") not in ("no solution", "error")
+                   and r.get("ops", 0) >= 1000 and r.get("status") not in ("too large", "no solution in time", "error")
                    and "killed" not in str(r.get("status")) and r.get("seconds", 0) > 0]
             if len(pts) >= 2:
                 xs = [math.log(p[0]) for p in pts]
