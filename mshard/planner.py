@@ -10,6 +10,7 @@ plan redistributes them.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -153,7 +154,10 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     if searcher is None:
         notes.append(f"search_mode {algorithm!r} is not available yet; used sharding_propagation")
         searcher, algorithm = sharding_propagation, "sharding_propagation"
-    result = searcher(graph, params, fully_use_devices=algo.fully_use_devices)
+    opts = {"fully_use_devices": algo.fully_use_devices}
+    if "elementwise_op_strategy_follow" in inspect.signature(searcher).parameters:
+        opts["elementwise_op_strategy_follow"] = algo.elementwise_op_strategy_follow
+    result = searcher(graph, params, **opts)
     notes.extend(result.notes)
     strategies = result.strategies
 
