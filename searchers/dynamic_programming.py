@@ -342,12 +342,9 @@ def dynamic_programming(graph: Graph, params: CostParams, *, fully_use_devices: 
     """
     t0 = time.perf_counter()
     notes: list[str] = []
-    prob = Problem.build(graph, params, fully_use_devices=fully_use_devices, max_candidates=max_candidates)
-    if elementwise_op_strategy_follow:
-        k = prob.follow_elementwise()
-        if k:
-            notes.append(f"elementwise_op_strategy_follow: {k} elementwise op(s) share their consumer's strategy")
-    prob.absorb_single()
+    prob = Problem.prepared(graph, params, notes, fully_use_devices=fully_use_devices,
+                            max_candidates=max_candidates,
+                            elementwise_op_strategy_follow=elementwise_op_strategy_follow)
     live = prob.live()
     memo: dict[int, tuple] = {}
     kw: dict[str, Any] = {"exact_limit": exact_limit, "core_ilp_limit": core_ilp_limit,

@@ -234,6 +234,19 @@ class Problem:
         self.decided[v] = choice
 
     # -- exact shrinks -------------------------------------------------------------------------
+    @classmethod
+    def prepared(cls, graph: Graph, params: CostParams, notes: list[str], *, fully_use_devices: bool = False,
+                 max_candidates: int | None = None, elementwise_op_strategy_follow: bool = False) -> Problem:
+        """:meth:`build`, then elementwise ops follow their consumer (if asked, with a note) and
+        single-candidate ops are absorbed: the common start of the exact searchers."""
+        prob = cls.build(graph, params, fully_use_devices=fully_use_devices, max_candidates=max_candidates)
+        if elementwise_op_strategy_follow:
+            k = prob.follow_elementwise()
+            if k:
+                notes.append(f"elementwise_op_strategy_follow: {k} elementwise op(s) share their consumer's strategy")
+        prob.absorb_single()
+        return prob
+
     def absorb_single(self) -> int:
         """Fix every live node with exactly one candidate; returns how many."""
         n = 0

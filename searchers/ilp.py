@@ -296,12 +296,9 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
     t0 = time.perf_counter()
     notes: list[str] = []
     with Progress(f"ilp: {len(graph)} ops", None) as bar:
-        prob = Problem.build(graph, params, fully_use_devices=fully_use_devices, max_candidates=max_candidates)
-        if elementwise_op_strategy_follow:
-            k = prob.follow_elementwise()
-            if k:
-                notes.append(f"elementwise_op_strategy_follow: {k} elementwise op(s) share their consumer's strategy")
-        prob.absorb_single()
+        prob = Problem.prepared(graph, params, notes, fully_use_devices=fully_use_devices,
+                                max_candidates=max_candidates,
+                                elementwise_op_strategy_follow=elementwise_op_strategy_follow)
         live = prob.live()
         index = {v: i for i, v in enumerate(live)}
         n_x = sum(len(prob.cands[v]) for v in live)

@@ -26,3 +26,35 @@ def split_counts(arr) -> tuple[int, ...]:
 
 def rand(key, *shape):
     return jax.random.normal(jax.random.key(key), shape, dtype=np.float32)
+
+
+def run_workers(worker, n: int = 2, timeout: float = 300) -> None:
+    """Start ``n`` processes of ``worker`` (argv: rank, port) on 127.0.0.1, wait, kill leftovers, and assert
+    each exited 0 and printed ``process <rank> OK``."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import pytest
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, str(worker), str(i), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env) for i in range(n)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{worker}: multi-process run timed out after {timeout} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, out[-4000:]
+        assert f"process {i} OK" in out
