@@ -16,14 +16,20 @@ them round by round), and each op's decision is memoised on (op shape and sizes,
 neighbours' layouts): repeated layers cost one evaluation. Work is linear in the number of
 ops and edges; no sort beyond the weight order.
 
-Quality — no worst-case bound. Measured with bench/search.py and the default cost model: within
-1.01x of the ILP optimum on the MLP, transformer and conv graphs where ILP finishes (up to 1k
-ops), 1.11x-1.27x on random DAGs of 100-1000 ops. The tests hold it to 1.10x on small MLP and
-conv graphs, and to 3.5x (median 1.10x) on tiny random DAGs, whose costs are memory tie-breakers.
-Two additions to the paper keep it there: an input used by one op only (a weight) is folded
-into that op, which prices each cut with the weight's best response (MindSpore's merge
-elimination), and one refinement sweep after the rounds re-chooses each op, heaviest first,
-among all its final strategies against its neighbours (still linear).
+Quality — no worst-case bound. Three additions to the paper: an input used by one op only (a
+weight) is folded into that op, which prices each cut with the weight's best response
+(MindSpore's merge elimination); one refinement sweep after the rounds re-chooses each op,
+heaviest first, among all its final strategies against its neighbours; and a *block polish*
+(:mod:`searchers.block_polish`) re-solves, exactly, the induced tree of up to ``block_size``
+ops around each edge that still redistributes, which finds the moves no single op can make
+(a chain that should stay replicated instead of being split and gathered at its end).
+``polish="auto"`` runs two polish sweeps on graphs of up to ``POLISH_AUTO_OPS`` movable ops
+and none above, where it would double the search time; ``polish=k`` forces ``k`` sweeps.
+Blocks are memoised on their structure and surroundings, so repeated layers cost one solve.
+Measured with bench/search.py and the default cost model: within 1.0002x of the ILP optimum
+on the MLP, transformer and conv graphs where ILP finishes (up to 1k ops), 1.00x-1.06x on
+random DAGs of 100-1000 ops (1.27x and 1.11x without the polish). The tests hold it to 1.10x
+on small MLP and conv graphs, and to 1.25x (median: optimal) on tiny random DAGs.
 
 Differences from MindSpore: user strategies (``op.fixed``) are always honoured (MindSpore only
 behind an environment variable); any device count works, not only powers of two up to 1024;
@@ -51,6 +57,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .block_polish import polish_blocks
 from .cache import cached_search
 from .cost import Cost, CostParams, counted_cost
 from .cost_vectors import layout_cost_matrix
@@ -63,13 +70,14 @@ from .strategies import strategies_for
 
 ALGORITHM = "recursive_programming"
 _REL_TIE = 1e-9
+POLISH_AUTO_OPS = 20_000     # polish="auto": two sweeps up to this many movable ops, none above
 
 
 class _Rounds:
     """Per op structure: the cuts allowed in each round, as candidate indices: ``kids[(r, i)]`` are
     the candidates that extend partial strategy ``i`` (axes ``< r``) by a cut of axis ``r``."""
 
-    __slots__ = ("final_array", "finals", "kids", "n_axes", "rep")
+    __slots__ = ("final_array", "finals", "kid_lists", "kids", "n_axes", "rep")
 
     def __init__(self, cands: tuple[Strategy, ...], finals: tuple[Strategy, ...], n_axes: int):
         def code(s: Strategy) -> tuple[int, ...]:
@@ -97,13 +105,15 @@ class _Rounds:
         dim_of = {i: c for c, i in index.items()}
         self.kids = {(r, p): np.array(sorted(v, key=lambda i: (dim_of[i][r] < 0, dim_of[i][r])), dtype=np.intp)
                      for (r, p), v in kids.items()}
+        self.kid_lists = {key: tuple(v.tolist()) for key, v in self.kids.items()}
         self.finals = frozenset(fin)
         self.final_array = np.array(sorted(fin), dtype=np.intp)
 
 
 @cached_search
 def recursive_programming(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
-                          elementwise_op_strategy_follow: bool = False, refine: int = 1) -> SearchResult:
+                          elementwise_op_strategy_follow: bool = False, refine: int = 1,
+                          polish: int | str = "auto", block_size: int = 6) -> SearchResult:
     """Strategies for every op of ``graph`` by the double-recursive search (see the module doc).
 
     With ``elementwise_op_strategy_follow`` an elementwise op whose only consumer is already
@@ -112,13 +122,14 @@ def recursive_programming(graph: Graph, params: CostParams, *, fully_use_devices
     enabled = gc.isenabled()
     gc.disable()            # only acyclic tuples and lists are allocated (see sharding_propagation)
     try:
-        return _search(graph, params, fully_use_devices, elementwise_op_strategy_follow, refine)
+        return _search(graph, params, fully_use_devices, elementwise_op_strategy_follow, refine, polish, block_size)
     finally:
         if enabled:
             gc.enable()
 
 
-def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine: int) -> SearchResult:
+def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine: int, polish: int | str,
+            block_size: int) -> SearchResult:
     t0 = time.perf_counter()
     mesh, ops, tensors = graph.mesh, graph.ops, graph.tensors
     n, n_axes = len(ops), len(mesh.shape)
@@ -197,22 +208,52 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
             got = leaf_msgs[key] = (tab.own[usid][fin][:, None] + R).min(axis=0)   # type: ignore[index]
         return got
 
+    own_lists: dict[int, list[float]] = {}
+    side_lists: dict[tuple, list[float]] = {}
+
     def decide(sid: int, sig: int, r: int, state: int, lids: tuple) -> int:
-        kids = rounds_of(sid).kids.get((r, state))
+        # a round offers a handful of cuts: plain floats beat numpy's per-call overhead here
+        kids = rounds_of(sid).kid_lists.get((r, state))
         if kids is None:
             return state
-        cost = tab.own[sid][kids]          # type: ignore[index]
+        own = own_lists.get(sid)
+        if own is None:
+            own = own_lists[sid] = tab.own[sid].tolist()     # type: ignore[union-attr]
+        vecs = []
         for (out, idx), lid in zip(sigs[sig], lids):
-            cost = cost + side(sid, out, idx, lid)[kids]
-        lo = cost.min()
-        return int(kids[int(np.argmax(cost <= lo + _REL_TIE * abs(lo)))])
+            key = (sid, out, idx, lid)
+            v = side_lists.get(key)
+            if v is None:
+                v = side_lists[key] = side(sid, out, idx, lid).tolist()
+            vecs.append(v)
+        costs = []
+        for k in kids:
+            c = own[k]
+            for v in vecs:
+                c += v[k]
+            costs.append(c)
+        lo = min(costs)
+        lim = lo + _REL_TIE * abs(lo)
+        for k, c in zip(kids, costs):
+            if c <= lim:
+                return k
+        return state
+
+    fin_own: dict[int, np.ndarray] = {}
+    fin_side: dict[tuple, np.ndarray] = {}
 
     def refine_one(sid: int, sig: int, state: int, lids: tuple) -> int:
         ro = rounds_of(sid)
         fin = ro.final_array
-        cost = tab.own[sid][fin]           # type: ignore[index]
+        cost = fin_own.get(sid)
+        if cost is None:
+            cost = fin_own[sid] = tab.own[sid][fin]           # type: ignore[index]
         for (out, idx), lid in zip(sigs[sig], lids):
-            cost = cost + side(sid, out, idx, lid)[fin]
+            key = (sid, out, idx, lid)
+            v = fin_side.get(key)
+            if v is None:
+                v = fin_side[key] = side(sid, out, idx, lid)[fin]
+            cost = cost + v
         cur = cost[int(np.searchsorted(fin, state))] if state in ro.finals else np.inf
         best = int(np.argmin(cost))
         return int(fin[best]) if cost[best] < cur - _REL_TIE * abs(cur) else state
@@ -229,7 +270,7 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     lay = [0] * nslot
     state = [0] * n
     fixed_strategy: dict[int, Strategy] = {}
-    reps: dict[int, int] = {}
+    reps: dict[int, tuple] = {}
     for v, op in enumerate(ops):
         sid = sids[v]
         if op.fixed is not None:
@@ -237,17 +278,17 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
             spec = tab.specs[sid]
             ins = [tab.lid(layout_of(m, f)) for m in spec.in_maps]
             outs = [tab.lid(layout_of(m, f)) for m in spec.out_maps]
+            lay[in_base[v]:in_end[v]] = ins
+            lay[out_base[v]:out_end[v]] = outs
         else:
-            rep = reps.get(sid)
-            if rep is None:
-                rep = reps[sid] = rounds_of(sid).rep
-            state[v] = rep
-            s = tab.ensure(sid)
-            ins, outs = list(s.in_rows[rep]), list(s.out_rows[rep])
-        b = in_base[v]
-        lay[b:b + len(ins)] = ins
-        b = out_base[v]
-        lay[b:b + len(outs)] = outs
+            got = reps.get(sid)
+            if got is None:
+                rep = rounds_of(sid).rep
+                s = tab.ensure(sid)
+                got = reps[sid] = (rep, s.in_rows[rep], s.out_rows[rep])
+            state[v] = got[0]
+            lay[in_base[v]:in_end[v]] = got[1]
+            lay[out_base[v]:out_end[v]] = got[2]
     # leaves: inputs used once (a weight of one op) follow their user, as MindSpore's merge
     # elimination folds them; their slot holds a marker until the end
     leaves = [op.id for op in ops if op.is_source and op.fixed is None and len(op.outputs) == 1
@@ -257,6 +298,9 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
         is_leaf[u] = True
         lay[out_base[u]] = -sids[u] - 1
     movable = [v for v in order if not is_fixed[v] and not is_leaf[v]]
+    rank = [0] * n
+    for i, v in enumerate(order):
+        rank[v] = i
     structs = tab.structs
     get = lay.__getitem__
     dget = decisions.get
@@ -293,6 +337,12 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
                     lay[ob:oe] = st.out_rows[c]   # type: ignore[union-attr]
             if not moved:
                 break
+        if polish == "auto":
+            polish = 2 if len(movable) <= POLISH_AUTO_OPS else 0
+        if polish:
+            view = _View(ops, tensors, sids, sig_of, sigs, refs, in_base, in_end, out_base, out_end, lay, state,
+                         tab, rounds_of, side, movable)
+            view.sweeps(int(polish), block_size, rank, e_src, e_in)
         for u in leaves:                  # each leaf's best response to its user's final layout
             (c,) = tensors[ops[u].outputs[0]].consumers
             want = lay[in_base[c] + ops[c].inputs.index(ops[u].outputs[0])]
@@ -317,11 +367,12 @@ def _cost(tab: _Tables, sids: list[int], chosen: list[Strategy], lay: list[int],
     by_spec: Counter = Counter()
     for (sid, st), c in Counter(zip(sids, chosen)).items():   # distinct sids may share an OpSpec
         by_spec[tab.specs[sid], st] += c
-    red: Counter = Counter()
-    for a, b, nb in zip(e_src, e_in, e_bytes):
-        la, lb = lay[a], lay[b]
-        if la != lb:
-            red[la, lb, nb] += 1
+    la = np.asarray(lay, dtype=np.int64)
+    src, dst = la[np.asarray(e_src, dtype=np.intp)], la[np.asarray(e_in, dtype=np.intp)]
+    moved = np.nonzero(src != dst)[0]
+    rows = np.stack([src[moved], dst[moved], np.asarray(e_bytes, dtype=np.int64)[moved]], axis=1)
+    uniq, counts = np.unique(rows, axis=0, return_counts=True) if len(moved) else (rows, np.zeros(0, np.int64))
+    red = {(int(a), int(b), int(nb)): int(c) for (a, b, nb), c in zip(uniq.tolist(), counts.tolist())}
     layouts = tab.layouts
     return counted_cost(by_spec, {(layouts[a], layouts[b], nb): c for (a, b, nb), c in red.items()}, mesh, params)
 
@@ -358,3 +409,96 @@ def _owner(in_base: list[int], slot: int) -> int:
     """The op whose operand slot ``slot`` is (``in_base`` is ascending)."""
     import bisect
     return bisect.bisect_right(in_base, slot) - 1
+
+
+class _View:
+    """recursive_programming's state as a :class:`~searchers.block_polish.BlockView` (choices: an
+    op's final strategies, ``_Rounds.final_array``)."""
+
+    def __init__(self, ops, tensors, sids, sig_of, sigs, refs, in_base, in_end, out_base, out_end, lay, state,
+                 tab: _Tables, rounds_of, side, movable):
+        self.ops, self.tensors, self.sids, self.sig_of, self.sigs, self.refs = ops, tensors, sids, sig_of, sigs, refs
+        self.in_base, self.in_end, self.out_base, self.out_end = in_base, in_end, out_base, out_end
+        self.lay, self.state, self.tab, self.rounds_of, self.side = lay, state, tab, rounds_of, side
+        self.can_move = [False] * len(ops)
+        for v in movable:
+            self.can_move[v] = True
+        self.owner = [[_owner(out_base, x) if k < len(op.inputs) else _owner(in_base, x) for k, x in enumerate(refs[op.id])]
+                      for op in ops]
+        self.mats: dict[tuple, np.ndarray] = {}
+
+    def neighbours(self, v: int) -> list[int]:
+        return self.owner[v]
+
+    def movable(self, v: int) -> bool:
+        return self.can_move[v]
+
+    def unary(self, v: int, inside: set[int]) -> np.ndarray:
+        sid = self.sids[v]
+        fin = self.rounds_of(sid).final_array
+        cost = self.tab.own[sid][fin]       # type: ignore[index]
+        for (out, idx), slot, w in zip(self.sigs[self.sig_of[v]], self.refs[v], self.owner[v]):
+            if w not in inside:
+                cost = cost + self.side(sid, out, idx, self.lay[slot])[fin]
+        return cost
+
+    def _flow(self, p: int, c: int) -> np.ndarray | None:
+        """Redistribution from producer ``p`` (rows: its finals) to consumer ``c`` (columns)."""
+        ks = tuple(k for k, t in enumerate(self.ops[c].inputs) if self.tensors[t].producer == p)
+        if not ks:
+            return None
+        sp, sc, tab = self.sids[p], self.sids[c], self.tab
+        key = (sp, sc, self.sig_of[p], ks)
+        M = self.mats.get(key)
+        if M is None:
+            fp, fc = self.rounds_of(sp).final_array, self.rounds_of(sc).final_array
+            M = np.zeros((len(fp), len(fc)))
+            for k in ks:
+                j = self.ops[p].outputs.index(self.ops[c].inputs[k])
+                src = tuple(tab.layouts[tab.ensure(sp).out_rows[i][j]] for i in fp)
+                dst = tuple(tab.layouts[tab.ensure(sc).in_rows[i][k]] for i in fc)
+                M = M + layout_cost_matrix(src, dst, tab.specs[sc].in_bytes[k], tab.mesh, tab.params)
+            self.mats[key] = M
+        return M
+
+    def pair(self, a: int, b: int) -> np.ndarray:
+        down, up = self._flow(a, b), self._flow(b, a)
+        if down is None:
+            return up.T                     # type: ignore[union-attr]
+        return down if up is None else down + up.T
+
+    def block_key(self, nodes: list[tuple[int, int]]) -> tuple:
+        pos = {v: i for i, (v, _) in enumerate(nodes)}
+        lay = self.lay
+        return tuple((self.sids[v], self.sig_of[v], self.state[v], pos.get(par, -1),
+                      tuple((pos[w],) if w in pos else lay[x] for x, w in zip(self.refs[v], self.owner[v])))
+                     for v, par in nodes)
+
+    def current(self, v: int) -> int | None:
+        ro = self.rounds_of(self.sids[v])
+        s = self.state[v]
+        return int(np.searchsorted(ro.final_array, s)) if s in ro.finals else None
+
+    def choose(self, v: int, i: int) -> None:
+        sid = self.sids[v]
+        k = self.state[v] = int(self.rounds_of(sid).final_array[i])
+        st = self.tab.structs[sid]
+        self.lay[self.in_base[v]:self.in_end[v]] = st.in_rows[k]      # type: ignore[union-attr]
+        self.lay[self.out_base[v]:self.out_end[v]] = st.out_rows[k]   # type: ignore[union-attr]
+        self.moved.add(v)
+
+    def sweeps(self, n: int, block_size: int, rank: list[int], e_src: list[int], e_in: list[int]) -> None:
+        """Up to ``n`` sweeps over the consumers of edges that redistribute, heaviest first; after
+        the first, only those next to an op that moved in the sweep before."""
+        cons = np.repeat(np.arange(len(self.ops)), [len(op.inputs) for op in self.ops])
+        src, dst = np.asarray(e_src, dtype=np.intp), np.asarray(e_in, dtype=np.intp)
+        near: set[int] | None = None
+        memo: dict = {}
+        for _ in range(n):
+            la = np.asarray(self.lay)
+            hit = cons[(la[src] != la[dst]) & (la[src] >= 0)]    # a leaf's slot holds a negative marker
+            seeds = sorted({v for v in hit.tolist() if near is None or v in near}, key=rank.__getitem__)
+            self.moved: set[int] = set()
+            if not polish_blocks(self, seeds, block_size, memo):
+                break
+            near = {u for v in self.moved for u in self.owner[v]} | self.moved

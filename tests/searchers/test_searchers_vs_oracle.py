@@ -1,6 +1,7 @@
 """dynamic_programming and ilp equal brute-force enumeration on small graphs (<= 8 ops, few
 strategies); recursive_programming stays within its stated bounds of it."""
 
+import copy
 import math
 
 import pytest
@@ -84,6 +85,7 @@ def test_dynamic_programming_and_ilp_equal_brute_force(g, params):
 
 @pytest.mark.parametrize("g", CASES[-6:])
 def test_equal_brute_force_with_fully_use_devices_and_a_fixed_op(g):
+    g = copy.deepcopy(g)                      # CASES are shared: the other tests must see them unfixed
     g.ops[0].fixed = enumerate_strategies(g.ops[0], g.mesh)[-1]
     best = optimum(g, P, fully=True)
     for searcher in (dynamic_programming, ilp):
@@ -103,9 +105,9 @@ def test_the_star_fallback_is_no_worse_than_its_starting_plans():
 
 
 # recursive_programming's stated bounds (its module doc): 1.10x the optimum on the structured
-# families (MLP chains, transformer blocks, conv nets); no worst-case bound on random DAGs,
-# and other shapes, where measured ratios on tiny graphs reach about 3x (costs there are memory
-# tie-breakers only)
+# families (MLP chains, transformer blocks, conv nets); no worst-case bound on random DAGs and
+# other shapes, where the measured worst on these tiny graphs is 1.11x (1.75x without the
+# block polish; costs there are mostly memory tie-breakers)
 STRUCTURED = [c for c in CASES if c.id.startswith(("mlp", "conv"))]
 RANDOM = [c for c in CASES if not c.id.startswith(("mlp", "conv"))]
 
@@ -121,5 +123,13 @@ def test_recursive_programming_on_small_random_graphs():
     for c in RANDOM:
         g = c.values[0]
         ratios.append(recursive_programming(g, P, cache=False).cost.total / optimum(g, P))
-    assert max(ratios) <= 3.5
-    assert sorted(ratios)[len(ratios) // 2] <= 1.10          # the median case is near optimal
+    assert max(ratios) <= 1.25
+    assert sorted(ratios)[len(ratios) // 2] <= 1.0 + 1e-9     # the median case is optimal
+
+
+def test_block_polish_only_lowers_the_cost():
+    """The polish moves a block only when that is cheaper: with it the plan is never worse."""
+    for c in CASES:
+        g = c.values[0]
+        plain = recursive_programming(g, P, cache=False, polish=0).cost.total
+        assert recursive_programming(g, P, cache=False, polish=2).cost.total <= plain * (1 + 1e-12)
