@@ -38,7 +38,7 @@ from .cost import Cost, CostParams, counted_cost
 from .cost_vectors import candidate_tables, cost_vector, redistribution_affine
 from .graph import Graph, Strategy, TensorLayout
 from .result import SearchResult
-from .spec import OpSpec, SpecKey, layout_of, spec_from_key, spec_key
+from .spec import OpSpec, SpecKey, layout_of, spec_from_key, spec_keys
 from .strategies import data_parallel_strategy, strategies_for
 
 ALGORITHM = "sharding_propagation"
@@ -184,7 +184,7 @@ def _propagate(graph: Graph, params: CostParams, fully_use_devices: bool,
     mesh, ops = graph.mesh, graph.ops
     n = len(ops)
     tab = _Tables(graph, params, fully_use_devices, max_candidates)
-    sids = [tab.spec_id(spec_key(op, graph)) for op in ops]
+    sids = [tab.spec_id(k) for k in spec_keys(graph)]
     in_src, out_edges = _adjacency(graph)
     st = _State(n)
 

@@ -65,7 +65,7 @@ from .graph import DeviceMesh, Graph, Op, Strategy
 from .progress import Progress
 from .propagation import _Tables
 from .result import SearchResult
-from .spec import layout_of, spec_key
+from .spec import layout_of, spec_keys
 from .strategies import strategies_for
 
 ALGORITHM = "recursive_programming"
@@ -145,9 +145,9 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     e_in: list[int] = []
     e_src: list[int] = []
     e_bytes: list[int] = []
-    for op in ops:
+    for op, skey in zip(ops, spec_keys(graph)):
         v = op.id
-        sid = tab.spec_id(spec_key(op, graph))
+        sid = tab.spec_id(skey)
         sids.append(sid)
         in_base[v] = cb = nslot
         mine = refs[v]
@@ -178,7 +178,6 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
             sigs.append(tuple((0, k) for k in range(t[0])) + tuple((1, j) for j in js))
         sig_of.append(i)
     rounds: dict[int, _Rounds] = {}
-    decisions: dict[tuple, int] = {}
 
     def rounds_of(sid: int) -> _Rounds:
         struct = tab.struct_of[sid]
@@ -303,32 +302,33 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
         rank[v] = i
     structs = tab.structs
     get = lay.__getitem__
-    dget = decisions.get
     work = [(v, sids[v], sig_of[v], refs[v], in_base[v], in_end[v], out_base[v], out_end[v]) for v in movable]
     with Progress(f"recursive_programming: {n} ops", n * n_axes) as bar:
         for r in range(n_axes):
+            decisions: dict[tuple, int] = {}       # per round: (spec, signature, state, *neighbour layouts)
+            dget = decisions.get
             for v, sid, sig, rf, ib, ie, ob, oe in work:
                 s0 = state[v]
-                lids = tuple(map(get, rf))
-                key = (sid, sig, r, s0, lids)
+                key = (sid, sig, s0, *map(get, rf))
                 c = dget(key)
                 if c is None:
-                    c = decisions[key] = decide(sid, sig, r, s0, lids)
+                    c = decisions[key] = decide(sid, sig, r, s0, key[3:])
                 if c != s0:
                     state[v] = c
                     st = structs[sid]
                     lay[ib:ie] = st.in_rows[c]    # type: ignore[union-attr]
                     lay[ob:oe] = st.out_rows[c]   # type: ignore[union-attr]
             bar.advance(n)
+        decisions = {}
+        dget = decisions.get
         for _sweep in range(refine):
             moved = 0
             for v, sid, sig, rf, ib, ie, ob, oe in work:
                 s0 = state[v]
-                lids = tuple(map(get, rf))
-                key = (sid, sig, -1, s0, lids)
+                key = (sid, sig, s0, *map(get, rf))
                 c = dget(key)
                 if c is None:
-                    c = decisions[key] = refine_one(sid, sig, s0, lids)
+                    c = decisions[key] = refine_one(sid, sig, s0, key[3:])
                 if c != s0:
                     moved += 1
                     state[v] = c

@@ -15,6 +15,7 @@ to by position (``op.dims`` order), tensor-dim maps use ``-1`` for "no loop dim"
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from .graph import SOURCE_KINDS, Graph, Op
@@ -59,6 +60,30 @@ def spec_key(op: Op, graph: Graph) -> SpecKey:
         _STRUCTS.append(_structure(op))
     tensors = graph.tensors
     return (sid, tuple([tensors[t].nbytes for t in op.inputs]), tuple([tensors[t].nbytes for t in op.outputs]))
+
+
+def spec_keys(graph: Graph) -> list[SpecKey]:
+    """:func:`spec_key` of every op of ``graph``, in one pass (each tensor's size computed once).
+
+    >>> from searchers.graph import DeviceMesh, Graph
+    >>> g = Graph(DeviceMesh((2,)))
+    >>> a = g.source("a", (4,)); b = g.source("b", (4,))
+    >>> spec_keys(g) == [spec_key(op, g) for op in g.ops]
+    True
+    """
+    nb = [math.prod(t.shape) * t.itemsize for t in graph.tensors]
+    ids, get = _STRUCT_IDS, _STRUCT_IDS.get
+    out = []
+    for op in graph.ops:
+        lim = op.split_limit
+        key = (tuple(op.dims.items()), tuple(op.in_dims), tuple(op.out_dims), op.unsplittable, op.flops,
+               op.kind in SOURCE_KINDS, tuple(sorted(lim.items())) if lim else None)
+        sid = get(key)
+        if sid is None:
+            sid = ids[key] = len(_STRUCTS)
+            _STRUCTS.append(_structure(op))
+        out.append((sid, tuple([nb[t] for t in op.inputs]), tuple([nb[t] for t in op.outputs])))
+    return out
 
 
 def spec_from_key(key: SpecKey) -> OpSpec:
