@@ -68,7 +68,7 @@ def _child(spec: dict) -> dict:
     name = spec["searcher"]
     if name == "sharding_propagation":
         from searchers.propagation import sharding_propagation as fn
-        kw: dict = {}
+        kw: dict = {"cache": False}
     elif name == "recursive_programming":
         from searchers.recursive_programming import recursive_programming as fn
         kw = {"cache": False}

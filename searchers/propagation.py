@@ -34,6 +34,7 @@ from collections import Counter, deque
 
 import numpy as np
 
+from .cache import cached_search
 from .cost import Cost, CostParams, counted_cost
 from .cost_vectors import candidate_tables, cost_vector, redistribution_affine
 from .graph import Graph, Strategy, TensorLayout
@@ -164,6 +165,7 @@ class _Tables:
         return c
 
 
+@cached_search
 def sharding_propagation(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
                          max_candidates: int | None = None) -> SearchResult:
     """Propagate the fixed strategies of ``graph`` to every op it can reach (see module doc)."""

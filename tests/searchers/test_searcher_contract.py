@@ -107,24 +107,25 @@ def test_a_graph_without_ops_and_a_one_device_mesh(name):
     assert all(all(a == () or a == (0,) for a in s) for s in res.strategies.values())
 
 
-@pytest.mark.parametrize("name", SEARCHERS)
+@pytest.mark.parametrize("name", [*SEARCHERS, "sharding_propagation"])
 def test_second_search_of_the_same_graph_is_a_cache_hit(name):
     SEARCH_CACHE.clear()
+    search = {**SEARCHERS, "sharding_propagation": sharding_propagation}[name]
     g = mlp_chain(2, 16, 8, DeviceMesh((2, 2)))
-    first = SEARCHERS[name](g, P)
-    again = SEARCHERS[name](mlp_chain(2, 16, 8, DeviceMesh((2, 2))), P)      # an equal, new graph
+    first = search(g, P)
+    again = search(mlp_chain(2, 16, 8, DeviceMesh((2, 2))), P)      # an equal, new graph
     assert SEARCH_CACHE.hits == 1 and SEARCH_CACHE.misses == 1
     assert again.strategies == first.strategies and again.cost == first.cost
     assert any("from the search cache" in n for n in again.notes)
     again.strategies.clear()                                               # callers may edit results
-    assert SEARCHERS[name](g, P).strategies == first.strategies
+    assert search(g, P).strategies == first.strategies
     # other options, other parameters, a changed graph, or cache=False: a new search
-    SEARCHERS[name](g, P, fully_use_devices=True)
-    SEARCHERS[name](g, CostParams(beta=1.0))
+    search(g, P, fully_use_devices=True)
+    search(g, CostParams(beta=1.0))
     g.ops[0].fixed = ((0,), ())
-    SEARCHERS[name](g, P)
+    search(g, P)
     assert SEARCH_CACHE.misses == 4
-    SEARCHERS[name](g, P, cache=False)
+    search(g, P, cache=False)
     assert SEARCH_CACHE.misses == 4 and SEARCH_CACHE.hits == 2
 
 
