@@ -17,7 +17,9 @@ random state, like flax's layers.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -128,14 +130,38 @@ class LayerNorm(Cell):
         return self.layer_norm(x, self.gamma[...], self.beta[...])[0]
 
 
+class _Replica(threading.local):
+    def __init__(self) -> None:
+        self.now: tuple[Any, int, int] | None = None     # (replica index, replica count, rows per replica)
+
+
+_replica = _Replica()
+
+
+@contextlib.contextmanager
+def per_replica(index: Any, count: int, rows: int):
+    """While a data-parallel step runs its replicas side by side (``jax.vmap`` over ``count`` slices
+    of ``rows`` batch rows; ``index`` is the vmapped replica number), tell :class:`Dropout` so."""
+    saved, _replica.now = _replica.now, (index, count, rows)
+    try:
+        yield
+    finally:
+        _replica.now = saved
+
+
 class Dropout(Cell):
     """``Dropout(keep_prob=None, p=None, *, rngs)``: zero each element with probability ``p`` (or
     ``1 - keep_prob``; default ``p=0.5``) and scale the rest by ``1 / (1 - p)``.
 
-    The mask comes from the ``'dropout'`` stream of ``rngs`` (a ``jax.random`` key, so a sharded
-    run draws exactly the same mask as one device). Differences from MindSpore: active unless
-    ``deterministic`` is True — set by ``cell.set_train(False)`` or nnx's ``cell.eval()`` — where
-    MindSpore Cells start in inference mode until ``set_train()``.
+    The mask comes from the ``'dropout'`` stream of ``rngs`` (a ``jax.random`` key), so a sharded
+    run draws exactly the same mask as one device. In a pure data-parallel step, where every
+    replica computes its own gradient (:class:`~mshard.nn.TrainOneStepCell`), a replica draws the
+    whole batch's mask and keeps its own rows: again the one-device mask. An input whose dim 0 is
+    not the replica's batch (inside a :class:`~mshard.nn.GradAccumulationCell`, say) gets the
+    replica number folded into the key: independent masks per replica, as MindSpore's per-device
+    seeds give. Differences from MindSpore: active unless ``deterministic`` is True — set by
+    ``cell.set_train(False)`` or nnx's ``cell.eval()`` — where MindSpore Cells start in inference
+    mode until ``set_train()``.
     """
 
     def __init__(self, keep_prob: float | None = None, p: float | None = None, *, rngs: nnx.Rngs,
@@ -152,7 +178,15 @@ class Dropout(Cell):
     def __call__(self, x):
         if self.deterministic or self.p == 0.0:
             return x
-        keep = jax.random.bernoulli(self.rngs(), 1.0 - self.p, x.shape)
+        key, rep = self.rngs(), _replica.now
+        if rep is None:
+            keep = jax.random.bernoulli(key, 1.0 - self.p, x.shape)
+        elif x.ndim and x.shape[0] == rep[2]:
+            index, count, rows = rep
+            whole = jax.random.bernoulli(key, 1.0 - self.p, (count * rows, *x.shape[1:]))
+            keep = jax.lax.dynamic_slice_in_dim(whole, index * rows, rows, axis=0)
+        else:
+            keep = jax.random.bernoulli(jax.random.fold_in(key, rep[0]), 1.0 - self.p, x.shape)
         return jnp.where(keep, x / (1.0 - self.p), jnp.zeros_like(x))
 
 

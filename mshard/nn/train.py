@@ -74,6 +74,7 @@ from ..errors import CommFusionWarning, OptimizerParallelError
 from ..layout import DimAxes, RegionMesh, choose_axes, spec_of
 from ..region import Region, search_algorithm
 from .cell import Cell, register_paths
+from .layers import per_replica as replica_context
 
 __all__ = ["GradAccumulationCell", "MicroBatchInterleaved", "TrainOneStepCell", "WithLossCell"]
 
@@ -387,12 +388,15 @@ class _Runtime:
         xs = jax.tree.map(per_replica, data)
         axes = jax.tree.map(lambda x: 0 if hasattr(x, "ndim") and x.ndim > 0 else None, data)
 
-        def replica(p, r, d):
+        rows = next((x.shape[1] for x in jax.tree.leaves(xs) if hasattr(x, "ndim") and x.ndim > 1), 0)
+
+        def replica(p, r, d, index):
             m = nnx.merge(gdef, p, r)
-            loss, g = _value_and_grad(m, d, "network")
+            with replica_context(index, dp, rows):
+                loss, g = _value_and_grad(m, d, "network")
             return loss, g, nnx.as_pure(nnx.state(m, nnx.Not(nnx.Param)))
 
-        losses, g_st, rest_r = jax.vmap(replica, in_axes=(None, None, axes))(pst, rest, xs)
+        losses, g_st, rest_r = jax.vmap(replica, in_axes=(None, None, axes, 0))(pst, rest, xs, jnp.arange(dp))
         nnx.update(net, jax.tree.map(_combine_rest, rest_r))
         stacked = jax.tree.leaves(g_st)
         nb = [int(np.prod(x.shape[1:])) * x.dtype.itemsize for x in stacked]
