@@ -10,12 +10,16 @@ and the state donated; it is called in the usual functional loop (``state, loss 
 Runs alternate (mshard, hand-written, mshard's compiled step called directly, ...), ``--steps`` steps each
 after a warm-up; the reported ratio is the median over ``--repeats`` of (mshard time / hand-written time),
 target <= 1.02, and the Python overhead ratio is mshard's step against its own executable called directly.
-In semi_auto_parallel the hand-written step gets the same input/output shardings but not the Megatron
-constraints inside (that would be re-writing mshard), so it is a different, data-parallel program.
+In semi_auto_parallel (Megatron: dp=2, mp=devices/2) the hand-written step is the GPT forward in plain JAX
+with Megatron's layouts written by hand (``with_sharding_constraint`` on q/k/v, heads, scores, context,
+the MLP's hidden activation and the block outputs: :func:`megatron_forward`), what an expert would write;
+the collectives of both compiled steps are printed side by side.
 
 Memory: the compiled step's ``memory_analysis()`` per device, for optimizer parallel (argument bytes and
 optimizer-state bytes from shard shapes), recompute of every block (temp bytes) and gradient accumulation
-over 2 micro-batches (temp bytes), each against the same step without the feature.
+over 2 micro-batches (temp bytes), each against the same step without the feature; and the parameter
+bytes per device (shard shapes) with Megatron against data parallel. Everything printed also goes to
+``bench/out/step.json`` (``--out``).
 
 Python overhead: mshard's per-step Python (the executable stubbed out) against flattening the same state
 pytree, which the hand-written call also does.
@@ -26,9 +30,11 @@ rendezvous (a 40 s termination timeout) on a loaded 2-core machine, for mshard a
 """
 
 import argparse
+import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -37,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import mshard as ms
 from mshard import nn
@@ -98,6 +106,57 @@ def hand_written(step, data):
     return jitted, jax.tree.map(lambda a: jax.device_put(jnp.copy(a), a.sharding), state)
 
 
+def megatron_forward(net, ids, mesh, dp, mp):
+    """The GPT forward in plain JAX with Megatron's layouts written by hand (``with_sharding_constraint``
+    where Megatron puts them): q/k/v and the first MLP Dense column parallel (hidden split over ``mp``),
+    attention heads split over ``mp``, the projections row parallel (one all-reduce each), activations
+    between blocks batch-split over ``dp``. The Cells are called outside an mshard region: plain JAX."""
+    def C(x, *spec):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+    b, s = ids.shape
+    x = C(net.embedding(ids) + net.position(jnp.arange(s))[None], dp, None, None)
+    for blk in net.blocks:
+        att = blk.attention
+        h = blk.layernorm1(x)
+        heads = [C(C(d(h), dp, None, mp).reshape(b, s, att.num_heads, att.head_dim).transpose(0, 2, 1, 3),
+                   dp, mp, None, None) for d in (att.query, att.key, att.value)]
+        q, k, v = heads
+        scores = C(jnp.einsum("bhsd,bhtd->bhst", q, k) * (1.0 / np.sqrt(att.head_dim)), dp, mp, None, None)
+        scores = jnp.where(jnp.tril(jnp.ones((s, s), dtype=bool)), scores, jnp.asarray(-1e9, scores.dtype))
+        probs = C(jax.nn.softmax(scores, axis=-1), dp, mp, None, None)
+        ctx = C(jnp.einsum("bhst,bhtd->bhsd", probs, v), dp, mp, None, None)
+        ctx = C(ctx.transpose(0, 2, 1, 3).reshape(b, s, att.hidden_size), dp, None, mp)
+        x = x + C(att.projection(ctx), dp, None, None)
+        f = C(blk.output.mapping(blk.layernorm2(x)), dp, None, mp)
+        x = x + C(blk.output.projection(f), dp, None, None)
+    return net.head(net.final_norm(x))
+
+
+def hand_written_megatron(step, data):
+    """jax.jit of value_and_grad + optax with Megatron written by hand (:func:`megatron_forward`), the
+    parameters and optimizer state on the shardings mshard placed; the model-parallel mesh axes are read off
+    the placed query weight (its dim 0), the data-parallel axes are the rest of the mesh."""
+    gdef, state = nnx.split(step)
+    state_sh = jax.tree.map(lambda a: a.sharding, state)
+    data_sh = tuple(x.sharding for x in data)
+    net0 = step.network.backbone_network
+    wq = net0.blocks[0].attention.query.weight[...].sharding
+    mesh, mp = wq.mesh, wq.spec[0]
+    mp_axes = (mp,) if isinstance(mp, str) else tuple(mp)
+    dp = tuple(a for a in mesh.axis_names if a not in mp_axes)     # Megatron: the rest of the mesh is data parallel
+
+    def fn(state, x, y):
+        m = nnx.merge(gdef, state)
+        net, opt = m.network, m.optimizer
+        loss, g = nnx.value_and_grad(lambda n: LOSS(megatron_forward(n.backbone, x, mesh, dp, mp), y))(net)
+        opt.update(net, g)
+        return nnx.state(m), loss
+
+    jitted = jax.jit(fn, in_shardings=(state_sh, *data_sh), out_shardings=(state_sh, None), donate_argnums=0)
+    return jitted, jax.tree.map(lambda a: jax.device_put(jnp.copy(a), a.sharding), state)
+
+
 def timed(fn, steps):
     t0 = time.perf_counter()
     out = None
@@ -112,8 +171,13 @@ def bench_time(cfg, mode, n, steps, repeats, megatron=False):
     data = ms.dataset.shard_batch(batch(cfg))
     for _ in range(2):
         step(*data)                                  # compile and place
-    jitted, state = hand_written(step, data)
+    jitted, state = (hand_written_megatron if megatron else hand_written)(step, data)
     box = [state]
+    kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+    rep_ms = ms.comm_report(step, *data)
+    rep_hw = ms.comm_report(jitted, state, *data)
+    comm = {k: {"mshard": [rep_ms.count(k), rep_ms.bytes(k)], "hand_written": [rep_hw.count(k), rep_hw.bytes(k)]}
+            for k in kinds if rep_ms.count(k) or rep_hw.count(k)}
 
     def hand():
         box[0], loss = jitted(box[0], *data)
@@ -142,7 +206,7 @@ def bench_time(cfg, mode, n, steps, repeats, megatron=False):
         ratios.append(a / b)
         overhead.append(a / c)
     med = statistics.median
-    return med(ms_t), med(hw_t), med(dr_t), med(ratios), ratios, med(overhead)
+    return med(ms_t), med(hw_t), med(dr_t), med(ratios), ratios, med(overhead), comm
 
 
 def python_overhead(cfg, n, calls=2000):
@@ -199,6 +263,17 @@ def bench_memory(cfg, n):
     return rows
 
 
+def megatron_parameter_bytes(cfg, n):
+    """Per-device parameter bytes of the GPT placed data parallel (replicated) and with Megatron (dp=2)."""
+    out = []
+    for mode, megatron in (("data_parallel", False), ("semi_auto_parallel", True)):
+        step = make_step(cfg, mode, n, megatron=megatron)
+        data = ms.dataset.shard_batch(batch(cfg))
+        step(*data)
+        out.append(per_device_bytes(nnx.state(step.network, nnx.Param)))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=10)
@@ -206,27 +281,42 @@ def main(argv=None):
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--modes", default="data_parallel,semi_auto_parallel")
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "step.json"))
     args = ap.parse_args(argv)
     cfg = SIZES[args.size]
     n = jax.device_count()
+    report: dict = {"devices": n, "platform": jax.devices()[0].platform, "model": {**cfg, "layers": 4},
+                    "steps": args.steps, "repeats": args.repeats, "time": [], "memory": []}
     print(f"devices: {n} x {jax.devices()[0].platform}; model {args.size}: {cfg}, 4 layers")
     for mode in args.modes.split(","):
         megatron = mode == "semi_auto_parallel" and n % 2 == 0 and n > 1
-        a, b, c, r, rs, ov = bench_time(cfg, mode, n, args.steps, args.repeats, megatron=megatron)
-        label = mode + (" (Megatron dp=2)" if megatron else "")
-        print(f"{label}: mshard {a * 1e3:.2f} ms/step, hand-written jax.jit {b * 1e3:.2f} ms/step, "
+        a, b, c, r, rs, ov, comm = bench_time(cfg, mode, n, args.steps, args.repeats, megatron=megatron)
+        label = mode + (f" (Megatron dp=2, mp={n // 2})" if megatron else "")
+        baseline = "hand-written Megatron jax.jit" if megatron else "hand-written jax.jit"
+        print(f"{label}: mshard {a * 1e3:.2f} ms/step, {baseline} {b * 1e3:.2f} ms/step, "
               f"ratio (median of {len(rs)}) {r:.3f} [{', '.join(f'{x:.3f}' for x in rs)}]; "
               f"mshard's own executable called directly {c * 1e3:.2f} ms/step (Python overhead ratio {ov:.3f})")
-        if megatron:
-            print("  note: the hand-written step has the same input/output shardings but none of the Megatron "
-                  "constraints inside, so XLA runs it data parallel: a different program")
+        print("  collectives (count, bytes) mshard vs hand-written: "
+              + "; ".join(f"{k} {v['mshard']} vs {v['hand_written']}" for k, v in comm.items()))
+        report["time"].append({"mode": mode, "megatron": megatron, "baseline": baseline, "mshard_s": a,
+                               "hand_written_s": b, "direct_s": c, "ratio_median": r, "ratios": rs,
+                               "python_overhead_ratio": ov, "collectives": comm})
     ms_us, flat_us, nvars = python_overhead(cfg, n)
+    report["python_us"] = {"mshard_step": ms_us, "flatten_state": flat_us, "variables": nvars}
     print(f"per-step Python of mshard's step (executable stubbed): {ms_us:.0f} us for {nvars} Variables; flattening "
           f"the same state for a hand-written jitted(state, ...) call: {flat_us:.0f} us")
     if not args.skip_memory:
-        print(f"\nper-device memory, data_parallel on {n} devices (compiled memory_analysis / shard shapes):")
-        for name, off, on in bench_memory(cfg, n):
-            print(f"  {name:50s} off {off:>12,}   on {on:>12,}   on/off {on / off:.3f}")
+        print(f"\nper-device memory on {n} devices (compiled memory_analysis / shard shapes):")
+        rows = bench_memory(cfg, n)
+        if n % 2 == 0 and n > 1:
+            dp_b, mt_b = megatron_parameter_bytes(cfg, n)
+            rows.append((f"Megatron (dp=2, mp={n // 2}) vs data parallel: parameter B/device", dp_b, mt_b))
+        for name, off, on in rows:
+            print(f"  {name:62s} off {off:>12,}   on {on:>12,}   on/off {on / off:.3f}")
+            report["memory"].append({"feature": name, "off": off, "on": on, "ratio": on / off})
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"\nwritten: {args.out}")
 
 
 if __name__ == "__main__":

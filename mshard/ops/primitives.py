@@ -76,9 +76,11 @@ class MatMul(Primitive):
         self.transpose_a, self.transpose_b = transpose_a, transpose_b
 
     def compute(self, x, w):
-        x = x.T if self.transpose_a else x
-        w = w.T if self.transpose_b else w
-        return x @ w
+        # one dot_general with the contracting dims named (no separate transpose op: a planned layout on a
+        # transpose's result would make XLA materialise it)
+        a = "km" if self.transpose_a else "mk"
+        b = "nk" if self.transpose_b else "kn"
+        return jnp.einsum(f"{a},{b}->mn", x, w)
 
     def spec(self, shapes, attrs):
         a = ("k", "m") if self.transpose_a else ("m", "k")
@@ -90,9 +92,9 @@ class BatchMatMul(MatMul):
     """``BatchMatMul(transpose_a, transpose_b)``: [..., m, k] @ [..., k, n]; batch dims broadcast."""
 
     def compute(self, x, w):
-        x = jnp.swapaxes(x, -1, -2) if self.transpose_a else x
-        w = jnp.swapaxes(w, -1, -2) if self.transpose_b else w
-        return jnp.matmul(x, w)
+        a = "...km" if self.transpose_a else "...mk"
+        b = "...nk" if self.transpose_b else "...kn"
+        return jnp.einsum(f"{a},{b}->...mn", x, w)
 
     def spec(self, shapes, attrs):
         bx, bw = shapes[0][:-2], shapes[1][:-2]
