@@ -12,8 +12,11 @@ after a warm-up; the reported ratio is the median over ``--repeats`` of (mshard 
 target <= 1.02, and the Python overhead ratio is mshard's step against its own executable called directly.
 In semi_auto_parallel (Megatron: dp=2, mp=devices/2) the hand-written step is the GPT forward in plain JAX
 with Megatron's layouts written by hand (``with_sharding_constraint`` on q/k/v, heads, scores, context,
-the MLP's hidden activation and the block outputs: :func:`megatron_forward`), what an expert would write;
-the collectives of both compiled steps are printed side by side.
+the MLP's hidden activation, the block outputs, and the layer norms and residual adds batch-split and
+replicated over the model-parallel devices, as in Megatron: :func:`megatron_forward`), the same shardings
+mshard's ``shard_megatron`` asks for; the collectives of both compiled steps are printed side by side. A
+second hand-written step leaves the layer norms and residual adds to XLA (which then splits them over
+every device, as sequence parallelism does): its ratio is printed too.
 
 Memory: the compiled step's ``memory_analysis()`` per device, for optimizer parallel (argument bytes and
 optimizer-state bytes from shard shapes), recompute of every block (temp bytes) and gradient accumulation
@@ -106,19 +109,23 @@ def hand_written(step, data):
     return jitted, jax.tree.map(lambda a: jax.device_put(jnp.copy(a), a.sharding), state)
 
 
-def megatron_forward(net, ids, mesh, dp, mp):
+def megatron_forward(net, ids, mesh, dp, mp, exact=True):
     """The GPT forward in plain JAX with Megatron's layouts written by hand (``with_sharding_constraint``
     where Megatron puts them): q/k/v and the first MLP Dense column parallel (hidden split over ``mp``),
-    attention heads split over ``mp``, the projections row parallel (one all-reduce each), activations
-    between blocks batch-split over ``dp``. The Cells are called outside an mshard region: plain JAX."""
+    attention heads split over ``mp``, the projections row parallel (one all-reduce each), layer norms and
+    residual adds batch-split over ``dp`` and replicated over ``mp`` (``exact``; with ``exact=False`` they
+    are left to XLA). The Cells are called outside an mshard region: plain JAX."""
     def C(x, *spec):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+    def R(x):                          # Megatron's replicated-over-mp activations
+        return C(x, dp, None, None) if exact else x
 
     b, s = ids.shape
     x = C(net.embedding(ids) + net.position(jnp.arange(s))[None], dp, None, None)
     for blk in net.blocks:
         att = blk.attention
-        h = blk.layernorm1(x)
+        h = R(blk.layernorm1(x))
         heads = [C(C(d(h), dp, None, mp).reshape(b, s, att.num_heads, att.head_dim).transpose(0, 2, 1, 3),
                    dp, mp, None, None) for d in (att.query, att.key, att.value)]
         q, k, v = heads
@@ -127,13 +134,13 @@ def megatron_forward(net, ids, mesh, dp, mp):
         probs = C(jax.nn.softmax(scores, axis=-1), dp, mp, None, None)
         ctx = C(jnp.einsum("bhst,bhtd->bhsd", probs, v), dp, mp, None, None)
         ctx = C(ctx.transpose(0, 2, 1, 3).reshape(b, s, att.hidden_size), dp, None, mp)
-        x = x + C(att.projection(ctx), dp, None, None)
-        f = C(blk.output.mapping(blk.layernorm2(x)), dp, None, mp)
-        x = x + C(blk.output.projection(f), dp, None, None)
+        x = R(x + C(att.projection(ctx), dp, None, None))
+        f = C(blk.output.mapping(R(blk.layernorm2(x))), dp, None, mp)
+        x = R(x + C(blk.output.projection(f), dp, None, None))
     return net.head(net.final_norm(x))
 
 
-def hand_written_megatron(step, data):
+def hand_written_megatron(step, data, exact=True):
     """jax.jit of value_and_grad + optax with Megatron written by hand (:func:`megatron_forward`), the
     parameters and optimizer state on the shardings mshard placed; the model-parallel mesh axes are read off
     the placed query weight (its dim 0), the data-parallel axes are the rest of the mesh."""
@@ -149,7 +156,7 @@ def hand_written_megatron(step, data):
     def fn(state, x, y):
         m = nnx.merge(gdef, state)
         net, opt = m.network, m.optimizer
-        loss, g = nnx.value_and_grad(lambda n: LOSS(megatron_forward(n.backbone, x, mesh, dp, mp), y))(net)
+        loss, g = nnx.value_and_grad(lambda n: LOSS(megatron_forward(n.backbone, x, mesh, dp, mp, exact), y))(net)
         opt.update(net, g)
         return nnx.state(m), loss
 
@@ -183,6 +190,22 @@ def bench_time(cfg, mode, n, steps, repeats, megatron=False):
         box[0], loss = jitted(box[0], *data)
         return loss
 
+    free = None
+    if megatron:                                      # Megatron with layer norms / residuals left to XLA
+        jf, sf = hand_written_megatron(step, data, exact=False)
+        fbox = [sf]
+        rep_f = ms.comm_report(jf, sf, *data)
+        for k in kinds:
+            if k in comm or rep_f.count(k):
+                comm.setdefault(k, {"mshard": [rep_ms.count(k), rep_ms.bytes(k)],
+                                    "hand_written": [rep_hw.count(k), rep_hw.bytes(k)]})
+                comm[k]["hand_written_ln_free"] = [rep_f.count(k), rep_f.bytes(k)]
+
+        def free():
+            fbox[0], loss = jf(fbox[0], *data)
+            return loss
+        for _ in range(2):
+            free()
     for _ in range(2):
         hand()
     fast = step._rt.fast                              # the compiled step mshard calls (bench only: internals)
@@ -195,18 +218,21 @@ def bench_time(cfg, mode, n, steps, repeats, megatron=False):
             fast.variables[i]._raw_value = x
         return outs[0]
 
-    ms_t, hw_t, dr_t, ratios, overhead = [], [], [], [], []
+    ms_t, hw_t, dr_t, ratios, overhead, free_r = [], [], [], [], [], []
     for _ in range(repeats):
         a = timed(lambda: step(*data), steps)
         b = timed(hand, steps)
         c = timed(direct, steps)
+        if free is not None:
+            free_r.append(a / timed(free, steps))
         ms_t.append(a)
         hw_t.append(b)
         dr_t.append(c)
         ratios.append(a / b)
         overhead.append(a / c)
     med = statistics.median
-    return med(ms_t), med(hw_t), med(dr_t), med(ratios), ratios, med(overhead), comm
+    extra = {"ratio_vs_ln_free_median": med(free_r), "ratios_vs_ln_free": free_r} if free_r else {}
+    return med(ms_t), med(hw_t), med(dr_t), med(ratios), ratios, med(overhead), comm, extra
 
 
 def python_overhead(cfg, n, calls=2000):
@@ -290,7 +316,7 @@ def main(argv=None):
     print(f"devices: {n} x {jax.devices()[0].platform}; model {args.size}: {cfg}, 4 layers")
     for mode in args.modes.split(","):
         megatron = mode == "semi_auto_parallel" and n % 2 == 0 and n > 1
-        a, b, c, r, rs, ov, comm = bench_time(cfg, mode, n, args.steps, args.repeats, megatron=megatron)
+        a, b, c, r, rs, ov, comm, extra = bench_time(cfg, mode, n, args.steps, args.repeats, megatron=megatron)
         label = mode + (f" (Megatron dp=2, mp={n // 2})" if megatron else "")
         baseline = "hand-written Megatron jax.jit" if megatron else "hand-written jax.jit"
         print(f"{label}: mshard {a * 1e3:.2f} ms/step, {baseline} {b * 1e3:.2f} ms/step, "
@@ -298,9 +324,13 @@ def main(argv=None):
               f"mshard's own executable called directly {c * 1e3:.2f} ms/step (Python overhead ratio {ov:.3f})")
         print("  collectives (count, bytes) mshard vs hand-written: "
               + "; ".join(f"{k} {v['mshard']} vs {v['hand_written']}" for k, v in comm.items()))
+        if extra:
+            print(f"  against Megatron with layer norms and residuals left to XLA (which then splits them over all "
+                  f"{n} devices): ratio (median) {extra['ratio_vs_ln_free_median']:.3f}; collectives "
+                  + "; ".join(f"{k} {v.get('hand_written_ln_free')}" for k, v in comm.items()))
         report["time"].append({"mode": mode, "megatron": megatron, "baseline": baseline, "mshard_s": a,
                                "hand_written_s": b, "direct_s": c, "ratio_median": r, "ratios": rs,
-                               "python_overhead_ratio": ov, "collectives": comm})
+                               "python_overhead_ratio": ov, "collectives": comm, **extra})
     ms_us, flat_us, nvars = python_overhead(cfg, n)
     report["python_us"] = {"mshard_step": ms_us, "flatten_state": flat_us, "variables": nvars}
     print(f"per-step Python of mshard's step (executable stubbed): {ms_us:.0f} us for {nvars} Variables; flattening "
