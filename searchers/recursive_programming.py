@@ -145,22 +145,24 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     e_in: list[int] = []
     e_src: list[int] = []
     e_bytes: list[int] = []
+    producer = [t.producer for t in tensors]
+    known = tab.key_ids.get
     for op, skey in zip(ops, spec_keys(graph)):
         v = op.id
-        sid = tab.spec_id(skey)
-        sids.append(sid)
+        sid = known(skey)
+        sids.append(tab.spec_id(skey) if sid is None else sid)
         in_base[v] = cb = nslot
         mine = refs[v]
         for k, tid in enumerate(op.inputs):
-            p = tensors[tid].producer
+            p = producer[tid]
             slot = res_slot[tid]
             mine.append(slot)
             refs[p].append(cb + k)
             outj[p].append(slot - out_base[p])
-            e_in.append(cb + k)
             e_src.append(slot)
-        e_bytes.extend(tab.specs[sid].in_bytes)
+        e_bytes.extend(skey[1])
         nslot += len(op.inputs)
+        e_in.extend(range(cb, nslot))
         in_end[v] = out_base[v] = nslot
         for j, tid in enumerate(op.outputs):
             res_slot[tid] = nslot + j
