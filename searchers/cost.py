@@ -317,4 +317,4 @@ def counted_cost(op_counts: Mapping[tuple[OpSpec, Strategy], int],
 
 
 # the vectorised helpers live in cost_vectors; re-exported here for convenience
-from .cost_vectors import edge_cost_matrix, op_cost_vector  # noqa: F401
+from .cost_vectors import edge_cost_matrix, op_cost_vector  # noqa: E402, F401

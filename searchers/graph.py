@@ -27,8 +27,8 @@ per tensor dim, the axes of its loop dim (:func:`operand_layout`).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 Axes = tuple[int, ...]
 Strategy = tuple[Axes, ...]          # one entry per loop dim, in op.dims order
@@ -70,7 +70,7 @@ class DeviceMesh:
         return math.prod(self.shape[a] for a in axes)
 
     @staticmethod
-    def prime(n: int) -> "DeviceMesh":
+    def prime(n: int) -> DeviceMesh:
         """One axis per prime factor of ``n`` (DESIGN's mesh rule): 8 -> (2, 2, 2), 12 -> (2, 2, 3)."""
         return DeviceMesh(tuple(prime_factors(n)))
 

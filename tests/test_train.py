@@ -98,6 +98,7 @@ def test_data_parallel_dropout_draws_the_one_device_mask():
     assert step._rt.last.pure_dp
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params_close(net, ref)
+    assert_trees_close(step.opt_state, ref_opt)
     assert int(net.drop.rngs.count[...]) == int(ref.drop.rngs.count[...]) == STEPS
     # and the mask matters: without dropout the parameters differ
     plain, _, _ = reference_train(MLP(nnx.Rngs(13)), optax.adam(1e-2), data, mse)
