@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -52,24 +53,12 @@ from jax.sharding import PartitionSpec as P
 import mshard as ms
 from mshard import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT
+
 SIZES = {"small": dict(vocab=256, hidden=128, heads=4, ffn=512, seq=64, batch=16),
          "medium": dict(vocab=512, hidden=256, heads=8, ffn=1024, seq=128, batch=32)}
 LOSS = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
-
-
-class GPT(nn.Cell):
-    def __init__(self, rngs, vocab, hidden, heads, ffn, seq, layers=4, **_):
-        self.embedding = nn.Embedding(vocab, hidden, rngs=rngs)
-        self.position = nn.Embedding(seq, hidden, rngs=rngs)
-        self.blocks = nnx.List([nn.TransformerBlock(hidden, heads, ffn, rngs=rngs) for _ in range(layers)])
-        self.final_norm = nn.LayerNorm((hidden,))
-        self.head = nn.Dense(hidden, vocab, has_bias=False, rngs=rngs)
-
-    def __call__(self, ids):
-        x = self.embedding(ids) + self.position(jnp.arange(ids.shape[1]))[None]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.final_norm(x))
 
 
 def batch(cfg, seed=0):
@@ -82,7 +71,7 @@ def make_step(cfg, mode, n, *, megatron=False, recompute=False, micro=None, zero
     ms.reset_auto_parallel_context()
     ms.set_auto_parallel_context(parallel_mode=mode, device_num=n, gradients_mean=True,
                                  enable_parallel_optimizer=zero)
-    net = GPT(nnx.Rngs(0), **cfg)
+    net = GPT(nnx.Rngs(0), **{k: v for k, v in cfg.items() if k != 'batch'})
     for block in net.blocks:
         if megatron:
             block.shard_megatron(2, n // 2)

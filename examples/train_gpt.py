@@ -21,11 +21,11 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from gpt import GPT
+from reference import train_one_device
 
 import mshard as ms
 from mshard import nn
@@ -34,19 +34,8 @@ VOCAB, SEQ, HIDDEN, HEADS, FFN, LAYERS, BATCH = 64, 32, 64, 4, 256, 4, 16
 LOSS_RTOL = 1e-4
 
 
-class GPT(nn.Cell):
-    def __init__(self, rngs: nnx.Rngs, layers: int = LAYERS):
-        self.embedding = nn.Embedding(VOCAB, HIDDEN, rngs=rngs)
-        self.position = nn.Embedding(SEQ, HIDDEN, rngs=rngs)
-        self.blocks = nnx.List([nn.TransformerBlock(HIDDEN, HEADS, FFN, rngs=rngs) for _ in range(layers)])
-        self.final_norm = nn.LayerNorm((HIDDEN,))
-        self.head = nn.Dense(HIDDEN, VOCAB, has_bias=False, rngs=rngs)
-
-    def __call__(self, ids):
-        x = self.embedding(ids) + self.position(jnp.arange(ids.shape[1]))[None]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.final_norm(x))
+def make_gpt(rngs: nnx.Rngs, layers: int = LAYERS) -> GPT:
+    return GPT(rngs, vocab=VOCAB, hidden=HIDDEN, heads=HEADS, ffn=FFN, seq=SEQ, layers=layers)
 
 
 def synthetic_batches(steps: int, seed: int = 0):
@@ -62,30 +51,6 @@ def synthetic_batches(steps: int, seed: int = 0):
 
 
 LOSS = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
-
-
-def one_device(net: GPT, tx, data):
-    """Plain nnx + optax on device 0 (the reference): the losses of each step."""
-    net = nnx.clone(net)
-    dev = jax.devices()[0]
-    gdef, state = nnx.split(net)
-    state = jax.device_put(state, dev)
-    opt_state = jax.device_put(tx.init(nnx.as_pure(nnx.state(net, nnx.Param))), dev)
-
-    @jax.jit
-    def step(state, opt_state, x, y):
-        m = nnx.merge(gdef, state)
-        loss, g = nnx.value_and_grad(lambda m: LOSS(m(x), y))(m)
-        p = nnx.as_pure(nnx.state(m, nnx.Param))
-        upd, opt_state = tx.update(nnx.as_pure(g), opt_state, p)
-        nnx.update(m, optax.apply_updates(p, upd))
-        return nnx.state(m), opt_state, loss
-
-    losses = []
-    for x, y in data:
-        state, opt_state, loss = step(state, opt_state, jax.device_put(x, dev), jax.device_put(y, dev))
-        losses.append(float(loss))
-    return losses
 
 
 def train(mode: str, init: GPT, tx, data):
@@ -109,9 +74,9 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=LAYERS)
     args = ap.parse_args(argv)
     data = synthetic_batches(args.steps)
-    init = GPT(nnx.Rngs(0), args.layers)
+    init = make_gpt(nnx.Rngs(0), args.layers)
     tx = optax.adamw(3e-3)
-    ref = one_device(init, tx, data)
+    _, _, ref = train_one_device(init, tx, data, LOSS)
     print(f"one device: loss {ref[0]:.4f} -> {ref[-1]:.4f} in {args.steps} steps")
     for mode in args.modes.split(","):
         print(f"\n===== {mode} =====")

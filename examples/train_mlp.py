@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from reference import train_one_device
 
 import mshard as ms
 from mshard import nn
@@ -52,28 +53,6 @@ def synthetic(steps: int):
         x = rng.normal(size=(64, 32)).astype(np.float32)
         out.append((x, np.tanh(x @ w).astype(np.float32)))
     return out
-
-
-def one_device(net, tx, data):
-    net = nnx.clone(net)
-    dev = jax.devices()[0]
-    gdef, state = nnx.split(net)
-    state = jax.device_put(state, dev)
-    opt_state = jax.device_put(tx.init(nnx.as_pure(nnx.state(net, nnx.Param))), dev)
-
-    @jax.jit
-    def step(state, opt_state, x, y):
-        m = nnx.merge(gdef, state)
-        loss, g = nnx.value_and_grad(lambda m: LOSS(m(x), y))(m)
-        p = nnx.as_pure(nnx.state(m, nnx.Param))
-        upd, opt_state = tx.update(nnx.as_pure(g), opt_state, p)
-        nnx.update(m, optax.apply_updates(p, upd))
-        return nnx.state(m), opt_state, loss
-
-    for x, y in data:
-        state, opt_state, _ = step(state, opt_state, jax.device_put(x, dev), jax.device_put(y, dev))
-    nnx.update(net, state)
-    return net
 
 
 def per_device_bytes(tree) -> int:
@@ -107,7 +86,7 @@ def main(argv=None):
     data = synthetic(args.steps)
     init = MLP(nnx.Rngs(0))
     tx = optax.adam(1e-2)
-    ref = one_device(init, tx, data)
+    ref, _, _ = train_one_device(init, tx, data, LOSS)
     dp = dict(parallel_mode="data_parallel")
     run("data_parallel", init, tx, data, ref, **dp)
     run("data_parallel + optimizer parallel", init, tx, data, ref, enable_parallel_optimizer=True,

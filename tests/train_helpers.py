@@ -1,12 +1,18 @@
 """Tiny models and a single-device optax reference for the training tests (no mshard training code inside)."""
 
+import pathlib
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from mshard import nn
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT
+from reference import train_one_device
 
 # float32 training over a few steps: partitioned sums reorder additions, Adam divides by sqrt(nu)
 PARAM_RTOL, PARAM_ATOL = 2e-5, 2e-6
@@ -32,19 +38,8 @@ class MLP(nn.Cell):
         return self
 
 
-class TinyGPT(nn.Cell):
-    def __init__(self, rngs, vocab=32, hidden=32, heads=4, layers=2, seq=8, ffn=64):
-        self.embedding = nn.Embedding(vocab, hidden, rngs=rngs)
-        self.position = nn.Embedding(seq, hidden, rngs=rngs)
-        self.blocks = nnx.List([nn.TransformerBlock(hidden, heads, ffn, rngs=rngs) for _ in range(layers)])
-        self.final_norm = nn.LayerNorm((hidden,))
-        self.head = nn.Dense(hidden, vocab, has_bias=False, rngs=rngs)
-
-    def __call__(self, ids):
-        x = self.embedding(ids) + self.position(jnp.arange(ids.shape[1]))[None]
-        for blk in self.blocks:
-            x = blk(x)
-        return self.head(self.final_norm(x))
+def TinyGPT(rngs, vocab=32, hidden=32, heads=4, layers=2, seq=8, ffn=64):
+    return GPT(rngs, vocab=vocab, hidden=hidden, heads=heads, ffn=ffn, seq=seq, layers=layers)
 
 
 def mse(pred, y):
@@ -75,33 +70,7 @@ def reference_train(net, tx, data, loss_fn, grad_scale=1.0):
     """Train a copy of ``net`` on device 0 with plain nnx + optax; -> (net, optax state, losses).
 
     ``grad_scale`` multiplies the gradient of the mean loss (MindSpore's sum over data-parallel replicas)."""
-    net = nnx.clone(net)
-    dev = jax.devices()[0]
-    nnx.update(net, jax.device_put(nnx.state(net), dev))
-    opt_state = jax.device_put(tx.init(nnx.as_pure(nnx.state(net, nnx.Param))), dev)
-    gdef, _ = nnx.split(net)
-
-    @jax.jit
-    def step(state, opt_state, *b):
-        m = nnx.merge(gdef, state)
-
-        def lossf(m):
-            return loss_fn(m(*b[:-1]), b[-1])
-        loss, g = nnx.value_and_grad(lossf)(m)
-        g = jax.tree.map(lambda x: x * grad_scale, nnx.as_pure(g))
-        p = nnx.as_pure(nnx.state(m, nnx.Param))
-        upd, opt_state = tx.update(g, opt_state, p)
-        nnx.update(m, optax.apply_updates(p, upd))
-        return nnx.state(m), opt_state, loss
-
-    state = nnx.state(net)
-    losses = []
-    for b in data:
-        state, opt_state, loss = step(state, opt_state, *[jax.device_put(x, dev) for x in b])
-        losses.append(float(loss))
-    nnx.update(net, state)
-    return net, opt_state, losses
-
+    return train_one_device(net, tx, data, loss_fn, grad_scale=grad_scale, device=jax.devices()[0])
 
 
 def params_of(net):

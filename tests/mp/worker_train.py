@@ -25,6 +25,9 @@ from flax import nnx  # noqa: E402
 import mshard as ms  # noqa: E402
 from mshard import nn  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+from reference import train_one_device  # noqa: E402
+
 
 class MLP(nn.Cell):
     def __init__(self, rngs):
@@ -46,28 +49,8 @@ data = [(rng.normal(size=(32, 16)).astype(np.float32), rng.normal(size=(32, 8)).
 tx = optax.adam(1e-2)
 
 # one local device, full batches
-dev = jax.local_devices()[0]
-ref = MLP(nnx.Rngs(0))
-gdef, state = nnx.split(ref)
-state = jax.device_put(state, dev)
-opt = jax.device_put(tx.init(nnx.as_pure(nnx.state(ref, nnx.Param))), dev)
-
-
-@jax.jit
-def ref_step(state, opt, x, y):
-    m = nnx.merge(gdef, state)
-    loss, g = nnx.value_and_grad(lambda m: mse(m(x), y))(m)
-    p = nnx.as_pure(nnx.state(m, nnx.Param))
-    u, opt = tx.update(nnx.as_pure(g), opt, p)
-    nnx.update(m, optax.apply_updates(p, u))
-    return nnx.state(m), opt, loss
-
-
-ref_losses = []
-for x, y in data:
-    state, opt, loss = ref_step(state, opt, jax.device_put(x, dev), jax.device_put(y, dev))
-    ref_losses.append(float(loss))
-ref_params = jax.tree.leaves(nnx.as_pure(nnx.state(nnx.merge(gdef, state), nnx.Param)))
+ref, _, ref_losses = train_one_device(MLP(nnx.Rngs(0)), tx, data, mse, device=jax.local_devices()[0])
+ref_params = jax.tree.leaves(nnx.as_pure(nnx.state(ref, nnx.Param)))
 
 # 8 devices in 2 processes
 ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True,
