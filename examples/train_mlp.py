@@ -8,7 +8,9 @@ Runs, each from the same initial weights on the same synthetic regression batche
 2. + optimizer parallel (ZeRO-1: Adam's moments sharded 8 ways; per-device optimizer-state bytes printed);
 3. + gradient accumulation over 4 micro-batches (GradAccumulationCell);
 4. + all_reduce_fusion_config=[2, 4] (three gradient all-reduces instead of one);
-5. semi_auto_parallel with Megatron strategies on the first two Dense layers (dp=2, mp=4).
+5. semi_auto_parallel with Megatron strategies on the first two Dense layers (dp=2, mp=4);
+6. the same with all_reduce_fusion_config=[2, 4]: each device all-reduces its gradient slices over the
+   2 data-parallel replicas in three buckets.
 
 Every run's parameters after training equal plain nnx + optax on one device within rtol 1e-4 / atol 1e-6
 (float32; the partitioned gradient sums reorder additions). The comm report of each step is printed.
@@ -96,6 +98,8 @@ def main(argv=None):
     run("data_parallel + all_reduce_fusion_config=[2, 4]", init, tx, data, ref, all_reduce_fusion_config=[2, 4], **dp)
     run("semi_auto_parallel, Megatron fc1/fc2 (dp=2, mp=4)", init, tx, data, ref, megatron=True,
         parallel_mode="semi_auto_parallel")
+    run("semi_auto_parallel, Megatron + all_reduce_fusion_config=[2, 4] (3 gradient all-reduces over the 2 replicas)",
+        init, tx, data, ref, megatron=True, parallel_mode="semi_auto_parallel", all_reduce_fusion_config=[2, 4])
     ms.reset_auto_parallel_context()
     print("train_mlp OK")
 

@@ -31,14 +31,23 @@ mark_p.def_abstract_eval(lambda x, **_: x)
 mlir.register_lowering(mark_p, lambda ctx, x, **_: [x])
 
 
-def _mark_transpose(ct, x, *, note, role, index):
+def _mark_transpose(ct, x, *, note, role, index, **batched):
     if type(ct) is ad.Zero:
         return [ct]
-    return [mark_p.bind(ct, note=note, role="ct" if role == "in" else "ct_out", index=index)]
+    return [mark_p.bind(ct, note=note, role="ct" if role == "in" else "ct_out", index=index, **batched)]
+
+
+def _mark_batch(args, dims, **kw):
+    """Under ``jax.vmap`` a mark stays a mark; inside :func:`replica_axes` (a data-parallel step running its
+    replicas side by side) it also records where the replica dim is and which mesh axes it is split over, so
+    the executor constrains the batched tensor to the planned per-replica layout plus the replica split."""
+    if dims[0] is not None and _state.replica_axes is not None:
+        kw = {**kw, "bdim": int(dims[0]), "replica_axes": _state.replica_axes}
+    return mark_p.bind(args[0], **kw), dims[0]
 
 
 ad.deflinear2(mark_p, _mark_transpose)
-batching.primitive_batchers[mark_p] = lambda args, dims, **kw: (mark_p.bind(args[0], **kw), dims[0])
+batching.primitive_batchers[mark_p] = _mark_batch
 
 _uid = itertools.count()
 
@@ -91,6 +100,7 @@ def mark(x: Any, note: OpNote, role: str, index: int) -> Any:
 class _TraceState(threading.local):
     def __init__(self) -> None:
         self.region = None            # the RegionTrace being traced, or None (eager / plain JAX)
+        self.replica_axes: tuple[str, ...] | None = None     # set while replicas are vmapped (see _mark_batch)
 
 
 _state = _TraceState()
@@ -121,6 +131,19 @@ class tracing_region:
 
     def __exit__(self, *exc) -> None:
         _state.region = self.saved
+
+
+class replica_axes:
+    """Context manager: marks batched by ``jax.vmap`` inside it are replicas split over mesh ``axes``."""
+
+    def __init__(self, axes: Sequence[str]):
+        self.axes = tuple(axes)
+
+    def __enter__(self) -> None:
+        self.saved, _state.replica_axes = _state.replica_axes, self.axes
+
+    def __exit__(self, *exc) -> None:
+        _state.replica_axes = self.saved
 
 
 # bumped by every .shard()/recompute(): a region's cache key includes it, so a changed strategy re-traces

@@ -80,7 +80,10 @@ class Emitter:
         if prim is mark_p:
             if not self.layouts.honour_marks:
                 return invals[0]
-            return self.wsc(invals[0], self.layouts.marks.get(mark_key(eqn)))
+            lay = self.layouts.marks.get(mark_key(eqn))
+            if lay is not None and eqn.params.get("bdim") is not None:
+                lay = replica_layout(lay, eqn.params["bdim"], eqn.params["replica_axes"])
+            return self.wsc(invals[0], lay)
         params = eqn.params
         has = self.planned or any(_has_marks(j) for j in _jaxpr_params(params))
         inner = path + (id(eqn),)
@@ -122,6 +125,17 @@ class Emitter:
                 raise NotImplementedError("mshard: a re-emitted open jaxpr gained constants")
             return closed.jaxpr
         return v
+
+
+def replica_layout(lay, bdim: int, axes: tuple[str, ...]):
+    """A per-replica layout for a tensor batched over replicas at ``bdim``: the replica dim takes the
+    replica ``axes`` and every other dim drops them (the planner split the per-replica batch over them).
+
+    >>> replica_layout((("d0",), ("d1", "d2")), 0, ("d0",))
+    (('d0',), (), ('d1', 'd2'))
+    """
+    rest = [tuple(a for a in d if a not in axes) for d in lay]
+    return tuple(rest[:bdim]) + (tuple(axes),) + tuple(rest[bdim:])
 
 
 def _jaxpr_params(params) -> list:

@@ -9,6 +9,9 @@ MindSpore fuses the gradient collectives of a training step into buckets:
 * the same ``auto``/``size`` modes for ``"reducescatter"`` (optimizer-parallel gradients) and
   ``"allgather"`` (optimizer-parallel parameters).
 
+In a hybrid-parallel step each device holds slices of the model-parallel gradients; a bucket is then one
+all-reduce over the data-parallel replicas of the concatenation of the device's own slices
+(:func:`all_reduce_sharded_buckets`), as MindSpore fuses the gradient all-reduces of each device.
 Here a bucket is one explicit collective on the concatenation of its gradients
 (:func:`all_reduce_buckets`, :func:`reduce_scatter_buckets`, :func:`all_gather_buckets`): the
 per-replica gradients ``[dp, ...]`` are flattened into one ``[dp, n]`` array per bucket and reduced
@@ -132,6 +135,32 @@ def all_reduce_buckets(stacked: Sequence[jax.Array], buckets: list[list[int]], m
         _split_cols(red, [int(np.prod(stacked[i].shape[1:])) for i in b], [stacked[i].shape[1:] for i in b],
                     out, b, lead=False)
         token = red[0]
+    return out, token
+
+
+def all_reduce_sharded_buckets(stacked: Sequence[jax.Array], specs: Sequence[P], buckets: list[list[int]],
+                               mesh: Mesh, dp_axes: Sequence[str], token: Any = None) -> tuple[list[jax.Array], Any]:
+    """:func:`all_reduce_buckets` for gradients that are also split over other (model-parallel) axes:
+    ``stacked[i]`` is ``[dp, *shape]``, dim 0 over ``dp_axes`` and the rest laid out as ``specs[i]``. Each
+    device reduces its own slices: one all-reduce per bucket, over ``dp_axes``, of the concatenation of its
+    local pieces of the bucket's gradients, as MindSpore fuses the gradient all-reduces of a hybrid-parallel
+    step. Returns the reduced gradients (laid out as ``specs``) in input order and a token."""
+    out: list[Any] = [None] * len(stacked)
+    dp = _axes(dp_axes)
+    for b in buckets:
+        def body(t, *locs):
+            flat = jnp.concatenate([x.reshape(-1) for x in locs])
+            red = jax.lax.psum(_after(flat, t), tuple(dp_axes))
+            pieces, off = [], 0
+            for x in locs:
+                pieces.append(red[off:off + x.size].reshape(x.shape[1:]))
+                off += x.size
+            return (red[0], *pieces)
+        in_specs = (P(),) + tuple(P(dp, *specs[i]) for i in b)
+        out_specs = (P(),) + tuple(specs[i] for i in b)
+        token, *red = _smap(body, mesh, in_specs, out_specs)(_start(token), *[stacked[i] for i in b])
+        for i, r in zip(b, red):
+            out[i] = r
     return out, token
 
 

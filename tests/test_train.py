@@ -167,8 +167,11 @@ def test_recompute_transformer_matches_one_device(policy):
     assert_params_close(net, ref)
 
 
-def test_megatron_gpt_semi_auto_matches_one_device():
-    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True)
+@pytest.mark.parametrize("fusion", [{}, {"all_reduce_fusion_config": [4, 12]}], ids=["xla-reductions", "fused-replicas"])
+def test_megatron_gpt_semi_auto_matches_one_device(fusion):
+    """With a fusion setting the replicas run side by side (vmap) and their gradient slices are all-reduced in
+    buckets; attention's reshapes and transposes move the replica dim, the marks follow it."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True, **fusion)
     data = batches(2, [(8, 8), (8, 8)], seed=9, ints=[32, 32])
     net = TinyGPT(nnx.Rngs(9))
     for blk in net.blocks:
@@ -179,6 +182,9 @@ def test_megatron_gpt_semi_auto_matches_one_device():
     assert_params_close(net, ref)
     rep = ms.comm_report(ms.jit(lambda m, x: m(x)), net, data[0][0])
     assert rep.count("all-reduce") >= 2     # Megatron: one forward all-reduce per row-parallel projection
+    if fusion:                              # [4, 12]: three buckets of gradient slices over the 2 replicas
+        step_rep = ms.comm_report(nn.TrainOneStepCell(nn.WithLossCell(net, token_loss), optax.sgd(0.1)), *data[0])
+        assert sum(c.kind == "all-reduce" and c.group_size == 2 for c in step_rep.collectives) == 3
 
 
 # -- optimizer parallel --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ def run(script, *args):
 
 def test_train_mlp_example():
     text = run("train_mlp.py", "--steps", "3")
-    assert "train_mlp OK" in text and text.count("parameters match one device") == 5
+    assert "train_mlp OK" in text and text.count("parameters match one device") == 6
     assert "reduce-scatter" in text
 
 

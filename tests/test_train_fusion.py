@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from train_helpers import MLP, assert_params_close, batches, mse, reference_train
+from train_helpers import MLP, assert_params_close, assert_trees_close, batches, mse, reference_train
 
 import mshard as ms
 from mshard import nn
@@ -92,11 +92,60 @@ def test_optimizer_parallel_reduce_scatter_and_all_gather_buckets():
     assert_params_close(net, ref)
 
 
-def test_fusion_config_on_a_model_parallel_step_warns():
-    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True,
-                                 all_reduce_fusion_config=[2, 4])
+# Megatron on the MLP (dp=2, mp=4: fc1 column parallel, fc2 row parallel, fc3 replicated): the slice of each
+# gradient a device holds, in parameter order. fc1.bias 64/4 floats, fc1.weight [64, 16] split 4 ways on dim 0,
+# fc2.bias 64 (not split), fc2.weight [64, 64] split 4 ways on dim 1, fc3 whole.
+MP_SIZES = [64 * 4 // 4, 64 * 16 * 4 // 4, 64 * 4, 64 * 64 * 4 // 4, 32, 2048]
+
+
+def data_parallel_all_reduces(step, data):
+    """Sizes of the all-reduces over the 2 data-parallel replicas (the model-parallel ones span 4 devices)."""
+    out = []
+    for c in ms.comm_report(step, *data).collectives:
+        if c.kind == "all-reduce" and c.group_size == 2:
+            shape = c.text.split("=", 1)[1].split("all-reduce")[0]
+            out.append(c.nbytes - 4 * len(re.findall(r"f32\[\]", shape)))
+    return [x for x in out if x]
+
+
+@pytest.mark.parametrize("ctx", [
+    dict(all_reduce_fusion_config=[2, 4]),
+    dict(all_reduce_fusion_config=[1]),
+    dict(comm_fusion={"allreduce": {"mode": "size", "config": 0.001}}),
+])
+def test_fusion_buckets_in_a_megatron_step_match_one_device(ctx):
+    """semi_auto_parallel with Megatron strategies: each replica's gradient slices are all-reduced over the 2
+    data-parallel devices in the configured buckets; training (dropout included) equals one device."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True, **ctx)
+    mode, config = ms.fusion.fusion_setting("allreduce")
+    data = batches(3, [(32, 16), (32, 8)], seed=21)
+    net = MLP(nnx.Rngs(21), dropout=0.25).megatron(2, 4)
+    ref, ref_opt, ref_losses = reference_train(net, optax.adam(1e-2), data, mse)
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
+    losses = [float(step(*b)) for b in data]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+    assert_trees_close(step.opt_state, ref_opt)
+    got = data_parallel_all_reduces(step, data[0])
+    assert sorted(got) == sorted(sum(MP_SIZES[i] for i in b) for b in plan_buckets(MP_SIZES, mode, config))
+    assert net.fc1.weight[...].sharding.shard_shape((64, 16)) == (16, 16)        # still model parallel
+
+
+def test_megatron_step_without_a_fusion_setting_leaves_the_reductions_to_xla():
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True)
     net = MLP(nnx.Rngs(0)).megatron(2, 4)
     step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
-    with pytest.warns(CommFusionWarning, match="model-parallel"):
+    step(*DATA[0])
+    # the gradient of the global loss: XLA's partitioner places the reductions (some span all 8 devices, for
+    # the ops it splits 8 ways) and XLA:CPU's combiner merges those over the 2 replicas into one
+    assert len(data_parallel_all_reduces(step, DATA[0])) == 1
+
+
+def test_fusion_config_on_a_searched_step_warns():
+    ms.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode="sharding_propagation", device_num=8,
+                                 gradients_mean=True, all_reduce_fusion_config=[2, 4])
+    net = MLP(nnx.Rngs(0)).megatron(2, 4)
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
+    with pytest.warns(CommFusionWarning, match="search"):
         loss = step(*DATA[0])
     assert np.isfinite(float(loss))

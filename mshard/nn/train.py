@@ -38,9 +38,14 @@ In a pure data-parallel step (data_parallel, or semi_auto_parallel without strat
 batch split over dim 0 and every parameter replicated) mshard computes exactly MindSpore's
 quantity: each replica's gradient of its own loss (``jax.vmap`` over the replicas) and their sum,
 reduced in the buckets of ``comm_fusion``/``all_reduce_fusion_config`` (:mod:`mshard.fusion`) —
-identical to the above for mean losses, and MindSpore's result for any other loss. Otherwise
-(model-parallel layouts) the gradient is ``jax.grad`` of the global loss, XLA's partitioner places
-the reductions and its combiner fuses them; a non-default fusion setting then warns
+identical to the above for mean losses, and MindSpore's result for any other loss. A semi_auto_parallel
+step with model-parallel layouts and a fusion setting (Megatron with ``all_reduce_fusion_config``, say)
+does the same per replica: the replicas are the devices every weight slice is repeated on, each computes
+the gradient of its own loss with the model-parallel layouts inside (``jax.vmap``; the strategies' marks
+constrain the batched tensors to their per-replica layout plus the replica split), and each device
+all-reduces its own gradient slices over the replicas in the fusion buckets. Otherwise (no fusion
+setting, or a step planned by a search) the gradient is ``jax.grad`` of the global loss, XLA's
+partitioner places the reductions and its combiner fuses them; a fusion setting on a searched step warns
 (:class:`~mshard.errors.CommFusionWarning`).
 
 Optimizer parallel (``enable_parallel_optimizer=True``, ZeRO-1): every parameter of at least
@@ -345,12 +350,15 @@ class _Runtime:
         token = None
         if plan.pure_dp:
             loss, grads, token = self._pure_dp_grads(net, data, plan, names, params, ctx)
+        elif _hybrid_fusion(plan, ctx):
+            loss, grads, token = self._replica_grads(net, data, plan, names, ctx)
         else:
             if not fusion.is_default(ctx) and not self.warned and plan.dp > 1:
                 self.warned = True
-                warnings.warn("TrainOneStepCell: comm_fusion/all_reduce_fusion_config apply to pure data-parallel "
-                              "steps; this step has model-parallel layouts, so XLA places and fuses its gradient "
-                              "reductions.", CommFusionWarning, stacklevel=3)
+                warnings.warn("TrainOneStepCell: comm_fusion/all_reduce_fusion_config apply to data-parallel and "
+                              "semi_auto_parallel steps without a search; this step is planned by a search "
+                              f"({search_algorithm(ctx)}), so XLA places and fuses its gradient reductions.",
+                              CommFusionWarning, stacklevel=3)
             loss, g = _value_and_grad(net, data, "network")
             scale = 1.0 if ctx.gradients_mean else float(plan.dp)
             grads = [x * scale if scale != 1.0 else x for x in jax.tree.leaves(g)]
@@ -371,21 +379,7 @@ class _Runtime:
         gdef, pst, rest = nnx.split(net, nnx.Param, ...)
         pst, rest = nnx.as_pure(pst), nnx.as_pure(rest)
 
-        micro = net.micro_size if isinstance(net, GradAccumulationCell) else 1
-
-        def per_replica(x):
-            if not hasattr(x, "ndim") or x.ndim == 0:
-                return x
-            if x.shape[0] % (dp * micro):
-                extra = f" x micro_size {micro}" if micro > 1 else ""
-                raise ValueError(f"TrainOneStepCell: the batch dim {x.shape[0]} (input shape {tuple(x.shape)}) is not "
-                                 f"divisible by the data-parallel size {dp}{extra}; every replica's slice of the batch "
-                                 f"must split into equal micro-batches. Use a batch size that is a multiple of "
-                                 f"{dp * micro}.")
-            y = x.reshape(dp, x.shape[0] // dp, *x.shape[1:])
-            return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec_of(((tuple(plan.dp_axes)),)
-                                                                                    + ((),) * x.ndim)))
-        xs = jax.tree.map(per_replica, data)
+        xs = jax.tree.map(lambda x: _per_replica(x, dp, plan.dp_axes, mesh, net), data)
         axes = jax.tree.map(lambda x: 0 if hasattr(x, "ndim") and x.ndim > 0 else None, data)
 
         rows = next((x.shape[1] for x in jax.tree.leaves(xs) if hasattr(x, "ndim") and x.ndim > 1), 0)
@@ -418,6 +412,53 @@ class _Runtime:
                     reduced[i] = o
         if ctx.gradients_mean:
             reduced = [g / dp for g in reduced]
+        return jnp.mean(losses), reduced, token
+
+    def _replica_grads(self, net, data, plan: _StepPlan, names, ctx):
+        """A hybrid-parallel step with a fusion setting: every data-parallel replica computes the gradient of its
+        own loss with the model-parallel layouts inside (``jax.vmap`` over the replicas; the strategies' marks
+        become the per-replica layouts plus the replica split, :func:`mshard.execute.replica_layout`), and the
+        gradients are summed over the replicas in ``comm_fusion``/``all_reduce_fusion_config`` buckets, each
+        device reducing its own model-parallel slices (:func:`mshard.fusion.all_reduce_sharded_buckets`)."""
+        mesh = plan.mesh.jax_mesh()
+        rax = _replica_axes(plan)
+        dp = plan.mesh.count(rax)
+        gdef, pst, rest = nnx.split(net, nnx.Param, ...)
+        pst, rest = nnx.as_pure(pst), nnx.as_pure(rest)
+        xs = jax.tree.map(lambda x: _per_replica(x, dp, rax, mesh, net), data)
+        axes = jax.tree.map(lambda x: 0 if hasattr(x, "ndim") and x.ndim > 0 else None, data)
+        rows = next((x.shape[1] for x in jax.tree.leaves(xs) if hasattr(x, "ndim") and x.ndim > 1), 0)
+
+        def replica(p, r, d, index):
+            m = nnx.merge(gdef, p, r)
+            with replica_context(index, dp, rows):
+                loss, g = _value_and_grad(m, d, "network")
+            return loss, g, nnx.as_pure(nnx.state(m, nnx.Not(nnx.Param)))
+
+        with annotate.replica_axes(rax):
+            losses, g_st, rest_r = jax.vmap(replica, in_axes=(None, None, axes, 0))(pst, rest, xs, jnp.arange(dp))
+        nnx.update(net, jax.tree.map(_combine_rest, rest_r))
+        stacked = jax.tree.leaves(g_st)
+        lays = [plan.param_layouts.get(nm) or ((),) * (x.ndim - 1) for nm, x in zip(names, stacked)]
+        local = [int(np.prod(x.shape[1:])) * x.dtype.itemsize // plan.mesh.count([a for d in lay for a in d])
+                 for x, lay in zip(stacked, lays)]
+        idx = list(range(len(stacked)))
+        groups = _by_key(idx, [x.dtype for x in stacked],
+                         fusion.plan_buckets(local, *fusion.fusion_setting("allreduce", ctx)))
+        reduced: list[Any] = [None] * len(stacked)
+        token = None
+        for key, buckets in groups:
+            out, token = fusion.all_reduce_sharded_buckets([stacked[i] for i in key], [spec_of(lays[i]) for i in key],
+                                                           buckets, mesh, rax, token)
+            for i, o in zip(key, out):
+                reduced[i] = o
+        # the mean over the replicas is the global-batch gradient; gradients_mean=False scales it by the batch
+        # split, as the XLA path does (see the module doc)
+        scale = 1.0 / dp if ctx.gradients_mean else plan.dp / dp
+        reduced = [g * scale for g in reduced]
+        for i, nm in enumerate(names):
+            if nm in plan.zero:
+                reduced[i] = jax.lax.with_sharding_constraint(reduced[i], NamedSharding(mesh, spec_of(plan.zero[nm])))
         return jnp.mean(losses), reduced, token
 
     def _update(self, opt, plan: _StepPlan, names, params, grads, ptree, token):
@@ -469,6 +510,37 @@ class _Runtime:
                     inputs[j] = plan.zero.get("network." + p, inputs[i])
                     break
         return inputs
+
+
+def _hybrid_fusion(plan: _StepPlan, ctx) -> bool:
+    """Whether a model-parallel step computes per-replica gradients to reduce them in fusion buckets: a
+    semi_auto_parallel step planned from its strategies (no search), cut into data-parallel replicas, with a
+    fusion setting beyond the default (the default leaves the grouping to XLA's combiner)."""
+    return (ctx.parallel_mode == "semi_auto_parallel" and search_algorithm(ctx) is None
+            and bool(_replica_axes(plan)) and not fusion.is_default(ctx))
+
+
+def _replica_axes(plan: _StepPlan) -> tuple[str, ...]:
+    """The data-parallel axes of a model-parallel step: the batch's axes that no parameter is split over (with
+    Megatron's dp=2 x mp=4 on 8 devices, the batch may enter split 8 ways but the replicas are the 2 devices
+    every weight slice is repeated on)."""
+    used = {a for lay in plan.param_layouts.values() if lay for d in lay for a in d}
+    return tuple(a for a in plan.dp_axes if a not in used)
+
+
+def _per_replica(x, dp: int, dp_axes: tuple[str, ...], mesh, net):
+    """``[batch, ...]`` -> ``[dp, batch / dp, ...]``, dim 0 over the data-parallel axes (non-arrays pass)."""
+    if not hasattr(x, "ndim") or x.ndim == 0:
+        return x
+    micro = net.micro_size if isinstance(net, GradAccumulationCell) else 1
+    if x.shape[0] % (dp * micro):
+        extra = f" x micro_size {micro}" if micro > 1 else ""
+        raise ValueError(f"TrainOneStepCell: the batch dim {x.shape[0]} (input shape {tuple(x.shape)}) is not "
+                         f"divisible by the data-parallel size {dp}{extra}; every replica's slice of the batch "
+                         f"must split into equal micro-batches. Use a batch size that is a multiple of "
+                         f"{dp * micro}.")
+    y = x.reshape(dp, x.shape[0] // dp, *x.shape[1:])
+    return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec_of((tuple(dp_axes),) + ((),) * x.ndim)))
 
 
 def _by_key(indices: list[int], keys: list, buckets: list[list[int]]):
