@@ -149,3 +149,20 @@ def test_fusion_config_on_a_searched_step_warns():
     with pytest.warns(CommFusionWarning, match="search"):
         loss = step(*DATA[0])
     assert np.isfinite(float(loss))
+
+
+@pytest.mark.parametrize("case", ["accumulation", "sum"])
+def test_fused_megatron_step_with_accumulation_or_gradient_sum(case):
+    """GradAccumulationCell inside every replica; gradients_mean=False: MindSpore's sum over the 2 replicas."""
+    mean = case != "sum"
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=mean,
+                                 all_reduce_fusion_config=[2, 4])
+    data = batches(3, [(32, 16), (32, 8)], seed=5)
+    net = MLP(nnx.Rngs(5)).megatron(2, 4)
+    ref, _, ref_losses = reference_train(net, optax.sgd(1e-2), data, mse, grad_scale=1.0 if mean else 2.0)
+    inner = nn.WithLossCell(net, mse)
+    step = nn.TrainOneStepCell(nn.GradAccumulationCell(inner, 2) if case == "accumulation" else inner, optax.sgd(1e-2))
+    losses = [float(step(*b)) for b in data]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+    assert len(data_parallel_all_reduces(step, data[0])) == 3
