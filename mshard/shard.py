@@ -107,9 +107,11 @@ def shard(fn: Callable | None = None, in_strategy: Any = None, out_strategy: Any
     compatibility and ignored.
 
     >>> import jax.numpy as jnp, mshard as ms
+    >>> ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
     >>> f = ms.shard(lambda x: x * 2, in_strategy=((8,),))
     >>> f(jnp.ones(16)).shape
     (16,)
+    >>> ms.reset_auto_parallel_context()
     """
     from flax import nnx
     if fn is None:
