@@ -158,6 +158,13 @@ def epoch() -> int:
     return _epoch[0]
 
 
+def traced(args: Any) -> bool:
+    """Whether any array in ``args`` is a JAX tracer: the call is inside someone else's ``jax.jit``/``grad``
+    (not an mshard region), where a sharded function or Cell runs as plain JAX instead of as its own region."""
+    import jax
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+
+
 def annotate_call(fn, args: Sequence[Any], note: OpNote, n_out: int | None = None):
     """Run ``fn(*args)`` with every input and output marked by ``note`` (inside a region)."""
     import jax

@@ -70,6 +70,8 @@ class ShardedFunction:
     def __call__(self, *args):
         trace = annotate.current_region()
         if trace is None:
+            if annotate.traced(args):              # inside a plain jax.jit / grad: plain JAX
+                return self.fn(*args)
             if self._region is None:
                 self._region = Region(self, data_strategy=self.in_strategy, name=self.name)
             return self._region(*args)

@@ -170,3 +170,18 @@ def test_fused_megatron_step_with_accumulation_or_gradient_sum(case):
     replicas = 8 if case == "accumulation" else 2
     rep = ms.comm_report(step, *data[0])
     assert sum(c.kind == "all-reduce" and c.group_size == replicas for c in rep.collectives) == 3
+
+
+def test_fused_step_with_cell_shard_and_parameter_plan():
+    """The strategies come from Cell.shard + parameter_plan (the Cell's inside is propagated)."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True,
+                                 all_reduce_fusion_config=[2, 4])
+    data = batches(3, [(32, 16), (32, 8)], seed=7)
+    net = MLP(nnx.Rngs(7))
+    net.shard(in_strategy=((2, 1),), parameter_plan={"fc1.weight": (4, 1), "fc2.weight": (1, 4)})
+    ref, _, ref_losses = reference_train(net, optax.adam(1e-2), data, mse)
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
+    losses = [float(step(*b)) for b in data]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+    assert len(data_parallel_all_reduces(step, data[0])) == 3

@@ -38,7 +38,7 @@ def _wrap_call(call: Callable) -> Callable:
         cfg = getattr(self, "_mshard_shard", None)
         trace = annotate.current_region()
         if trace is None:
-            if cfg is not None and not kwargs:
+            if cfg is not None and not kwargs and not annotate.traced(args):
                 return _cell_region(self)(self, *args)
             return call(self, *args, **kwargs)
         path = trace.module_paths.get(id(self), "")
