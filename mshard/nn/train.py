@@ -376,23 +376,7 @@ class _Runtime:
         """MindSpore's data-parallel gradient: each replica's gradient of its own loss, summed in fusion buckets."""
         mesh = plan.mesh.jax_mesh()
         dp = plan.dp
-        gdef, pst, rest = nnx.split(net, nnx.Param, ...)
-        pst, rest = nnx.as_pure(pst), nnx.as_pure(rest)
-
-        xs = jax.tree.map(lambda x: _per_replica(x, dp, plan.dp_axes, mesh, net), data)
-        axes = jax.tree.map(lambda x: 0 if hasattr(x, "ndim") and x.ndim > 0 else None, data)
-
-        rows = next((x.shape[1] for x in jax.tree.leaves(xs) if hasattr(x, "ndim") and x.ndim > 1), 0)
-
-        def replica(p, r, d, index):
-            m = nnx.merge(gdef, p, r)
-            with replica_context(index, dp, rows):
-                loss, g = _value_and_grad(m, d, "network")
-            return loss, g, nnx.as_pure(nnx.state(m, nnx.Not(nnx.Param)))
-
-        losses, g_st, rest_r = jax.vmap(replica, in_axes=(None, None, axes, 0))(pst, rest, xs, jnp.arange(dp))
-        nnx.update(net, jax.tree.map(_combine_rest, rest_r))
-        stacked = jax.tree.leaves(g_st)
+        losses, stacked = _run_replicas(net, data, plan.dp_axes, dp, mesh)
         nb = [int(np.prod(x.shape[1:])) * x.dtype.itemsize for x in stacked]
         plain = [i for i, nm in enumerate(names) if nm not in plan.zero]
         zero = [i for i, nm in enumerate(names) if nm in plan.zero]
@@ -423,22 +407,8 @@ class _Runtime:
         mesh = plan.mesh.jax_mesh()
         rax = _replica_axes(plan)
         dp = plan.mesh.count(rax)
-        gdef, pst, rest = nnx.split(net, nnx.Param, ...)
-        pst, rest = nnx.as_pure(pst), nnx.as_pure(rest)
-        xs = jax.tree.map(lambda x: _per_replica(x, dp, rax, mesh, net), data)
-        axes = jax.tree.map(lambda x: 0 if hasattr(x, "ndim") and x.ndim > 0 else None, data)
-        rows = next((x.shape[1] for x in jax.tree.leaves(xs) if hasattr(x, "ndim") and x.ndim > 1), 0)
-
-        def replica(p, r, d, index):
-            m = nnx.merge(gdef, p, r)
-            with replica_context(index, dp, rows):
-                loss, g = _value_and_grad(m, d, "network")
-            return loss, g, nnx.as_pure(nnx.state(m, nnx.Not(nnx.Param)))
-
         with annotate.replica_axes(rax):
-            losses, g_st, rest_r = jax.vmap(replica, in_axes=(None, None, axes, 0))(pst, rest, xs, jnp.arange(dp))
-        nnx.update(net, jax.tree.map(_combine_rest, rest_r))
-        stacked = jax.tree.leaves(g_st)
+            losses, stacked = _run_replicas(net, data, rax, dp, mesh)
         lays = [plan.param_layouts.get(nm) or ((),) * (x.ndim - 1) for nm, x in zip(names, stacked)]
         local = [int(np.prod(x.shape[1:])) * x.dtype.itemsize // plan.mesh.count([a for d in lay for a in d])
                  for x, lay in zip(stacked, lays)]
@@ -526,6 +496,27 @@ def _replica_axes(plan: _StepPlan) -> tuple[str, ...]:
     every weight slice is repeated on)."""
     used = {a for lay in plan.param_layouts.values() if lay for d in lay for a in d}
     return tuple(a for a in plan.dp_axes if a not in used)
+
+
+def _run_replicas(net, data: tuple, dp_axes: tuple[str, ...], dp: int, mesh):
+    """Every replica's loss and gradient of its own ``1/dp`` of the batch, side by side (``jax.vmap``; dim 0
+    of the data is cut into ``dp`` slices over ``dp_axes``): -> (losses ``[dp]``, stacked gradients ``[dp, ...]``
+    in parameter order). Other state (RNG counts, statistics) is written back combined over the replicas."""
+    gdef, pst, rest = nnx.split(net, nnx.Param, ...)
+    pst, rest = nnx.as_pure(pst), nnx.as_pure(rest)
+    xs = jax.tree.map(lambda x: _per_replica(x, dp, dp_axes, mesh, net), data)
+    axes = jax.tree.map(lambda x: 0 if hasattr(x, "ndim") and x.ndim > 0 else None, data)
+    rows = next((x.shape[1] for x in jax.tree.leaves(xs) if hasattr(x, "ndim") and x.ndim > 1), 0)
+
+    def replica(p, r, d, index):
+        m = nnx.merge(gdef, p, r)
+        with replica_context(index, dp, rows):
+            loss, g = _value_and_grad(m, d, "network")
+        return loss, g, nnx.as_pure(nnx.state(m, nnx.Not(nnx.Param)))
+
+    losses, g_st, rest_r = jax.vmap(replica, in_axes=(None, None, axes, 0))(pst, rest, xs, jnp.arange(dp))
+    nnx.update(net, jax.tree.map(_combine_rest, rest_r))
+    return losses, jax.tree.leaves(g_st)
 
 
 def _per_replica(x, dp: int, dp_axes: tuple[str, ...], mesh, net):
