@@ -164,6 +164,60 @@ def all_reduce_sharded_buckets(stacked: Sequence[jax.Array], specs: Sequence[P],
     return out, token
 
 
+def reduce_scatter_sharded_buckets(stacked: Sequence[jax.Array], specs: Sequence[P], zero_specs: Sequence[P],
+                                   buckets: list[list[int]], mesh: Mesh, dp_axes: Sequence[str],
+                                   shard_axes: Sequence[str], token: Any = None) -> tuple[list[jax.Array], Any]:
+    """:func:`reduce_scatter_buckets` for gradients also split over model-parallel axes: ``stacked[i]`` is
+    ``[dp, *shape]`` (dim 0 over ``dp_axes``, the rest as ``specs[i]``); each device reduce-scatters its own
+    slices over ``shard_axes`` on their dim 0 (one collective per bucket, plus a ``psum`` over data-parallel
+    axes not sharded over), giving each gradient in its optimizer-parallel layout ``zero_specs[i]``."""
+    out: list[Any] = [None] * len(stacked)
+    dp = _axes(dp_axes)
+    rest = tuple(a for a in dp_axes if a not in shard_axes)
+    s = int(np.prod([mesh.shape[a] for a in shard_axes]))
+    for b in buckets:
+        def body(t, *locs):
+            flat = jnp.concatenate([x.reshape(s, -1) for x in locs], axis=1)
+            red = jax.lax.psum_scatter(_after(flat, t), tuple(shard_axes), scatter_dimension=0, tiled=True)
+            red = jax.lax.psum(red, rest) if rest else red
+            pieces, off = [], 0
+            for x in locs:
+                n = x.size // s
+                pieces.append(red[0, off:off + n].reshape(x.shape[1] // s, *x.shape[2:]))
+                off += n
+            return (red[0, 0], *pieces)
+        in_specs = (P(),) + tuple(P(dp, *specs[i]) for i in b)
+        out_specs = (P(),) + tuple(zero_specs[i] for i in b)
+        token, *red = _smap(body, mesh, in_specs, out_specs)(_start(token), *[stacked[i] for i in b])
+        for i, r in zip(b, red):
+            out[i] = r
+    return out, token
+
+
+def all_gather_sharded_buckets(shards: Sequence[jax.Array], zero_specs: Sequence[P], specs: Sequence[P],
+                               buckets: list[list[int]], mesh: Mesh, shard_axes: Sequence[str],
+                               token: Any = None) -> tuple[list[jax.Array], Any]:
+    """Gather optimizer-parallel parameters (``zero_specs``: dim 0 also over ``shard_axes``) back to their
+    layouts ``specs``, each device gathering its own model-parallel slices: one all-gather per bucket."""
+    out: list[Any] = [None] * len(shards)
+    s = int(np.prod([mesh.shape[a] for a in shard_axes]))
+    for b in buckets:
+        def body(t, *locs):
+            flat = jnp.concatenate([x.reshape(-1) for x in locs])
+            full = jax.lax.all_gather(_after(flat, t), tuple(shard_axes), axis=0, tiled=False)   # [s, N]
+            pieces, off = [], 0
+            for x in locs:
+                pieces.append(full[:, off:off + x.size].reshape(s * x.shape[0], *x.shape[1:]))
+                off += x.size
+            return (full[0, 0], *pieces)
+        in_specs = (P(),) + tuple(zero_specs[i] for i in b)
+        out_specs = (P(),) + tuple(specs[i] for i in b)
+        token, *full = _smap(body, mesh, in_specs, out_specs)(_start(token), *[shards[i] for i in b])
+        for i, r in zip(b, full):
+            out[i] = r
+    return out, token
+
+
 def reduce_scatter_buckets(stacked: Sequence[jax.Array], buckets: list[list[int]], mesh: Mesh,
                            dp_axes: Sequence[str], shard_axes: Sequence[str], token: Any = None):
     """Sum per-replica gradients ``[dp, n0, ...]`` over the replicas into dim-0 shards over ``shard_axes``:

@@ -185,3 +185,32 @@ def test_fused_step_with_cell_shard_and_parameter_plan():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params_close(net, ref)
     assert len(data_parallel_all_reduces(step, data[0])) == 3
+
+
+def test_fused_megatron_step_with_optimizer_parallel_buckets():
+    """Optimizer parallel on top of Megatron: each device reduce-scatters its weight-gradient slices over the
+    2 replicas (reducescatter buckets), updates its half, and all-gathers it back (allgather buckets)."""
+    ms.set_auto_parallel_context(
+        parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True, all_reduce_fusion_config=[2, 4],
+        enable_parallel_optimizer=True, parallel_optimizer_config={"parallel_optimizer_threshold": 1},
+        comm_fusion={"reducescatter": {"mode": "size", "config": 0.001}, "allgather": {"mode": "auto", "config": None}})
+    data = batches(3, [(32, 16), (32, 8)], seed=5)
+    net = MLP(nnx.Rngs(5)).megatron(2, 4)
+    ref, ref_opt, ref_losses = reference_train(net, optax.adam(1e-2), data, mse)
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
+    losses = [float(step(*b)) for b in data]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+    assert_trees_close(step.opt_state, ref_opt)
+    # the weights (>= 1 KB) are optimizer-parallel: Adam's moments halved again on dim 0 over the replicas
+    mu = step.opt_state[0].mu["backbone"]
+    assert mu["fc1"]["weight"].sharding.shard_shape((64, 16)) == (64 // 8, 16)
+    assert mu["fc2"]["weight"].sharding.shard_shape((64, 64)) == (64 // 2, 64 // 4)
+    # weight slices 1024 / 4096 / 2048 B: one reduce-scatter each (1 KB buckets), half of each slice per device
+    weights = [MP_SIZES[1], MP_SIZES[3], MP_SIZES[5]]
+    expect = [sum(weights[i] for i in b) // 2 for b in plan_buckets(weights, "size", 0.001)]
+    assert sorted(gradient_collectives(step, data[0], "reduce-scatter")) == sorted(expect) == [512, 1024, 2048]
+    # the updated halves come back in one all-gather (auto: 64 MB buckets)
+    assert gradient_collectives(step, data[0], "all-gather").count(sum(weights)) == 1
+    # the biases are all-reduced over the replicas in the allreduce buckets ([2, 4] over the 3 biases: 2 buckets)
+    assert sorted(data_parallel_all_reduces(step, data[0])) == sorted([MP_SIZES[0] + MP_SIZES[2], MP_SIZES[4]])

@@ -43,7 +43,9 @@ step with model-parallel layouts and a fusion setting (Megatron with ``all_reduc
 does the same per replica: the replicas are the devices every weight slice is repeated on, each computes
 the gradient of its own loss with the model-parallel layouts inside (``jax.vmap``; the strategies' marks
 constrain the batched tensors to their per-replica layout plus the replica split), and each device
-all-reduces its own gradient slices over the replicas in the fusion buckets. Otherwise (no fusion
+all-reduces its own gradient slices over the replicas in the fusion buckets (with optimizer parallel:
+reduce-scatters them in ``reducescatter`` buckets and gathers the updated slices in ``allgather``
+buckets). Otherwise (no fusion
 setting, or a step planned by a search) the gradient is ``jax.grad`` of the global loss, XLA's
 partitioner places the reductions and its combiner fuses them; a fusion setting on a searched step warns
 (:class:`~mshard.errors.CommFusionWarning`).
@@ -239,6 +241,7 @@ class _StepPlan:
     param_layouts: dict[str, DimAxes]          # "network.<path>" -> planned layout
     pure_dp: bool
     zero: dict[str, DimAxes] = field(default_factory=dict)      # ZeRO layouts of sharded parameters
+    replicas: tuple[str, ...] = ()      # set when a model-parallel step computes per-replica gradients (fusion)
     info: dict[str, dict] = field(default_factory=dict)
 
     @property
@@ -409,27 +412,31 @@ class _Runtime:
         dp = plan.mesh.count(rax)
         with annotate.replica_axes(rax):
             losses, stacked = _run_replicas(net, data, rax, dp, mesh)
+        plan.replicas = rax
         lays = [plan.param_layouts.get(nm) or ((),) * (x.ndim - 1) for nm, x in zip(names, stacked)]
         local = [int(np.prod(x.shape[1:])) * x.dtype.itemsize // plan.mesh.count([a for d in lay for a in d])
                  for x, lay in zip(stacked, lays)]
-        idx = list(range(len(stacked)))
-        groups = _by_key(idx, [x.dtype for x in stacked],
-                         fusion.plan_buckets(local, *fusion.fusion_setting("allreduce", ctx)))
+        plain = [i for i, nm in enumerate(names) if nm not in plan.zero]
+        zero = [i for i, nm in enumerate(names) if nm in plan.zero]
         reduced: list[Any] = [None] * len(stacked)
         token = None
-        for key, buckets in groups:
-            out, token = fusion.all_reduce_sharded_buckets([stacked[i] for i in key], [spec_of(lays[i]) for i in key],
-                                                           buckets, mesh, rax, token)
-            for i, o in zip(key, out):
-                reduced[i] = o
+        for idx, kind in ((plain, "allreduce"), (zero, "reducescatter")):
+            groups = _by_key(idx, [(stacked[i].dtype, plan.info[names[i]].get("shard_axes")) for i in idx],
+                             fusion.plan_buckets([local[i] for i in idx], *fusion.fusion_setting(kind, ctx)))
+            for key, buckets in groups:
+                sub, specs = [stacked[i] for i in key], [spec_of(lays[i]) for i in key]
+                if kind == "allreduce":
+                    out, token = fusion.all_reduce_sharded_buckets(sub, specs, buckets, mesh, rax, token)
+                else:
+                    out, token = fusion.reduce_scatter_sharded_buckets(
+                        sub, specs, [spec_of(plan.zero[names[i]]) for i in key], buckets, mesh, rax,
+                        plan.info[names[key[0]]]["shard_axes"], token)
+                for i, o in zip(key, out):
+                    reduced[i] = o
         # the mean over the replicas is the global-batch gradient; gradients_mean=False scales it by the batch
         # split, as the XLA path does (see the module doc)
         scale = 1.0 / dp if ctx.gradients_mean else plan.dp / dp
-        reduced = [g * scale for g in reduced]
-        for i, nm in enumerate(names):
-            if nm in plan.zero:
-                reduced[i] = jax.lax.with_sharding_constraint(reduced[i], NamedSharding(mesh, spec_of(plan.zero[nm])))
-        return jnp.mean(losses), reduced, token
+        return jnp.mean(losses), [g * scale for g in reduced], token
 
     def _update(self, opt, plan: _StepPlan, names, params, grads, ptree, token):
         """optax on the (possibly ZeRO-sharded) gradients; ZeRO parameters are updated on their shard and
@@ -455,6 +462,20 @@ class _Runtime:
             for key, buckets in groups:
                 out, token = fusion.all_gather_buckets([new[i] for i in key], buckets, mesh,
                                                        plan.info[names[key[0]]]["shard_axes"], token)
+                for i, o in zip(key, out):
+                    new[i] = o
+        elif zero and plan.replicas:            # a fused model-parallel step: each device gathers its own slices
+            ctx = ctxmod.current()
+            lays = [plan.param_layouts[names[i]] for i in zero]
+            nb = [int(np.prod(new[i].shape)) * new[i].dtype.itemsize // plan.mesh.count([a for d in lay for a in d])
+                  for i, lay in zip(zero, lays)]
+            groups = _by_key(zero, [(new[i].dtype, plan.info[names[i]]["shard_axes"]) for i in zero],
+                             fusion.plan_buckets(nb, *fusion.fusion_setting("allgather", ctx)))
+            for key, buckets in groups:
+                out, token = fusion.all_gather_sharded_buckets(
+                    [new[i] for i in key], [spec_of(plan.zero[names[i]]) for i in key],
+                    [spec_of(plan.param_layouts[names[i]]) for i in key], buckets, mesh,
+                    plan.info[names[key[0]]]["shard_axes"], token)
                 for i, o in zip(key, out):
                     new[i] = o
         elif zero:
