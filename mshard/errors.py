@@ -64,9 +64,22 @@ class OptimizerParallelError(MshardError, ValueError):
     split only 4 ways (the shard size must not exceed the data-parallel size)."""
 
 
+class CellError(MshardError, ValueError):
+    """A layer or training cell given a value it cannot use: ``Dropout(p=1.5)``, ``num_heads`` that does not
+    divide ``hidden_size``, a batch that does not split into the replicas' micro-batches."""
+
+
+class CellTypeError(MshardError, TypeError):
+    """A layer or training cell called with the wrong kind of argument."""
+
+
+class RegionTypeError(MshardError, TypeError):
+    """An ``ms.jit`` region called in a way it does not support (keyword arguments, say)."""
+
+
 class CommFusionWarning(UserWarning):
-    """A comm_fusion / all_reduce_fusion_config setting that a step cannot apply (model-parallel gradients,
-    whose reductions XLA places and fuses)."""
+    """A comm_fusion / all_reduce_fusion_config setting that a step cannot apply (a step planned by a search,
+    whose gradient reductions XLA places and fuses)."""
 
 
 class StrategyIgnoredWarning(UserWarning):
@@ -74,6 +87,8 @@ class StrategyIgnoredWarning(UserWarning):
 
 
 __all__ = [
+    "CellError",
+    "CellTypeError",
     "CheckpointError",
     "CommFusionWarning",
     "ContextError",
@@ -84,6 +99,7 @@ __all__ = [
     "OptimizerParallelError",
     "ParameterPlanError",
     "PlanError",
+    "RegionTypeError",
     "StrategyError",
     "StrategyIgnoredWarning",
     "StrategyTypeError",

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from . import annotate
 from . import context as ctxmod
 from .assign import InputInfo, RegionLayouts, plan_region
+from .errors import RegionTypeError
 from .execute import emit
 from .layout import TensorStrategy, spec_of
 
@@ -114,7 +115,7 @@ class Region:
                         statics.append(leaf)
                 treedef_args.append(("tree", tree, tuple(spec)))
         if kwargs:
-            raise TypeError(f"ms.jit region {self.name!r}: pass arguments positionally (got keywords "
+            raise RegionTypeError(f"ms.jit region {self.name!r}: pass arguments positionally (got keywords "
                             f"{sorted(kwargs)}); keyword arguments are not supported yet.")
         self._mod_pos = mod_pos
         return modules, flat_data, data_names, data_pos, treedef_args

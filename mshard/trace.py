@@ -30,6 +30,7 @@ from jax.extend import core as jcore  # Literal, Jaxpr, ClosedJaxpr
 from searchers import DeviceMesh, Graph
 
 from . import rules
+from .errors import PlanError
 
 __all__ = ["TraceResult", "TracedEqn", "jaxpr_to_graph"]
 
@@ -221,7 +222,7 @@ def jaxpr_to_graph(closed_jaxpr, mesh: DeviceMesh, input_kinds: Sequence[str],
     """
     jaxpr = closed_jaxpr.jaxpr
     if len(input_kinds) != len(jaxpr.invars) or len(input_names) != len(jaxpr.invars):
-        raise ValueError(f"jaxpr_to_graph: the jaxpr has {len(jaxpr.invars)} inputs but got "
+        raise PlanError(f"jaxpr_to_graph: the jaxpr has {len(jaxpr.invars)} inputs but got "
                          f"{len(input_kinds)} input_kinds and {len(input_names)} input_names; "
                          "give one kind and one name per flattened argument")
     t = _Tracer(mesh)

@@ -20,6 +20,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from mshard import rules
+from mshard.errors import PlanError
 from mshard.trace import TraceResult, jaxpr_to_graph
 from searchers import DeviceMesh
 
@@ -336,5 +337,5 @@ def test_itemsizes_and_bad_arguments():
     r = trace(lambda x: (x.astype(jnp.bfloat16), x > 0), (f32(4, 6),), ["data"], ["x"])
     assert [r.graph.tensors[t].itemsize for t in r.graph.outputs] == [2, 1]
     cj = jax.make_jaxpr(lambda x, y: x + y)(f32(2), f32(2))
-    with pytest.raises(ValueError, match="2 inputs"):
+    with pytest.raises(PlanError, match="2 inputs"):
         jaxpr_to_graph(cj, MESH8, ["data"], ["x"])

@@ -16,7 +16,7 @@ from train_helpers import MLP, TinyGPT, assert_params_close, assert_trees_close,
 
 import mshard as ms
 from mshard import nn
-from mshard.errors import OptimizerParallelError
+from mshard.errors import CellError, CellTypeError, OptimizerParallelError
 
 STEPS = 3
 
@@ -148,9 +148,9 @@ def test_micro_batch_wrappers_called_directly_give_the_full_batch_loss():
     full = float(mse(net(x), y))
     np.testing.assert_allclose(float(nn.GradAccumulationCell(nn.WithLossCell(net, mse), 4)(x, y)), full, rtol=1e-6)
     np.testing.assert_allclose(float(nn.MicroBatchInterleaved(nn.WithLossCell(net, mse), 4)(x, y)), full, rtol=1e-6)
-    with pytest.raises(ValueError, match="not divisible by 5"):
+    with pytest.raises(CellError, match="not divisible by 5"):
         nn.GradAccumulationCell(nn.WithLossCell(net, mse), 5)(x, y)
-    with pytest.raises(ValueError, match="positive int"):
+    with pytest.raises(CellError, match="positive int"):
         nn.MicroBatchInterleaved(nn.WithLossCell(net, mse), 0)
 
 
@@ -258,7 +258,7 @@ def test_optimizer_weight_shard_size_limits_the_shard_and_must_fit_the_data_para
 
 
 def test_train_one_step_cell_rejects_a_non_optax_optimizer():
-    with pytest.raises(TypeError, match="optax GradientTransformation"):
+    with pytest.raises(CellTypeError, match="optax GradientTransformation"):
         nn.TrainOneStepCell(nn.WithLossCell(MLP(nnx.Rngs(0)), mse), "adam")
 
 

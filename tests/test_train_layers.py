@@ -9,6 +9,7 @@ from helpers import assert_close, rand
 
 import mshard as ms
 from mshard import nn
+from mshard.errors import CellError
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -41,7 +42,7 @@ def test_dropout_rate_scale_and_train_mode():
     assert abs(kept.mean() - 0.75) < 0.01 and np.allclose(y[kept], 1 / 0.75)
     d.set_train(False)
     np.testing.assert_array_equal(np.asarray(d(jnp.ones((3, 3)))), np.ones((3, 3)))
-    with pytest.raises(ValueError, match="must be in"):
+    with pytest.raises(CellError, match="must be in"):
         nn.Dropout(p=1.0, rngs=nnx.Rngs(0))
 
 
@@ -114,5 +115,5 @@ def test_losses():
     np.testing.assert_allclose(np.asarray(sparse(logits, labels)), want, rtol=1e-5)
     dense = nn.SoftmaxCrossEntropyWithLogits(reduction="mean")
     np.testing.assert_allclose(float(dense(logits, np.eye(5)[labels])), want.mean(), rtol=1e-5)
-    with pytest.raises(ValueError, match="reduction"):
+    with pytest.raises(CellError, match="reduction"):
         nn.MSELoss(reduction="avg")

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .. import annotate
-from ..errors import ParameterPlanError, StrategyTypeError
+from ..errors import CellError, CellTypeError, ParameterPlanError, StrategyTypeError
 from ..layout import normalize_in_strategy
 
 
@@ -206,11 +206,11 @@ class Cell(nnx.Module):
         """
         for k in kwargs:
             if k not in _MS_RECOMPUTE_KWARGS:
-                raise TypeError(f"{type(self).__name__}.recompute: unknown argument {k!r}; expected policy= or one "
+                raise CellTypeError(f"{type(self).__name__}.recompute: unknown argument {k!r}; expected policy= or one "
                                 f"of {_MS_RECOMPUTE_KWARGS}.")
         if isinstance(policy, str):
             if policy not in _POLICIES:
-                raise ValueError(f"{type(self).__name__}.recompute: unknown policy {policy!r}; use one of "
+                raise CellError(f"{type(self).__name__}.recompute: unknown policy {policy!r}; use one of "
                                  f"{_POLICIES} or a jax.checkpoint_policies callable.")
             policy = getattr(jax.checkpoint_policies, policy)
         self._mshard_recompute = policy if policy is not None else False

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .. import ops
+from ..errors import CellError
 from .cell import Cell
 
 _ACT: dict[str, Callable] = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "tanh": jnp.tanh,
@@ -169,7 +170,7 @@ class Dropout(Cell):
         if p is None:
             p = 0.5 if keep_prob is None else 1.0 - keep_prob
         if not 0.0 <= p < 1.0:
-            raise ValueError(f"Dropout: p={p} (keep_prob={keep_prob}) must be in [0, 1); p is the probability "
+            raise CellError(f"Dropout: p={p} (keep_prob={keep_prob}) must be in [0, 1); p is the probability "
                              f"of zeroing an element.")
         self.p = float(p)
         self.deterministic = deterministic
@@ -203,7 +204,7 @@ class Conv2d(Cell):
                  dtype: Any = jnp.float32):
         kh, kw = _pair(kernel_size)
         if in_channels % group or out_channels % group:
-            raise ValueError(f"Conv2d: group={group} must divide in_channels={in_channels} and "
+            raise CellError(f"Conv2d: group={group} must divide in_channels={in_channels} and "
                              f"out_channels={out_channels}.")
         fan_in = in_channels // group * kh * kw
         w = jax.random.normal(rngs.params(), (out_channels, in_channels // group, kh, kw), dtype)
@@ -248,7 +249,7 @@ class MultiHeadAttention(Cell):
     def __init__(self, hidden_size: int, num_heads: int, *, causal: bool = True, has_bias: bool = True,
                  attention_dropout_rate: float = 0.0, rngs: nnx.Rngs, dtype: Any = jnp.float32):
         if hidden_size % num_heads:
-            raise ValueError(f"MultiHeadAttention: num_heads={num_heads} must divide hidden_size={hidden_size}.")
+            raise CellError(f"MultiHeadAttention: num_heads={num_heads} must divide hidden_size={hidden_size}.")
         self.hidden_size, self.num_heads, self.causal = hidden_size, num_heads, causal
         self.head_dim = hidden_size // num_heads
         self.query = Dense(hidden_size, hidden_size, has_bias, rngs=rngs, dtype=dtype)

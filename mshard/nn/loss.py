@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..errors import CellError
 from .cell import Cell
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -26,7 +27,7 @@ def _reduce(x, reduction: str):
 
 def _check(reduction: str, where: str) -> str:
     if reduction not in _REDUCTIONS:
-        raise ValueError(f"{where}: reduction={reduction!r}; expected one of {_REDUCTIONS}.")
+        raise CellError(f"{where}: reduction={reduction!r}; expected one of {_REDUCTIONS}.")
     return reduction
 
 

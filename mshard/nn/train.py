@@ -77,7 +77,7 @@ from jax.sharding import NamedSharding
 
 from .. import annotate, fusion
 from .. import context as ctxmod
-from ..errors import CommFusionWarning, OptimizerParallelError
+from ..errors import CellError, CellTypeError, CommFusionWarning, OptimizerParallelError
 from ..layout import DimAxes, RegionMesh, choose_axes, spec_of
 from ..region import Region, search_algorithm
 from .cell import Cell, register_paths
@@ -96,7 +96,7 @@ class WithLossCell(Cell):
 
     def __call__(self, *inputs):
         if len(inputs) < 2:
-            raise TypeError(f"WithLossCell: expected (data..., label), got {len(inputs)} input(s).")
+            raise CellTypeError(f"WithLossCell: expected (data..., label), got {len(inputs)} input(s).")
         return self.loss_fn(self.backbone(*inputs[:-1]), inputs[-1])
 
     @property
@@ -106,7 +106,7 @@ class WithLossCell(Cell):
 
 def _check_count(name: str, what: str, n: Any) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"{name}: {what}={n!r} must be a positive int.")
+        raise CellError(f"{name}: {what}={n!r} must be a positive int.")
     return n
 
 
@@ -116,7 +116,7 @@ def _split_rows(x, n: int, where: str):
     if not hasattr(x, "shape") or x.ndim == 0:
         return None
     if x.shape[0] % n:
-        raise ValueError(f"{where}: the batch dim {x.shape[0]} (input shape {tuple(x.shape)}) is not divisible by "
+        raise CellError(f"{where}: the batch dim {x.shape[0]} (input shape {tuple(x.shape)}) is not divisible by "
                          f"{n}; use a batch size that is a multiple of {n}.")
     return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
 
@@ -547,7 +547,7 @@ def _per_replica(x, dp: int, dp_axes: tuple[str, ...], mesh, net):
     micro = net.micro_size if isinstance(net, GradAccumulationCell) else 1
     if x.shape[0] % (dp * micro):
         extra = f" x micro_size {micro}" if micro > 1 else ""
-        raise ValueError(f"TrainOneStepCell: the batch dim {x.shape[0]} (input shape {tuple(x.shape)}) is not "
+        raise CellError(f"TrainOneStepCell: the batch dim {x.shape[0]} (input shape {tuple(x.shape)}) is not "
                          f"divisible by the data-parallel size {dp}{extra}; every replica's slice of the batch "
                          f"must split into equal micro-batches. Use a batch size that is a multiple of "
                          f"{dp * micro}.")
@@ -663,7 +663,7 @@ class TrainOneStepCell(Cell):
 
     def __init__(self, network: nnx.Module, optimizer: optax.GradientTransformation, sens: float = 1.0):
         if not isinstance(optimizer, optax.GradientTransformation):
-            raise TypeError(f"TrainOneStepCell: optimizer must be an optax GradientTransformation (e.g. "
+            raise CellTypeError(f"TrainOneStepCell: optimizer must be an optax GradientTransformation (e.g. "
                             f"optax.adamw(1e-3)), got {type(optimizer).__name__}.")
         self.network = network
         self.optimizer = nnx.Optimizer(network, optimizer, wrt=nnx.Param)
