@@ -1,4 +1,5 @@
-"""TrainOneStepCell over 2 processes x 4 CPU devices (gloo), fed by ms.dataset.shard_batch, vs one device."""
+"""TrainOneStepCell over 2 processes x 4 CPU devices (gloo), fed by ms.dataset.shard_batch, vs one device: data parallel
+with optimizer parallel, then Megatron (dp across the processes) with gradient fusion."""
 
 import pathlib
 
