@@ -428,6 +428,7 @@ class _View:
         self.owner = [[_owner(out_base, x) if k < len(op.inputs) else _owner(in_base, x) for k, x in enumerate(refs[op.id])]
                       for op in ops]
         self.mats: dict[tuple, np.ndarray] = {}
+        self.moved: set[int] = set()          # ops moved in the current sweep
 
     def neighbours(self, v: int) -> list[int]:
         return self.owner[v]
@@ -500,7 +501,7 @@ class _View:
             la = np.asarray(self.lay)
             hit = cons[(la[src] != la[dst]) & (la[src] >= 0)]    # a leaf's slot holds a negative marker
             seeds = sorted({v for v in hit.tolist() if near is None or v in near}, key=rank.__getitem__)
-            self.moved: set[int] = set()
+            self.moved = set()
             if not polish_blocks(self, seeds, block_size, memo):
                 break
             near = {u for v in self.moved for u in self.owner[v]} | self.moved
