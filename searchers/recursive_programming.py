@@ -61,7 +61,7 @@ from .block_polish import polish_blocks
 from .cache import cached_search
 from .cost import Cost, CostParams, counted_cost
 from .cost_vectors import layout_cost_matrix
-from .graph import DeviceMesh, Graph, Op, Strategy
+from .graph import DeviceMesh, Graph, Op, Strategy, Tensor
 from .progress import Progress
 from .propagation import _Tables
 from .result import SearchResult
@@ -417,8 +417,10 @@ class _View:
     """recursive_programming's state as a :class:`~searchers.block_polish.BlockView` (choices: an
     op's final strategies, ``_Rounds.final_array``)."""
 
-    def __init__(self, ops, tensors, sids, sig_of, sigs, refs, in_base, in_end, out_base, out_end, lay, state,
-                 tab: _Tables, rounds_of, side, movable):
+    def __init__(self, ops: list[Op], tensors: list[Tensor], sids: list[int], sig_of: list[int], sigs: list[tuple],
+                 refs: list[list[int]], in_base: list[int], in_end: list[int], out_base: list[int], out_end: list[int],
+                 lay: list[int], state: list[int], tab: _Tables, rounds_of: Callable[[int], _Rounds],
+                 side: Callable[[int, int, int, int], np.ndarray], movable: list[int]) -> None:
         self.ops, self.tensors, self.sids, self.sig_of, self.sigs, self.refs = ops, tensors, sids, sig_of, sigs, refs
         self.in_base, self.in_end, self.out_base, self.out_end = in_base, in_end, out_base, out_end
         self.lay, self.state, self.tab, self.rounds_of, self.side = lay, state, tab, rounds_of, side
