@@ -12,7 +12,7 @@ Results agree with :func:`~searchers.cost.spec_cost` and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -62,7 +62,7 @@ def candidate_tables(in_maps: tuple[tuple[int, ...], ...], out_maps: tuple[tuple
     return CandidateTables(dev, in_div, out_div, lat, coef)
 
 
-def _prod(xs) -> int:
+def _prod(xs: Iterable[int]) -> int:
     n = 1
     for x in xs:
         n *= x

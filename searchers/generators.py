@@ -17,6 +17,7 @@ True
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -263,7 +264,7 @@ def random_dag(n_ops: int, seed: int, mesh: DeviceMesh) -> Graph:
 
 
 # -- sizes -----------------------------------------------------------------------------------
-_DEFAULTS = {
+_DEFAULTS: dict[str, dict[str, Any]] = {
     "mlp": {"batch": 64, "width": 1024},
     "transformer": {"batch": 8, "seq": 128, "d_model": 512, "heads": 8, "d_ff": 2048},
     "conv": {"batch": 32, "image": 32, "channels": (3, 32, 64, 128), "classes": 10},

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 Axes = tuple[int, ...]
 Strategy = tuple[Axes, ...]          # one entry per loop dim, in op.dims order
@@ -186,7 +187,7 @@ class Graph:
 
     def add_op(self, name: str, kind: str, dims: dict[str, int], inputs: Sequence[int],
                in_dims: Sequence[Sequence[str | None]], out_dims: Sequence[Sequence[str | None]],
-               out_shapes: Sequence[Sequence[int]] | None = None, itemsize: int = 4, **kw) -> list[int]:
+               out_shapes: Sequence[Sequence[int]] | None = None, itemsize: int = 4, **kw: Any) -> list[int]:
         """Add an op; returns its result tensor ids. ``out_shapes`` defaults to the loop-dim sizes."""
         op = Op(len(self.ops), name, kind, dict(dims), list(inputs),
                 [tuple(d) for d in in_dims], [], [tuple(d) for d in out_dims], **kw)

@@ -23,8 +23,9 @@ accumulate their gradients; each parameter gets an update op (``sub``: w - lr*dw
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from .graph import DeviceMesh, Graph
+from .graph import DeviceMesh, Graph, Op
 
 # Which forward operands a gradient op reads besides the result gradient:
 # "others": every operand but the one differentiated; "all": every operand; "none": none.
@@ -70,7 +71,7 @@ class NetBuilder:
 
     def op(self, name: str, kind: str, dims: dict[str, int], inputs: Sequence[int],
            in_dims: Sequence[Sequence[str | None]], out_dims: Sequence[str | None],
-           out_shape: Sequence[int] | None = None, **kw) -> int:
+           out_shape: Sequence[int] | None = None, **kw: Any) -> int:
         """Add a one-result op; returns the result tensor id."""
         shapes = None if out_shape is None else [out_shape]
         (tid,) = self.graph.add_op(self._name(name), kind, dims, inputs, in_dims, [tuple(out_dims)],
@@ -130,7 +131,7 @@ class NetBuilder:
                                    [names], itemsize=self.itemsize, layer=self.layer)
         return tid
 
-    def _grad(self, fwd, k: int, gy: int) -> int:
+    def _grad(self, fwd: Op, k: int, gy: int) -> int:
         needs = _NEEDS.get(fwd.kind, "all")
         if needs == "none" and fwd.kind in ("add",) and fwd.in_dims[k] == fwd.out_dims[0]:
             return gy                                   # d(a+b)/da = identity

@@ -31,13 +31,15 @@ from __future__ import annotations
 import gc
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 
 from .cache import cached_search
 from .cost import Cost, CostParams, counted_cost
 from .cost_vectors import candidate_tables, cost_vector, redistribution_affine
-from .graph import Graph, Strategy, TensorLayout
+from .graph import DeviceMesh, Graph, Strategy, TensorLayout
 from .result import SearchResult
 from .spec import OpSpec, SpecKey, layout_of, spec_from_key, spec_keys
 from .strategies import data_parallel_strategy, strategies_for
@@ -61,7 +63,7 @@ class _Struct:
 
     __slots__ = ("cands", "in_lids", "in_rows", "out_lids", "out_rows", "tables")
 
-    def __init__(self, cands, in_lids, out_lids, tables):
+    def __init__(self, cands: tuple[Strategy, ...], in_lids: list, out_lids: list, tables: Any) -> None:
         self.cands, self.in_lids, self.out_lids, self.tables = cands, in_lids, out_lids, tables
         # per candidate: the layout id of each operand / result
         self.in_rows = list(zip(*[a[0].tolist() for a in in_lids])) if in_lids else [()] * len(cands)
@@ -123,7 +125,7 @@ class _Tables:
         self.own[sid] = cost_vector(st.tables, spec.flops, spec.in_bytes, spec.out_bytes, self.params)
         return st
 
-    def _lids(self, maps: tuple[int, ...], cands) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    def _lids(self, maps: tuple[int, ...], cands: Sequence[Strategy]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """(layout id per candidate, unique ids, inverse index, id of this layout list)."""
         ids = np.array([self.lid(layout_of(maps, s)) for s in cands], dtype=np.intp)
         key = ids.tobytes()
@@ -141,6 +143,7 @@ class _Tables:
         v = self.side_vec.get(key)
         if v is None:
             st, spec = self.structs[sid], self.specs[sid]
+            assert st is not None                 # ensure(sid) ran before any vector of sid
             _, uniq, inv, list_id = st.out_lids[idx] if out else st.in_lids[idx]
             ab = self.affine.get((list_id, out, other))
             if ab is None:
@@ -158,6 +161,7 @@ class _Tables:
         c = self.decision.get(key)
         if c is None:
             own = self.own[sid]
+            assert own is not None
             red = np.zeros(len(own))
             for out, idx, other in sides:
                 red += self.vector(sid, out, idx, other)
@@ -217,7 +221,8 @@ def _propagate(graph: Graph, params: CostParams, fully_use_devices: bool,
         names = ", ".join(op.name for op in unreached[:5]) + (", ..." if len(unreached) > 5 else "")
         notes.append(f"{len(unreached)} op(s) not reached from a fixed op got the data-parallel strategy: {names}")
     cost = _predicted_cost(tab, sids, in_src, st, mesh, params)
-    return SearchResult(dict(enumerate(st.chosen)), cost, ALGORITHM, time.perf_counter() - t0, notes)
+    chosen = {i: s for i, s in enumerate(st.chosen) if s is not None}     # every op is decided by now
+    return SearchResult(chosen, cost, ALGORITHM, time.perf_counter() - t0, notes)
 
 
 class _State:
@@ -249,7 +254,8 @@ def _adjacency(graph: Graph) -> tuple[list[list[tuple[int, int]]], list[list[tup
     return in_src, out_edges
 
 
-def _bfs(queue: deque[int], tab: _Tables, sids: list[int], in_src, out_edges, st: _State) -> None:
+def _bfs(queue: deque[int], tab: _Tables, sids: list[int], in_src: list[list[tuple[int, int]]],
+         out_edges: list[list[tuple[int, int, int]]], st: _State) -> None:
     """Breadth-first from the decided ops in ``queue``: decide each op when first reached."""
     chosen, in_l, out_l = st.chosen, st.in_l, st.out_l
     while queue:
@@ -261,11 +267,13 @@ def _bfs(queue: deque[int], tab: _Tables, sids: list[int], in_src, out_edges, st
             s = tab.ensure(sid)
             sides = []
             for k, (p, j) in enumerate(in_src[v]):
-                if out_l[p] is not None:
-                    sides.append((0, k, out_l[p][j]))
+                src = out_l[p]
+                if src is not None:
+                    sides.append((0, k, src[j]))
             for j, c, k in out_edges[v]:
-                if in_l[c] is not None:
-                    sides.append((1, j, in_l[c][k]))
+                dst = in_l[c]
+                if dst is not None:
+                    sides.append((1, j, dst[k]))
             ci = tab.decide(sid, tuple(sides))
             chosen[v] = s.cands[ci]
             in_l[v] = s.in_rows[ci]
@@ -273,11 +281,14 @@ def _bfs(queue: deque[int], tab: _Tables, sids: list[int], in_src, out_edges, st
             queue.append(v)
 
 
-def _predicted_cost(tab: _Tables, sids: list[int], in_src, st: _State, mesh, params: CostParams) -> Cost:
+def _predicted_cost(tab: _Tables, sids: list[int], in_src: list[list[tuple[int, int]]], st: _State, mesh: DeviceMesh,
+                    params: CostParams) -> Cost:
     """:func:`~searchers.cost.graph_cost` of the decisions, counted on the layout ids at hand."""
     ops: Counter = Counter(zip(sids, st.chosen))
     red: Counter = Counter()
-    in_l, out_l, specs = st.in_l, st.out_l, tab.specs
+    specs = tab.specs
+    in_l = cast(list[tuple[int, ...]], st.in_l)       # every op is decided by now
+    out_l = cast(list[tuple[int, ...]], st.out_l)
     for v, row in enumerate(in_src):
         lv, nb = in_l[v], specs[sids[v]].in_bytes
         for k, (p, j) in enumerate(row):
