@@ -214,3 +214,18 @@ def test_fused_megatron_step_with_optimizer_parallel_buckets():
     assert gradient_collectives(step, data[0], "all-gather").count(sum(weights)) == 1
     # the biases are all-reduced over the replicas in the allreduce buckets ([2, 4] over the 3 biases: 2 buckets)
     assert sorted(data_parallel_all_reduces(step, data[0])) == sorted([MP_SIZES[0] + MP_SIZES[2], MP_SIZES[4]])
+
+
+def test_fused_step_falls_back_when_a_replica_cannot_hold_the_strategy():
+    """A batch of 2 split over 2 replicas leaves 1 row each, which x:(2, 1) cannot split: the step says so and
+    trains through XLA's reductions instead (full_batch: the labels are not split 8 ways)."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True,
+                                 all_reduce_fusion_config=[2, 4], dataset_strategy="full_batch")
+    data = batches(2, [(2, 16), (2, 8)], seed=8)
+    net = MLP(nnx.Rngs(8)).megatron(2, 4)
+    ref, _, ref_losses = reference_train(net, optax.sgd(1e-2), data, mse)
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.sgd(1e-2))
+    with pytest.warns(CommFusionWarning, match="do not fit one replica"):
+        losses = [float(step(*b)) for b in data]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)

@@ -77,7 +77,7 @@ from jax.sharding import NamedSharding
 
 from .. import annotate, fusion
 from .. import context as ctxmod
-from ..errors import CellError, CellTypeError, CommFusionWarning, OptimizerParallelError
+from ..errors import CellError, CellTypeError, CommFusionWarning, OptimizerParallelError, StrategyError
 from ..layout import DimAxes, RegionMesh, choose_axes, spec_of
 from ..region import Region, search_algorithm
 from .cell import Cell, register_paths
@@ -353,22 +353,20 @@ class _Runtime:
         token = None
         if plan.pure_dp:
             loss, grads, token = self._pure_dp_grads(net, data, plan, names, params, ctx)
-        elif _hybrid_fusion(plan, ctx):
-            loss, grads, token = self._replica_grads(net, data, plan, names, ctx)
         else:
-            if not fusion.is_default(ctx) and not self.warned and plan.dp > 1:
-                self.warned = True
-                warnings.warn("TrainOneStepCell: comm_fusion/all_reduce_fusion_config apply to data-parallel and "
-                              "semi_auto_parallel steps without a search; this step is planned by a search "
-                              f"({search_algorithm(ctx)}), so XLA places and fuses its gradient reductions.",
-                              CommFusionWarning, stacklevel=3)
-            loss, g = _value_and_grad(net, data, "network")
-            scale = 1.0 if ctx.gradients_mean else float(plan.dp)
-            grads = [x * scale if scale != 1.0 else x for x in jax.tree.leaves(g)]
-            mesh = plan.mesh.jax_mesh()
-            for i, nm in enumerate(names):
-                if nm in plan.zero:
-                    grads[i] = jax.lax.with_sharding_constraint(grads[i], NamedSharding(mesh, spec_of(plan.zero[nm])))
+            why = _no_fusion_reason(plan, ctx)
+            if why is None:
+                try:
+                    loss, grads, token = self._replica_grads(net, data, plan, names, ctx)
+                except StrategyError as e:        # a strategy that does not fit one replica's share of the batch
+                    why = f"the strategies do not fit one replica's share of the batch ({e})"
+                    plan.replicas = ()
+            if why is not None:
+                if not fusion.is_default(ctx) and not self.warned and plan.dp > 1:
+                    self.warned = True
+                    warnings.warn(f"TrainOneStepCell: comm_fusion/all_reduce_fusion_config not applied: {why}; XLA "
+                                  "places and fuses this step's gradient reductions.", CommFusionWarning, stacklevel=3)
+                loss, grads = self._global_grads(net, data, plan, names, ctx)
         if cell.sens != 1.0:
             grads = [g * cell.sens for g in grads]
         new_params = self._update(opt, plan, names, params, grads, ptree, token)
@@ -400,6 +398,17 @@ class _Runtime:
         if ctx.gradients_mean:
             reduced = [g / dp for g in reduced]
         return jnp.mean(losses), reduced, token
+
+    def _global_grads(self, net, data, plan: _StepPlan, names, ctx):
+        """The gradient of the global-batch loss (``jax.grad``; XLA's partitioner places the reductions)."""
+        loss, g = _value_and_grad(net, data, "network")
+        scale = 1.0 if ctx.gradients_mean else float(plan.dp)
+        grads = [x * scale if scale != 1.0 else x for x in jax.tree.leaves(g)]
+        mesh = plan.mesh.jax_mesh()
+        for i, nm in enumerate(names):
+            if nm in plan.zero:
+                grads[i] = jax.lax.with_sharding_constraint(grads[i], NamedSharding(mesh, spec_of(plan.zero[nm])))
+        return loss, grads
 
     def _replica_grads(self, net, data, plan: _StepPlan, names, ctx):
         """A hybrid-parallel step with a fusion setting: every data-parallel replica computes the gradient of its
@@ -503,12 +512,18 @@ class _Runtime:
         return inputs
 
 
-def _hybrid_fusion(plan: _StepPlan, ctx) -> bool:
-    """Whether a model-parallel step computes per-replica gradients to reduce them in fusion buckets: a
-    semi_auto_parallel step planned from its strategies (no search), cut into data-parallel replicas, with a
-    fusion setting beyond the default (the default leaves the grouping to XLA's combiner)."""
-    return (ctx.parallel_mode == "semi_auto_parallel" and search_algorithm(ctx) is None
-            and bool(_replica_axes(plan)) and not fusion.is_default(ctx))
+def _no_fusion_reason(plan: _StepPlan, ctx) -> str | None:
+    """None when a model-parallel step computes per-replica gradients to reduce them in fusion buckets (a
+    semi_auto_parallel step planned from its strategies, cut into data-parallel replicas, with a fusion
+    setting beyond the default, which leaves the grouping to XLA's combiner); else why not."""
+    if fusion.is_default(ctx):
+        return "the default setting"
+    if ctx.parallel_mode != "semi_auto_parallel" or search_algorithm(ctx) is not None:
+        return (f"this step is planned by a search ({search_algorithm(ctx)}), whose parameters need not share a "
+                "data-parallel replica group")
+    if not _replica_axes(plan):
+        return f"every data-parallel mesh axis {plan.dp_axes} also splits a parameter (no replica group)"
+    return None
 
 
 def _replica_axes(plan: _StepPlan) -> tuple[str, ...]:
