@@ -180,6 +180,7 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
             sigs.append(tuple((0, k) for k in range(t[0])) + tuple((1, j) for j in js))
         sig_of.append(i)
     rounds: dict[int, _Rounds] = {}
+    by_sets: dict[tuple, _Rounds] = {}       # structures with the same candidates share their round tables
 
     def rounds_of(sid: int) -> _Rounds:
         struct = tab.struct_of[sid]
@@ -188,7 +189,11 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
             spec = tab.specs[sid]
             cands = tab.ensure(sid).cands
             finals = strategies_for(spec.sizes, spec.unsplittable, mesh.shape, fully and bool(spec.in_maps))
-            got = rounds[struct] = _Rounds(cands, finals, n_axes)
+            key = (cands, finals)
+            got = by_sets.get(key)
+            if got is None:
+                got = by_sets[key] = _Rounds(cands, finals, n_axes)
+            rounds[struct] = got
         return got
 
     leaf_msgs: dict[tuple[int, int, int], np.ndarray] = {}
