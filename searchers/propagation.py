@@ -87,6 +87,7 @@ class _Tables:
         self.layout_ids: dict[TensorLayout, int] = {}
         self.layouts: list[TensorLayout] = []
         self.lid_lists: dict[bytes, tuple] = {}                 # candidate layout-id lists, interned
+        self.lids_of: dict[tuple, tuple] = {}                   # (tensor map, candidates) -> its entry there
         self.affine: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
         self.side_vec: dict[tuple, np.ndarray] = {}
         self.decision: dict[tuple, int] = {}
@@ -127,12 +128,17 @@ class _Tables:
 
     def _lids(self, maps: tuple[int, ...], cands: Sequence[Strategy]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """(layout id per candidate, unique ids, inverse index, id of this layout list)."""
+        memo = (maps, cands)                 # structures of equal sizes share their candidate tuple
+        got = self.lids_of.get(memo)
+        if got is not None:
+            return got
         ids = np.array([self.lid(layout_of(maps, s)) for s in cands], dtype=np.intp)
         key = ids.tobytes()
         got = self.lid_lists.get(key)
         if got is None:
             uniq, inv = np.unique(ids, return_inverse=True)
             got = self.lid_lists[key] = (ids, uniq, inv.reshape(-1), len(self.lid_lists))
+        self.lids_of[memo] = got
         return got
 
     def vector(self, sid: int, out: int, idx: int, other: int) -> np.ndarray:
