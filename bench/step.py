@@ -16,7 +16,8 @@ the MLP's hidden activation, the block outputs, and the layer norms and residual
 replicated over the model-parallel devices, as in Megatron: :func:`megatron_forward`), the same shardings
 mshard's ``shard_megatron`` asks for; the collectives of both compiled steps are printed side by side. A
 second hand-written step leaves the layer norms and residual adds to XLA (which then splits them over
-every device, as sequence parallelism does): its ratio is printed too.
+every device, as sequence parallelism does): its ratio is printed too. Megatron with
+``all_reduce_fusion_config`` (per-replica gradients, bucketed) is timed against Megatron without it.
 
 Memory: the compiled step's ``memory_analysis()`` per device, for optimizer parallel (argument bytes and
 optimizer-state bytes from shard shapes), recompute of every block (temp bytes) and gradient accumulation
@@ -278,6 +279,29 @@ def bench_memory(cfg, n):
     return rows
 
 
+def bench_fused(cfg, n, steps, repeats, config=(40, 80)):
+    """Megatron with ``all_reduce_fusion_config`` (per-replica gradients, bucketed all-reduces over the 2
+    replicas) against the same step without it (XLA places and combines the reductions)."""
+    def make(fused):
+        step = make_step(cfg, "semi_auto_parallel", n, megatron=True)
+        if fused:
+            ms.set_auto_parallel_context(all_reduce_fusion_config=list(config))
+        data = ms.dataset.shard_batch(batch(cfg))
+        for _ in range(2):
+            step(*data)
+        rep = ms.comm_report(step, *data)
+        return step, data, sum(c.kind == "all-reduce" and c.group_size == 2 for c in rep.collectives)
+    plain, dp_, n_plain = make(False)
+    fused, df, n_fused = make(True)
+    ratios = []
+    for _ in range(repeats):
+        a = timed(lambda: plain(*dp_), steps)
+        b = timed(lambda: fused(*df), steps)
+        ratios.append(b / a)
+    return {"config": list(config), "ratio_median": statistics.median(ratios), "ratios": ratios,
+            "replica_all_reduces": {"fused": n_fused, "xla": n_plain}}
+
+
 def megatron_parameter_bytes(cfg, n):
     """Per-device parameter bytes of the GPT placed data parallel (replicated) and with Megatron (dp=2)."""
     out = []
@@ -320,6 +344,11 @@ def main(argv=None):
         report["time"].append({"mode": mode, "megatron": megatron, "baseline": baseline, "mshard_s": a,
                                "hand_written_s": b, "direct_s": c, "ratio_median": r, "ratios": rs,
                                "python_overhead_ratio": ov, "collectives": comm, **extra})
+    if "semi_auto_parallel" in args.modes and n % 2 == 0 and n > 1:
+        fz = bench_fused(cfg, n, args.steps, args.repeats)
+        report["fused_megatron"] = fz
+        print(f"Megatron + all_reduce_fusion_config={fz['config']} against Megatron without it: ratio (median) "
+              f"{fz['ratio_median']:.3f}; all-reduces over the 2 replicas: {fz['replica_all_reduces']}")
     ms_us, flat_us, nvars = python_overhead(cfg, n)
     report["python_us"] = {"mshard_step": ms_us, "flatten_state": flat_us, "variables": nvars}
     print(f"per-step Python of mshard's step (executable stubbed): {ms_us:.0f} us for {nvars} Variables; flattening "
