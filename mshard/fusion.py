@@ -138,6 +138,30 @@ def all_reduce_buckets(stacked: Sequence[jax.Array], buckets: list[list[int]], m
     return out, token
 
 
+def _local_buckets(arrays: Sequence[jax.Array], buckets: list[list[int]], mesh: Mesh, in_specs: Sequence[P],
+                   out_specs: Sequence[P], rows: int, collective, shape_of, token: Any) -> tuple[list[jax.Array], Any]:
+    """One collective per bucket on each device's own slices (a ``shard_map`` over every mesh axis): the
+    bucket's local pieces, each reshaped to ``[rows, -1]``, are concatenated along dim 1, ``collective`` runs
+    on that (after the previous bucket's token), and each result piece is cut back and reshaped by
+    ``shape_of(local piece)``."""
+    out: list[Any] = [None] * len(arrays)
+    for b in buckets:
+        def body(t, *locs):
+            res = collective(_after(jnp.concatenate([x.reshape(rows, -1) for x in locs], axis=1), t))
+            pieces, off = [], 0
+            for x in locs:
+                n = x.size // rows
+                pieces.append(res[:, off:off + n].reshape(shape_of(x)))
+                off += n
+            return (res[0, 0], *pieces)
+        ins = (P(),) + tuple(in_specs[i] for i in b)
+        outs = (P(),) + tuple(out_specs[i] for i in b)
+        token, *res = _smap(body, mesh, ins, outs)(_start(token), *[arrays[i] for i in b])
+        for i, r in zip(b, res):
+            out[i] = r
+    return out, token
+
+
 def all_reduce_sharded_buckets(stacked: Sequence[jax.Array], specs: Sequence[P], buckets: list[list[int]],
                                mesh: Mesh, dp_axes: Sequence[str], token: Any = None) -> tuple[list[jax.Array], Any]:
     """:func:`all_reduce_buckets` for gradients that are also split over other (model-parallel) axes:
@@ -145,23 +169,9 @@ def all_reduce_sharded_buckets(stacked: Sequence[jax.Array], specs: Sequence[P],
     device reduces its own slices: one all-reduce per bucket, over ``dp_axes``, of the concatenation of its
     local pieces of the bucket's gradients, as MindSpore fuses the gradient all-reduces of a hybrid-parallel
     step. Returns the reduced gradients (laid out as ``specs``) in input order and a token."""
-    out: list[Any] = [None] * len(stacked)
     dp = _axes(dp_axes)
-    for b in buckets:
-        def body(t, *locs):
-            flat = jnp.concatenate([x.reshape(-1) for x in locs])
-            red = jax.lax.psum(_after(flat, t), tuple(dp_axes))
-            pieces, off = [], 0
-            for x in locs:
-                pieces.append(red[off:off + x.size].reshape(x.shape[1:]))
-                off += x.size
-            return (red[0], *pieces)
-        in_specs = (P(),) + tuple(P(dp, *specs[i]) for i in b)
-        out_specs = (P(),) + tuple(specs[i] for i in b)
-        token, *red = _smap(body, mesh, in_specs, out_specs)(_start(token), *[stacked[i] for i in b])
-        for i, r in zip(b, red):
-            out[i] = r
-    return out, token
+    return _local_buckets(stacked, buckets, mesh, [P(dp, *sp) for sp in specs], specs, 1,
+                          lambda f: jax.lax.psum(f, tuple(dp_axes)), lambda x: x.shape[1:], token)
 
 
 def reduce_scatter_sharded_buckets(stacked: Sequence[jax.Array], specs: Sequence[P], zero_specs: Sequence[P],
@@ -171,27 +181,15 @@ def reduce_scatter_sharded_buckets(stacked: Sequence[jax.Array], specs: Sequence
     ``[dp, *shape]`` (dim 0 over ``dp_axes``, the rest as ``specs[i]``); each device reduce-scatters its own
     slices over ``shard_axes`` on their dim 0 (one collective per bucket, plus a ``psum`` over data-parallel
     axes not sharded over), giving each gradient in its optimizer-parallel layout ``zero_specs[i]``."""
-    out: list[Any] = [None] * len(stacked)
     dp = _axes(dp_axes)
     rest = tuple(a for a in dp_axes if a not in shard_axes)
     s = int(np.prod([mesh.shape[a] for a in shard_axes]))
-    for b in buckets:
-        def body(t, *locs):
-            flat = jnp.concatenate([x.reshape(s, -1) for x in locs], axis=1)
-            red = jax.lax.psum_scatter(_after(flat, t), tuple(shard_axes), scatter_dimension=0, tiled=True)
-            red = jax.lax.psum(red, rest) if rest else red
-            pieces, off = [], 0
-            for x in locs:
-                n = x.size // s
-                pieces.append(red[0, off:off + n].reshape(x.shape[1] // s, *x.shape[2:]))
-                off += n
-            return (red[0, 0], *pieces)
-        in_specs = (P(),) + tuple(P(dp, *specs[i]) for i in b)
-        out_specs = (P(),) + tuple(zero_specs[i] for i in b)
-        token, *red = _smap(body, mesh, in_specs, out_specs)(_start(token), *[stacked[i] for i in b])
-        for i, r in zip(b, red):
-            out[i] = r
-    return out, token
+
+    def collective(f):
+        red = jax.lax.psum_scatter(f, tuple(shard_axes), scatter_dimension=0, tiled=True)
+        return jax.lax.psum(red, rest) if rest else red
+    return _local_buckets(stacked, buckets, mesh, [P(dp, *sp) for sp in specs], zero_specs, s, collective,
+                          lambda x: (x.shape[1] // s, *x.shape[2:]), token)
 
 
 def all_gather_sharded_buckets(shards: Sequence[jax.Array], zero_specs: Sequence[P], specs: Sequence[P],
@@ -199,23 +197,10 @@ def all_gather_sharded_buckets(shards: Sequence[jax.Array], zero_specs: Sequence
                                token: Any = None) -> tuple[list[jax.Array], Any]:
     """Gather optimizer-parallel parameters (``zero_specs``: dim 0 also over ``shard_axes``) back to their
     layouts ``specs``, each device gathering its own model-parallel slices: one all-gather per bucket."""
-    out: list[Any] = [None] * len(shards)
     s = int(np.prod([mesh.shape[a] for a in shard_axes]))
-    for b in buckets:
-        def body(t, *locs):
-            flat = jnp.concatenate([x.reshape(-1) for x in locs])
-            full = jax.lax.all_gather(_after(flat, t), tuple(shard_axes), axis=0, tiled=False)   # [s, N]
-            pieces, off = [], 0
-            for x in locs:
-                pieces.append(full[:, off:off + x.size].reshape(s * x.shape[0], *x.shape[1:]))
-                off += x.size
-            return (full[0, 0], *pieces)
-        in_specs = (P(),) + tuple(zero_specs[i] for i in b)
-        out_specs = (P(),) + tuple(specs[i] for i in b)
-        token, *full = _smap(body, mesh, in_specs, out_specs)(_start(token), *[shards[i] for i in b])
-        for i, r in zip(b, full):
-            out[i] = r
-    return out, token
+    return _local_buckets(shards, buckets, mesh, zero_specs, specs, 1,
+                          lambda f: jax.lax.all_gather(f, tuple(shard_axes), axis=0, tiled=True),
+                          lambda x: (s * x.shape[0], *x.shape[1:]), token)
 
 
 def reduce_scatter_buckets(stacked: Sequence[jax.Array], buckets: list[list[int]], mesh: Mesh,

@@ -379,22 +379,14 @@ class _Runtime:
         dp = plan.dp
         losses, stacked = _run_replicas(net, data, plan.dp_axes, dp, mesh)
         nb = [int(np.prod(x.shape[1:])) * x.dtype.itemsize for x in stacked]
-        plain = [i for i, nm in enumerate(names) if nm not in plan.zero]
-        zero = [i for i, nm in enumerate(names) if nm in plan.zero]
-        reduced: list[Any] = [None] * len(stacked)
-        token = None
-        for idx, kind in ((plain, "allreduce"), (zero, "reducescatter")):
-            groups = _by_key(idx, [(stacked[i].dtype, plan.info[names[i]].get("shard_axes")) for i in idx],
-                             fusion.plan_buckets([nb[i] for i in idx], *fusion.fusion_setting(kind, ctx)))
-            for key, buckets in groups:
-                sub = [stacked[i] for i in key]
-                if kind == "allreduce":
-                    out, token = fusion.all_reduce_buckets(sub, buckets, mesh, plan.dp_axes, token)
-                else:
-                    shard_axes = plan.info[names[key[0]]]["shard_axes"]
-                    out, token = fusion.reduce_scatter_buckets(sub, buckets, mesh, plan.dp_axes, shard_axes, token)
-                for i, o in zip(key, out):
-                    reduced[i] = o
+
+        def collective(kind, key, buckets, token):
+            sub = [stacked[i] for i in key]
+            if kind == "allreduce":
+                return fusion.all_reduce_buckets(sub, buckets, mesh, plan.dp_axes, token)
+            shard_axes = plan.info[names[key[0]]]["shard_axes"]
+            return fusion.reduce_scatter_buckets(sub, buckets, mesh, plan.dp_axes, shard_axes, token)
+        reduced, token = _reduce_in_buckets(stacked, names, nb, plan, ctx, collective)
         if ctx.gradients_mean:
             reduced = [g / dp for g in reduced]
         return jnp.mean(losses), reduced, token
@@ -425,23 +417,15 @@ class _Runtime:
         lays = [plan.param_layouts.get(nm) or ((),) * (x.ndim - 1) for nm, x in zip(names, stacked)]
         local = [int(np.prod(x.shape[1:])) * x.dtype.itemsize // plan.mesh.count([a for d in lay for a in d])
                  for x, lay in zip(stacked, lays)]
-        plain = [i for i, nm in enumerate(names) if nm not in plan.zero]
-        zero = [i for i, nm in enumerate(names) if nm in plan.zero]
-        reduced: list[Any] = [None] * len(stacked)
-        token = None
-        for idx, kind in ((plain, "allreduce"), (zero, "reducescatter")):
-            groups = _by_key(idx, [(stacked[i].dtype, plan.info[names[i]].get("shard_axes")) for i in idx],
-                             fusion.plan_buckets([local[i] for i in idx], *fusion.fusion_setting(kind, ctx)))
-            for key, buckets in groups:
-                sub, specs = [stacked[i] for i in key], [spec_of(lays[i]) for i in key]
-                if kind == "allreduce":
-                    out, token = fusion.all_reduce_sharded_buckets(sub, specs, buckets, mesh, rax, token)
-                else:
-                    out, token = fusion.reduce_scatter_sharded_buckets(
-                        sub, specs, [spec_of(plan.zero[names[i]]) for i in key], buckets, mesh, rax,
-                        plan.info[names[key[0]]]["shard_axes"], token)
-                for i, o in zip(key, out):
-                    reduced[i] = o
+
+        def collective(kind, key, buckets, token):
+            sub, specs = [stacked[i] for i in key], [spec_of(lays[i]) for i in key]
+            if kind == "allreduce":
+                return fusion.all_reduce_sharded_buckets(sub, specs, buckets, mesh, rax, token)
+            return fusion.reduce_scatter_sharded_buckets(sub, specs, [spec_of(plan.zero[names[i]]) for i in key],
+                                                         buckets, mesh, rax, plan.info[names[key[0]]]["shard_axes"],
+                                                         token)
+        reduced, token = _reduce_in_buckets(stacked, names, local, plan, ctx, collective)
         # the mean over the replicas is the global-batch gradient; gradients_mean=False scales it by the batch
         # split, as the XLA path does (see the module doc)
         scale = 1.0 / dp if ctx.gradients_mean else plan.dp / dp
@@ -532,6 +516,25 @@ def _replica_axes(plan: _StepPlan) -> tuple[str, ...]:
     every weight slice is repeated on)."""
     used = {a for lay in plan.param_layouts.values() if lay for d in lay for a in d}
     return tuple(a for a in plan.dp_axes if a not in used)
+
+
+def _reduce_in_buckets(stacked: list, names: list[str], nbytes: list[int], plan: _StepPlan, ctx, collective):
+    """Sum per-replica gradients in the fusion buckets: plain parameters by all-reduce (``allreduce``
+    buckets), optimizer-parallel ones by reduce-scatter (``reducescatter`` buckets), grouped by (dtype, shard
+    axes); ``collective(kind, indices, buckets, token) -> (outputs, token)`` runs one group. Returns the
+    reduced gradients in parameter order and the last token."""
+    plain = [i for i, nm in enumerate(names) if nm not in plan.zero]
+    zero = [i for i, nm in enumerate(names) if nm in plan.zero]
+    reduced: list[Any] = [None] * len(stacked)
+    token = None
+    for idx, kind in ((plain, "allreduce"), (zero, "reducescatter")):
+        groups = _by_key(idx, [(stacked[i].dtype, plan.info[names[i]].get("shard_axes")) for i in idx],
+                         fusion.plan_buckets([nbytes[i] for i in idx], *fusion.fusion_setting(kind, ctx)))
+        for key, buckets in groups:
+            out, token = collective(kind, key, buckets, token)
+            for i, o in zip(key, out):
+                reduced[i] = o
+    return reduced, token
 
 
 def _run_replicas(net, data: tuple, dp_axes: tuple[str, ...], dp: int, mesh):
