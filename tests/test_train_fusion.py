@@ -98,6 +98,19 @@ def test_optimizer_parallel_reduce_scatter_and_all_gather_buckets():
 MP_SIZES = [64 * 4 // 4, 64 * 16 * 4 // 4, 64 * 4, 64 * 64 * 4 // 4, 32, 2048]
 
 
+def train_like_one_device(net, data, tx=lambda: optax.adam(1e-2), wrap=None, grad_scale=1.0, opt_state=True):
+    """Train ``net`` with TrainOneStepCell and check losses, parameters (and optimizer state) against one device."""
+    ref, ref_opt, ref_losses = reference_train(net, tx(), data, mse, grad_scale=grad_scale)
+    inner = nn.WithLossCell(net, mse)
+    step = nn.TrainOneStepCell(wrap(inner) if wrap else inner, tx())
+    losses = [float(step(*b)) for b in data]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+    if opt_state:
+        assert_trees_close(step.opt_state, ref_opt)
+    return step
+
+
 def data_parallel_all_reduces(step, data):
     """Sizes of the all-reduces over the 2 data-parallel replicas (the model-parallel ones span 4 devices)."""
     out = []
@@ -120,12 +133,7 @@ def test_fusion_buckets_in_a_megatron_step_match_one_device(ctx):
     mode, config = ms.fusion.fusion_setting("allreduce")
     data = batches(3, [(32, 16), (32, 8)], seed=21)
     net = MLP(nnx.Rngs(21), dropout=0.25).megatron(2, 4)
-    ref, ref_opt, ref_losses = reference_train(net, optax.adam(1e-2), data, mse)
-    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
-    losses = [float(step(*b)) for b in data]
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_params_close(net, ref)
-    assert_trees_close(step.opt_state, ref_opt)
+    step = train_like_one_device(net, data)
     got = data_parallel_all_reduces(step, data[0])
     assert sorted(got) == sorted(sum(MP_SIZES[i] for i in b) for b in plan_buckets(MP_SIZES, mode, config))
     assert net.fc1.weight[...].sharding.shard_shape((64, 16)) == (16, 16)        # still model parallel
@@ -159,12 +167,9 @@ def test_fused_megatron_step_with_accumulation_or_gradient_sum(case):
                                  all_reduce_fusion_config=[2, 4])
     data = batches(3, [(32, 16), (32, 8)], seed=5)
     net = MLP(nnx.Rngs(5)).megatron(2, 4)
-    ref, _, ref_losses = reference_train(net, optax.sgd(1e-2), data, mse, grad_scale=1.0 if mean else 2.0)
-    inner = nn.WithLossCell(net, mse)
-    step = nn.TrainOneStepCell(nn.GradAccumulationCell(inner, 2) if case == "accumulation" else inner, optax.sgd(1e-2))
-    losses = [float(step(*b)) for b in data]
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_params_close(net, ref)
+    step = train_like_one_device(net, data, tx=lambda: optax.sgd(1e-2), grad_scale=1.0 if mean else 2.0,
+                                 wrap=(lambda n: nn.GradAccumulationCell(n, 2)) if case == "accumulation" else None,
+                                 opt_state=False)
     # under GradAccumulationCell the weights are placed whole (their first use is inside the micro-batch loop,
     # which parameter slicing does not look into), so all 8 devices are replicas of them
     replicas = 8 if case == "accumulation" else 2
@@ -179,11 +184,7 @@ def test_fused_step_with_cell_shard_and_parameter_plan():
     data = batches(3, [(32, 16), (32, 8)], seed=7)
     net = MLP(nnx.Rngs(7))
     net.shard(in_strategy=((2, 1),), parameter_plan={"fc1.weight": (4, 1), "fc2.weight": (1, 4)})
-    ref, _, ref_losses = reference_train(net, optax.adam(1e-2), data, mse)
-    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
-    losses = [float(step(*b)) for b in data]
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_params_close(net, ref)
+    step = train_like_one_device(net, data, opt_state=False)
     assert len(data_parallel_all_reduces(step, data[0])) == 3
 
 
@@ -196,12 +197,7 @@ def test_fused_megatron_step_with_optimizer_parallel_buckets():
         comm_fusion={"reducescatter": {"mode": "size", "config": 0.001}, "allgather": {"mode": "auto", "config": None}})
     data = batches(3, [(32, 16), (32, 8)], seed=5)
     net = MLP(nnx.Rngs(5)).megatron(2, 4)
-    ref, ref_opt, ref_losses = reference_train(net, optax.adam(1e-2), data, mse)
-    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
-    losses = [float(step(*b)) for b in data]
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_params_close(net, ref)
-    assert_trees_close(step.opt_state, ref_opt)
+    step = train_like_one_device(net, data)
     # the weights (>= 1 KB) are optimizer-parallel: Adam's moments halved again on dim 0 over the replicas
     mu = step.opt_state[0].mu["backbone"]
     assert mu["fc1"]["weight"].sharding.shard_shape((64, 16)) == (64 // 8, 16)
@@ -223,9 +219,5 @@ def test_fused_step_falls_back_when_a_replica_cannot_hold_the_strategy():
                                  all_reduce_fusion_config=[2, 4], dataset_strategy="full_batch")
     data = batches(2, [(2, 16), (2, 8)], seed=8)
     net = MLP(nnx.Rngs(8)).megatron(2, 4)
-    ref, _, ref_losses = reference_train(net, optax.sgd(1e-2), data, mse)
-    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.sgd(1e-2))
     with pytest.warns(CommFusionWarning, match="do not fit one replica"):
-        losses = [float(step(*b)) for b in data]
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_params_close(net, ref)
+        train_like_one_device(net, data, tx=lambda: optax.sgd(1e-2), opt_state=False)
