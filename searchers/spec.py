@@ -51,15 +51,21 @@ def spec_key(op: Op, graph: Graph) -> SpecKey:
     >>> spec_key(g.ops[0], g) == spec_key(g.ops[1], g)
     True
     """
-    dims = op.dims
-    key = (tuple(dims.items()), tuple(op.in_dims), tuple(op.out_dims), op.unsplittable, op.flops,
-           op.kind in SOURCE_KINDS, tuple(sorted(op.split_limit.items())) if op.split_limit else None)
+    tensors = graph.tensors
+    return (_struct_id(op), tuple([tensors[t].nbytes for t in op.inputs]),
+            tuple([tensors[t].nbytes for t in op.outputs]))
+
+
+def _struct_id(op: Op) -> int:
+    """The interned id of ``op``'s name-free structure (dims, maps, unsplittable, flops, split limits)."""
+    lim = op.split_limit
+    key = (tuple(op.dims.items()), tuple(op.in_dims), tuple(op.out_dims), op.unsplittable, op.flops,
+           op.kind in SOURCE_KINDS, tuple(sorted(lim.items())) if lim else None)
     sid = _STRUCT_IDS.get(key)
     if sid is None:
         sid = _STRUCT_IDS[key] = len(_STRUCTS)
         _STRUCTS.append(_structure(op))
-    tensors = graph.tensors
-    return (sid, tuple([tensors[t].nbytes for t in op.inputs]), tuple([tensors[t].nbytes for t in op.outputs]))
+    return sid
 
 
 def spec_keys(graph: Graph) -> list[SpecKey]:
@@ -72,18 +78,8 @@ def spec_keys(graph: Graph) -> list[SpecKey]:
     True
     """
     nb = [math.prod(t.shape) * t.itemsize for t in graph.tensors]
-    ids, get = _STRUCT_IDS, _STRUCT_IDS.get
-    out = []
-    for op in graph.ops:
-        lim = op.split_limit
-        key = (tuple(op.dims.items()), tuple(op.in_dims), tuple(op.out_dims), op.unsplittable, op.flops,
-               op.kind in SOURCE_KINDS, tuple(sorted(lim.items())) if lim else None)
-        sid = get(key)
-        if sid is None:
-            sid = ids[key] = len(_STRUCTS)
-            _STRUCTS.append(_structure(op))
-        out.append((sid, tuple([nb[t] for t in op.inputs]), tuple([nb[t] for t in op.outputs])))
-    return out
+    return [(_struct_id(op), tuple([nb[t] for t in op.inputs]), tuple([nb[t] for t in op.outputs]))
+            for op in graph.ops]
 
 
 def spec_from_key(key: SpecKey) -> OpSpec:
