@@ -81,7 +81,7 @@ class Emitter:
             if not self.layouts.honour_marks:
                 return invals[0]
             lay = self.layouts.marks.get(mark_key(eqn))
-            if lay is not None and eqn.params.get("bdim") is not None:
+            if lay is not None and eqn.params.get("bdim") is not None and len(lay) == len(invals[0].shape) - 1:
                 lay = replica_layout(lay, eqn.params["bdim"], eqn.params["replica_axes"])
             return self.wsc(invals[0], lay)
         params = eqn.params

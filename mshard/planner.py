@@ -30,6 +30,7 @@ from searchers.strategies import data_parallel_strategy, enumerate_strategies
 from . import context as ctxmod
 from .annotate import OpNote, mark_p
 from .assign import InputInfo, RegionLayouts, mark_key, plan_region
+from .execute import replica_layout
 from .layout import DimAxes, RegionMesh, spec_of
 from .plan import Plan, PlanCost, PlanOp, load_plan
 from .trace import TraceResult, jaxpr_to_graph
@@ -81,6 +82,15 @@ def _strategy_from_layout(op, layout: DimAxes, mesh: RegionMesh, operand: int | 
     dims = op.out_dims[0] if operand is None else op.in_dims[operand]
     where = {d: tuple(mesh.names.index(a) for a in axes) for d, axes in zip(dims, layout) if d is not None}
     return tuple(where.get(d, ()) for d in op.dims)
+
+
+def _batched(lay: DimAxes, eqn, rank: int) -> DimAxes:
+    """A mark's planned layout on its traced tensor: with the replica split added where the mark was batched
+    over data-parallel replicas (:func:`mshard.execute.replica_layout`)."""
+    bdim = eqn.params.get("bdim")
+    if bdim is not None and len(lay) == rank - 1:
+        return replica_layout(lay, bdim, eqn.params["replica_axes"])
+    return lay
 
 
 def _groups(trace: TraceResult) -> dict[int, Any]:
@@ -135,7 +145,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
             lay = base.marks.get(mark_key(te.eqn))
             if lay is not None:
                 op = graph.ops[te.op]
-                op.fixed = _strategy_from_layout(op, lay, mesh)
+                op.fixed = _strategy_from_layout(op, _batched(lay, te.eqn, len(op.out_dims[0])), mesh)
     load = ctx.strategy_ckpt_config.get("load_file")
     notes: list[str] = []
     if load:

@@ -10,7 +10,13 @@
 * equations of the primitives in :data:`mshard.rules.INLINE` (``jit``, ``custom_jvp_call``,
   ``custom_vjp_call``, ``remat2``, ...) are not ops: their sub-jaxpr is walked in their place,
   its inputs bound to the outer operands' tensors and the outer results to its results' tensors.
-  ``scan``/``while``/``cond`` stay one op each (see :mod:`mshard.rules`).
+  ``scan``/``while``/``cond`` stay one op each (see :mod:`mshard.rules`);
+* layouts the program states itself are fixed ops on the region mesh (when their mesh is it: same
+  axis names and sizes): a ``sharding_constraint`` op is fixed to its sharding; a ``shard_map`` is
+  not an op but its boundary -- each operand flows into a fixed sink op ``<name>/in<i>`` (its
+  ``in_specs`` layout, what the shard_map will reshard it to) and each result comes from a fixed
+  source ``<name>/out<j>`` (its ``out_specs``), so a search prices the redistribution around it
+  and never asks for another layout of its results.
 
 Op names follow DESIGN's rule, ``scope/primitive`` where scope is the equation's name stack
 (for an inlined equation the enclosing equation's name stack, then its own); a name already
@@ -119,6 +125,17 @@ class _Namer:
         return out
 
 
+def _spec_strategy(spec, rank: int, axis: dict[str, int]) -> tuple[tuple[int, ...], ...] | None:
+    """A PartitionSpec as per-dim mesh-axis indices (``None`` if it names an axis not in ``axis``)."""
+    out: list[tuple[int, ...]] = []
+    for entry in tuple(spec) + (None,) * (rank - len(tuple(spec))):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        if any(n not in axis for n in names):
+            return None
+        out.append(tuple(axis[n] for n in names))
+    return tuple(out[:rank]) if len(out) >= rank else None
+
+
 def _join(*parts: str) -> str:
     return "/".join(p for p in parts if p)
 
@@ -130,6 +147,7 @@ class _Tracer:
         self.var_tensor: dict[Any, int] = {}
         self.eqns: list[TracedEqn] = []
         self.by_eqn: dict[int, list[int]] = {}
+        self.axis = dict(zip(mesh.names, range(len(mesh.shape))))
         # split counts a strategy can give a loop dim: products of subsets of the mesh axes
         counts = {1}
         for n in mesh.shape:
@@ -185,9 +203,51 @@ class _Tracer:
             env[ov] = self.read(iv, inner_env, label, i)
             self.var_tensor[ov] = env[ov]
 
+    def on_region_mesh(self, jmesh) -> bool:
+        """Whether a jax Mesh is the region's (same axis names and sizes, in order)."""
+        try:
+            shape = dict(jmesh.shape)
+        except (AttributeError, TypeError):
+            return False
+        return tuple(shape) == self.graph.mesh.names and tuple(shape.values()) == tuple(self.graph.mesh.shape)
+
+    def shard_map(self, eqn, env: dict, name: str) -> bool:
+        """A ``shard_map`` on the region mesh as its fixed boundary (module doc); False if it is not one."""
+        p = eqn.params
+        if not self.on_region_mesh(p.get("mesh")):
+            return False
+        ins = [_spec_strategy(s, len(_shape(v.aval)), self.axis) for s, v in zip(p["in_specs"], eqn.invars)]
+        outs = [_spec_strategy(s, len(_shape(v.aval)), self.axis) for s, v in zip(p["out_specs"], eqn.outvars)]
+        if any(s is None for s in ins + outs):
+            return False
+        for i, (v, st) in enumerate(zip(eqn.invars, ins)):
+            tid = self.read(v, env, name, i)
+            shape = _shape(v.aval)
+            dims = {f"i{k}": n for k, n in enumerate(shape)}
+            self.graph.add_op(self.names(f"{name}/in{i}"), "shard_map_in", dims, [tid], [tuple(dims)],
+                              [tuple(dims)], [shape], itemsize=_itemsize(v.aval), fixed=st)
+        for j, (v, st) in enumerate(zip(eqn.outvars, outs)):
+            tid = self.graph.source(self.names(f"{name}/out{j}"), _shape(v.aval), kind="data",
+                                    itemsize=_itemsize(v.aval), fixed=st)
+            env[v] = tid
+            self.var_tensor[v] = tid
+        return True
+
+    def fixed_by_constraint(self, eqn, op) -> None:
+        """Fix a ``sharding_constraint`` op to its sharding when that is on the region mesh."""
+        sh = eqn.params.get("sharding")
+        if eqn.params.get("unconstrained_dims") or not self.on_region_mesh(getattr(sh, "mesh", None)):
+            return
+        lay = _spec_strategy(sh.spec, len(op.out_dims[0]), self.axis)
+        if lay is not None:
+            where = dict(zip(op.out_dims[0], lay))
+            op.fixed = tuple(where.get(d, ()) for d in op.dims)
+
     def op(self, eqn, env: dict, scope: str, path: tuple) -> None:
         prim = eqn.primitive.name
         name = self.names(_join(scope, prim))
+        if prim == "shard_map" and self.shard_map(eqn, env, name):
+            return
         inputs = [self.read(v, env, name, i) for i, v in enumerate(eqn.invars)]
         in_shapes = [_shape(v.aval) for v in eqn.invars]
         out_shapes = [_shape(v.aval) for v in eqn.outvars]
@@ -200,6 +260,8 @@ class _Tracer:
                                  unsplittable=frozenset(unsplit), flops=s.flops, split_limit=limit)
         for tid, size in zip(outs, itemsizes):
             self.graph.tensors[tid].itemsize = size
+        if prim == "sharding_constraint":
+            self.fixed_by_constraint(eqn, self.graph.ops[-1])
         for v, tid in zip(eqn.outvars, outs):
             env[v] = tid
             self.var_tensor[v] = tid

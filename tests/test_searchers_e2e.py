@@ -102,3 +102,24 @@ def test_a_second_region_with_the_same_graph_is_not_searched_again():
         ms.jit(lambda m, x: m(x)).plan(m, *args)
         again = ms.jit(lambda m, x: m(x)).plan(m, *args)          # a new jit: traced again, same graph
     assert any("from the search cache" in n for n in again.notes)
+
+
+@pytest.mark.parametrize("mode", ("sharding_propagation",) + SEARCH_MODES)
+def test_a_sharding_constraint_inside_a_searched_region_is_a_fixed_strategy(mode):
+    """A with_sharding_constraint the user wrote on the region's mesh (axes d0, d1, d2 for 8 devices) is held
+    fixed like a strategy: the search plans around it instead of constraining its result to another layout."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.make_mesh((2, 2, 2), ("d0", "d1", "d2"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+    def f(x, w):
+        h = jax.lax.with_sharding_constraint(jnp.tanh(x @ w), NamedSharding(mesh, P(None, ("d0", "d1", "d2"))))
+        return jnp.sum(h * h, axis=1)
+    x, w = jax.random.normal(jax.random.key(0), (16, 32)), jax.random.normal(jax.random.key(1), (32, 64))
+    with auto(mode):
+        fn = ms.jit(f)
+        y = fn(x, w)
+        plan = fn.plan(x, w)
+    (op,) = [o for o in plan.ops if o.kind == "sharding_constraint"]
+    assert op.fixed and op.strategy == ((1, 8),)
+    assert_close(y, f(x, w), rtol=1e-5, atol=1e-5)

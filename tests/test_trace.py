@@ -311,6 +311,50 @@ def test_scan_is_one_replicated_op():
     assert not any(t.primitive == "tanh" for t in r.eqns)
 
 
+def _mesh(names=("d0", "d1", "d2")):
+    return jax.make_mesh((2, 2, 2), names, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def test_shard_map_on_the_region_mesh_is_a_fixed_boundary():
+    """Its operands flow into fixed sinks (in_specs), its results come from fixed sources (out_specs), and no op
+    stands for the shard_map itself; on another mesh it stays one replicated op."""
+    from jax.sharding import PartitionSpec as P
+
+    def fn(mesh):
+        a, b, _ = mesh.axis_names
+        body = jax.shard_map(lambda u: jax.lax.psum(u, a), mesh=mesh, in_specs=P(a, b),
+                             out_specs=P(None, b), check_vma=False)
+        return lambda x: jnp.exp(body(jnp.tanh(x)))
+    cj = jax.make_jaxpr(fn(_mesh()))(f32(8, 8))
+    r = jaxpr_to_graph(cj, MESH8, ["data"], ["x"])
+    g = r.graph
+    by_name = {op.name: op for op in g.ops}
+    assert "shard_map" not in [op.kind for op in g.ops]
+    sink, src = by_name["shard_map/in0"], by_name["shard_map/out0"]
+    assert sink.kind == "shard_map_in" and sink.fixed == ((0,), (1,))
+    assert g.producer(sink.inputs[0]).kind == "tanh"
+    assert src.is_source and src.fixed == ((), (1,))
+    (exp,) = [g.ops[t.op] for t in r.eqns if t.primitive == "exp"]
+    assert exp.inputs == src.outputs
+    other = jaxpr_to_graph(jax.make_jaxpr(fn(_mesh(("a", "b", "c"))))(f32(8, 8)), MESH8, ["data"], ["x"])
+    (sm,) = [other.graph.ops[t.op] for t in other.eqns if t.primitive == "shard_map"]
+    assert sm.fixed is None and sm.unsplittable == set(sm.dims)
+
+
+def test_sharding_constraint_on_the_region_mesh_is_fixed():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def fixed_of(mesh, spec):
+        fn = lambda x: jax.lax.with_sharding_constraint(x * 2.0, NamedSharding(mesh, spec))
+        r = trace(fn, (f32(8, 4),), ["data"], ["x"])
+        (op,) = [r.graph.ops[t.op] for t in r.eqns if t.primitive == "sharding_constraint"]
+        return op.fixed
+    assert fixed_of(_mesh(), P(("d1", "d2"), "d0")) == ((1, 2), (0,))
+    assert fixed_of(_mesh(), P(None, "d2")) == ((), (2,))
+    assert fixed_of(_mesh(("a", "b", "c")), P("a")) is None        # not the region mesh: the search decides
+
+
 def test_literals_consts_and_outputs():
     c = jnp.arange(6.0)
     r = trace(lambda x: (x, x * 2.0 + c, 3.0), (f32(4, 6),), ["data"], ["x"])

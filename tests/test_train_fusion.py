@@ -149,14 +149,81 @@ def test_megatron_step_without_a_fusion_setting_leaves_the_reductions_to_xla():
     assert len(data_parallel_all_reduces(step, DATA[0])) == 1
 
 
-def test_fusion_config_on_a_searched_step_warns():
+def replica_all_reduces(step, data, replicas):
+    """Sizes of the all-reduces over ``replicas`` devices, less the 4-byte f32[] loss mean XLA may merge in."""
+    out = []
+    for c in ms.comm_report(step, *data).collectives:
+        if c.kind == "all-reduce" and c.group_size == replicas:
+            shape = c.text.split("=", 1)[1].split("all-reduce")[0]
+            out.append(c.nbytes - 4 * len(re.findall(r"f32\[\]", shape)))
+    return [x for x in out if x]
+
+
+def slice_bytes(step):
+    """Bytes of each gradient slice a device holds, in parameter order, from the layouts the step reports
+    (``parallel_optimizer_info``): the whole gradient over the product of its layout's axes (2 devices each)."""
+    info = step.parallel_optimizer_info
+    out = []
+    for name in sorted(info):
+        if name.split(".")[-1] in ("weight", "bias"):
+            axes = [a for d in info[name]["layout"] for a in d]
+            out.append(int(np.prod(info[name]["shape"])) * 4 // 2 ** len(axes))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["sharding_propagation", "dynamic_programming", "recursive_programming", "ilp"])
+def test_fusion_buckets_in_a_searched_megatron_step(mode):
+    """auto_parallel: the Megatron strategies are fixed, the search plans the rest. The replicas are the devices
+    the searched forward splits the batch over (here the 2 of Megatron's dp); every weight stays whole over them
+    (in its searched layout on the model-parallel axes), each replica computes its own gradient, and each
+    device all-reduces its slices over the replicas in the [2, 4] buckets. Training equals one device."""
+    ms.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode=mode, device_num=8,
+                                 gradients_mean=True, all_reduce_fusion_config=[2, 4])
+    data = batches(2, [(32, 16), (32, 8)], seed=21)
+    net = MLP(nnx.Rngs(21)).megatron(2, 4)
+    step = train_like_one_device(net, data, opt_state=False)
+    slices = slice_bytes(step)
+    # the user's Megatron weights keep their 4-way model-parallel slices
+    assert slices[1] == 64 * 16 * 4 // 4 and slices[3] == 64 * 64 * 4 // 4
+    got = replica_all_reduces(step, data[0], 2)
+    assert sorted(got) == sorted(sum(slices[i] for i in b) for b in plan_buckets(slices, "index", (2, 4)))
+
+
+def test_fusion_buckets_in_a_searched_step_without_strategies():
+    """auto_parallel, no strategies: the batch is split over all 8 devices, so all 8 are replicas and every
+    gradient is reduced whole, in the buckets of all_reduce_fusion_config — whatever layouts the search gave
+    the weights (they are whole inside each replica); also with GradAccumulationCell."""
     ms.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode="sharding_propagation", device_num=8,
                                  gradients_mean=True, all_reduce_fusion_config=[2, 4])
-    net = MLP(nnx.Rngs(0)).megatron(2, 4)
-    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
-    with pytest.warns(CommFusionWarning, match="search"):
-        loss = step(*DATA[0])
-    assert np.isfinite(float(loss))
+    data = batches(2, [(32, 16), (32, 8)], seed=3)
+    for wrap in (None, lambda n: nn.GradAccumulationCell(n, 2)):
+        net = MLP(nnx.Rngs(3))
+        step = train_like_one_device(net, data, tx=lambda: optax.sgd(1e-2), wrap=wrap, opt_state=False)
+        expect = [sum(SIZES[i] for i in b) for b in plan_buckets(SIZES, "index", (2, 4))]
+        assert sorted(replica_all_reduces(step, data[0], 8)) == sorted(expect) == [2080, 4352, 16640]
+
+
+def test_searched_megatron_step_with_optimizer_parallel_buckets():
+    """A searched step with optimizer parallel: weight-gradient slices are reduce-scattered over the 2 replicas
+    in 1 KB reducescatter buckets (half of each slice per device), the biases all-reduced in the [2, 4] buckets."""
+    ms.set_auto_parallel_context(
+        parallel_mode="auto_parallel", search_mode="sharding_propagation", device_num=8, gradients_mean=True,
+        all_reduce_fusion_config=[2, 4], enable_parallel_optimizer=True,
+        parallel_optimizer_config={"parallel_optimizer_threshold": 1},
+        comm_fusion={"reducescatter": {"mode": "size", "config": 0.001}, "allgather": {"mode": "auto", "config": None}})
+    data = batches(2, [(32, 16), (32, 8)], seed=5)
+    net = MLP(nnx.Rngs(5)).megatron(2, 4)
+    step = train_like_one_device(net, data)
+    slices = slice_bytes(step)
+    info = step.parallel_optimizer_info
+    zero = [i for i, nm in enumerate(sorted(info)) if info[nm]["sharded"]]
+    assert [sorted(info)[i].split(".")[-1] for i in zero] == ["weight"] * 3          # the >= 1 KB ones
+    weights = [slices[i] for i in zero]
+    expect = [sum(weights[i] for i in b) // 2 for b in plan_buckets(weights, "size", 0.001)]
+    assert sorted(gradient_collectives(step, data[0], "reduce-scatter")) == sorted(expect)
+    biases = [slices[i] for i in range(6) if i not in zero]
+    assert sorted(replica_all_reduces(step, data[0], 2)) == sorted(
+        sum(biases[i] for i in b) for b in plan_buckets(biases, "index", (2, 4)))
 
 
 @pytest.mark.parametrize("case", ["accumulation", "sum"])

@@ -45,10 +45,16 @@ the gradient of its own loss with the model-parallel layouts inside (``jax.vmap`
 constrain the batched tensors to their per-replica layout plus the replica split), and each device
 all-reduces its own gradient slices over the replicas in the fusion buckets (with optimizer parallel:
 reduce-scatters them in ``reducescatter`` buckets and gathers the updated slices in ``allgather``
-buckets). Otherwise (no fusion
-setting, or a step planned by a search) the gradient is ``jax.grad`` of the global loss, XLA's
-partitioner places the reductions and its combiner fuses them; a fusion setting on a searched step warns
-(:class:`~mshard.errors.CommFusionWarning`).
+buckets). A step planned by a search (auto_parallel, or a ``search_mode`` in semi_auto_parallel) with a
+fusion setting does the same with the replicas being every device the searched forward splits the batch
+over: a search may also split a weight over a data-parallel axis, which no replica group would then hold
+whole, so in the fused step each weight is whole over the replicas (in its searched layout on the other
+axes), each device all-reduces its slices over the replicas in the buckets, and the step's own search
+plans everything else around the replica split and the bucket collectives (a ``shard_map`` inside a searched
+region is a fixed boundary for the search: :mod:`mshard.trace`). Without a fusion setting the gradient is
+``jax.grad`` of the global loss, XLA's partitioner places the reductions and its combiner fuses them; where a
+fusion setting cannot be applied (a strategy that does not fit one replica's share of the batch, no mesh
+axis left for replicas) the step warns (:class:`~mshard.errors.CommFusionWarning`) and does that.
 
 Optimizer parallel (``enable_parallel_optimizer=True``, ZeRO-1): every parameter of at least
 ``parallel_optimizer_threshold`` KB (default 64) whose dim 0 divides gets its optimizer state,
@@ -338,6 +344,10 @@ class _Runtime:
         ctx = ctxmod.current()
         net, opt = cell.network, cell.optimizer
         plan = _plan_step(self.probe, data, net, ctx)
+        if _searched(ctx) and not fusion.is_default(ctx):
+            # a searched step with a fusion setting runs its data-parallel replicas side by side (see
+            # _replica_axes): every parameter is whole over the replicas, in its layout on the other axes
+            plan.param_layouts = {k: _drop_axes(v, plan.dp_axes) for k, v in plan.param_layouts.items()}
         pstate = nnx.as_pure(nnx.state(net, nnx.Param))
         pleaves, ptree = jax.tree.flatten_with_path(pstate)
         names = ["network." + ".".join(str(k.key) for k in p if isinstance(k, jax.tree_util.DictKey))
@@ -409,7 +419,7 @@ class _Runtime:
         gradients are summed over the replicas in ``comm_fusion``/``all_reduce_fusion_config`` buckets, each
         device reducing its own model-parallel slices (:func:`mshard.fusion.all_reduce_sharded_buckets`)."""
         mesh = plan.mesh.jax_mesh()
-        rax = _replica_axes(plan)
+        rax = _replica_axes(plan, ctx)
         dp = plan.mesh.count(rax)
         with annotate.replica_axes(rax):
             losses, stacked = _run_replicas(net, data, rax, dp, mesh)
@@ -497,23 +507,34 @@ class _Runtime:
 
 
 def _no_fusion_reason(plan: _StepPlan, ctx) -> str | None:
-    """None when a model-parallel step computes per-replica gradients to reduce them in fusion buckets (a
-    semi_auto_parallel step planned from its strategies, cut into data-parallel replicas, with a fusion
-    setting beyond the default, which leaves the grouping to XLA's combiner); else why not."""
+    """None when a model-parallel or searched step computes per-replica gradients to reduce them in fusion
+    buckets (a step cut into data-parallel replicas, with a fusion setting beyond the default, which leaves the
+    grouping to XLA's combiner); else why not."""
     if fusion.is_default(ctx):
         return "the default setting"
-    if ctx.parallel_mode != "semi_auto_parallel" or search_algorithm(ctx) is not None:
-        return (f"this step is planned by a search ({search_algorithm(ctx)}), whose parameters need not share a "
-                "data-parallel replica group")
-    if not _replica_axes(plan):
+    if not _replica_axes(plan, ctx):
         return f"every data-parallel mesh axis {plan.dp_axes} also splits a parameter (no replica group)"
     return None
 
 
-def _replica_axes(plan: _StepPlan) -> tuple[str, ...]:
-    """The data-parallel axes of a model-parallel step: the batch's axes that no parameter is split over (with
-    Megatron's dp=2 x mp=4 on 8 devices, the batch may enter split 8 ways but the replicas are the 2 devices
-    every weight slice is repeated on)."""
+def _searched(ctx) -> bool:
+    return ctx.parallel_mode == "auto_parallel" or (
+        ctx.parallel_mode == "semi_auto_parallel" and search_algorithm(ctx) is not None)
+
+
+def _drop_axes(lay: DimAxes | None, axes: tuple[str, ...]) -> DimAxes | None:
+    return None if lay is None else tuple(tuple(a for a in d if a not in axes) for d in lay)
+
+
+def _replica_axes(plan: _StepPlan, ctx) -> tuple[str, ...]:
+    """The data-parallel axes of a model-parallel step. Planned from strategies: the batch's axes that no
+    parameter is split over (with Megatron's dp=2 x mp=4 on 8 devices, the batch may enter split 8 ways but
+    the replicas are the 2 devices every weight slice is repeated on). Planned by a search: every axis the
+    searched forward splits the batch over (a search may split a weight over a data axis too, which no
+    replica group would then hold whole; the fused step keeps each weight whole over the replicas instead,
+    in its searched layout on the other axes, and the step's own search plans the rest around that)."""
+    if _searched(ctx):
+        return plan.dp_axes
     used = {a for lay in plan.param_layouts.values() if lay for d in lay for a in d}
     return tuple(a for a in plan.dp_axes if a not in used)
 
