@@ -92,6 +92,7 @@ class RegionLayouts:
     op_names: dict[int, str] = field(default_factory=dict)
     honour_marks: bool = True
     user_inputs: set[int] = field(default_factory=set)     # inputs laid out by the user (data, parameter_plan)
+    strategy_inputs: list[DimAxes] | None = None    # a searched region's inputs as the user's strategies alone lay them out
 
 
 # -- mesh ------------------------------------------------------------------------------------------

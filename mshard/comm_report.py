@@ -36,6 +36,17 @@ class Collective:
     text: str
 
     @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """The device groups the collective runs over (device ids as in ``jax.devices()``), from any of XLA's
+        ``replica_groups`` forms: explicit ``{{0,4},{1,5}}``, iota ``[4,2]<=[2,4]T(1,0)``, or mesh axes
+        ``mesh['axis_0'=2,'axis_1'=4] {'axis_0'}``; ``()`` where the text gives none (collective-permute).
+
+        >>> Collective("all-reduce", 4, 2, "x = f32[1] all-reduce(y), replica_groups=[4,2]<=[2,4]T(1,0)").groups
+        ((0, 4), (1, 5), (2, 6), (3, 7))
+        """
+        return _groups(self.text)
+
+    @property
     def moved(self) -> float:
         k = max(self.group_size, 1)
         factor = {"all-reduce": 2 * (k - 1) / k, "all-gather": (k - 1) / k, "reduce-scatter": (k - 1),
@@ -49,6 +60,34 @@ def _nbytes(shape: str) -> int:
         n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
         total += n * _DTYPE_BYTES.get(dtype, 4)
     return total
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+def _groups(line: str) -> tuple[tuple[int, ...], ...]:
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([0-9,]*)\](?:T\(([0-9,]*)\))?\))?"
+                  r"\s*\{([^}]*)\}", line)
+    if m:
+        axes = [(k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+        sizes = [n for _, n in axes]
+        ids = (_iota(m.group(2), m.group(3)) if m.group(2) else np.arange(int(np.prod(sizes)))).reshape(sizes)
+        names = [k for k, _ in axes]
+        over = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4))]
+        keep = [i for i in range(len(sizes)) if i not in over]
+        rows = ids.transpose(keep + over).reshape(-1, int(np.prod([sizes[i] for i in over] or [1])))
+        return tuple(tuple(int(x) for x in r) for r in rows)
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]*)\](?:T\(([0-9,]*)\))?", line)
+    if m:
+        rows = _iota(m.group(3), m.group(4)).reshape(int(m.group(1)), int(m.group(2)))
+        return tuple(tuple(int(x) for x in r) for r in rows)
+    m = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", line)
+    if m:
+        return tuple(tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([0-9,]*)\}", m.group(1)))
+    return ()
 
 
 def _group_size(line: str) -> int:

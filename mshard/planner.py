@@ -173,7 +173,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
 
     # layouts to emit
     layouts = RegionLayouts(mesh, list(base.inputs), dict(base.marks), base.op_names, honour_marks=True,
-                            user_inputs=set(base.user_inputs))
+                            user_inputs=set(base.user_inputs), strategy_inputs=list(base.inputs))
     for i in range(len(inputs)):
         op = graph.ops[trace.input_ops[i]]
         layouts.inputs[i] = _names(result_layout(op, strategies[op.id], 0), mesh)

@@ -58,3 +58,30 @@ def test_comm_report_accepts_every_mshard_callable():
     assert ms.comm_report(net, x).total_count == 0                      # forward of a replicated model on split data
     assert ms.comm_report(lambda x: x.sum(), x).count("all-reduce") == 1
     assert ms.comm_report(jax.jit(lambda x: x * 2), x).total_count == 0
+
+
+def test_collective_groups_match_the_mesh_axes_reduced_over():
+    """``Collective.groups`` read from the compiled HLO (whatever replica_groups form XLA prints) are the device
+    sets that differ only along the mesh axes a shard_map psum names; also the explicit and iota text forms."""
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    from jax.sharding import NamedSharding as NS
+    for axes in (("a",), ("c",), ("b", "c"), ("a", "c")):
+        psum = jax.jit(jax.shard_map(lambda x, axes=axes: jax.lax.psum(x, axes), mesh=mesh,
+                                     in_specs=P(("a", "b", "c")), out_specs=P(("a", "b", "c"))))
+        # the same reduction inserted by the SPMD partitioner (a matmul contracting a dim split over ``axes``)
+        matmul = jax.jit(lambda x, w: x @ w, in_shardings=(NS(mesh, P(None, axes)), NS(mesh, P(axes, None))),
+                         out_shardings=NS(mesh, P()))
+        over = [mesh.axis_names.index(a) for a in axes]
+        keep = [i for i in range(3) if i not in over]
+        expect = {frozenset(int(x) for x in row) for row in ids.transpose(keep + over).reshape(-1, 2 ** len(over))}
+        for f, args in ((psum, (jnp.ones(8),)), (matmul, (jnp.ones((8, 16)), jnp.ones((16, 4))))):
+            (c,) = [c for c in ms.comm_report(f, *args).collectives if c.kind == "all-reduce"]
+            assert {frozenset(g) for g in c.groups} == expect and c.group_size == 2 ** len(over)
+    from mshard.comm_report import Collective
+    assert Collective("all-reduce", 4, 2, "y = f32[1] all-reduce(x), replica_groups={{0,2},{1,3}}").groups == \
+        ((0, 2), (1, 3))
+    assert Collective("all-reduce", 4, 4, "y = f32[1] all-reduce(x), replica_groups=[2,4]<=[8]").groups == \
+        ((0, 1, 2, 3), (4, 5, 6, 7))

@@ -167,11 +167,14 @@ def test_recompute_transformer_matches_one_device(policy):
     assert_params_close(net, ref)
 
 
-@pytest.mark.parametrize("fusion", [{}, {"all_reduce_fusion_config": [4, 12]}], ids=["xla-reductions", "fused-replicas"])
-def test_megatron_gpt_semi_auto_matches_one_device(fusion):
+@pytest.mark.parametrize("mode, fusion", [
+    ("semi_auto_parallel", {}), ("semi_auto_parallel", {"all_reduce_fusion_config": [4, 12]}),
+    ("auto_parallel", {"all_reduce_fusion_config": [4, 12]})], ids=["xla-reductions", "fused-replicas", "searched-fused"])
+def test_megatron_gpt_semi_auto_matches_one_device(mode, fusion):
     """With a fusion setting the replicas run side by side (vmap) and their gradient slices are all-reduced in
-    buckets; attention's reshapes and transposes move the replica dim, the marks follow it."""
-    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True, **fusion)
+    buckets; attention's reshapes and transposes move the replica dim, the marks follow it (in auto_parallel
+    the Megatron strategies are fixed and the search plans the rest, the replica split included)."""
+    ms.set_auto_parallel_context(parallel_mode=mode, device_num=8, gradients_mean=True, **fusion)
     data = batches(2, [(8, 8), (8, 8)], seed=9, ints=[32, 32])
     net = TinyGPT(nnx.Rngs(9))
     for blk in net.blocks:
@@ -184,7 +187,11 @@ def test_megatron_gpt_semi_auto_matches_one_device(fusion):
     assert rep.count("all-reduce") >= 2     # Megatron: one forward all-reduce per row-parallel projection
     if fusion:                              # [4, 12]: three buckets of gradient slices over the 2 replicas
         step_rep = ms.comm_report(nn.TrainOneStepCell(nn.WithLossCell(net, token_loss), optax.sgd(0.1)), *data[0])
-        assert sum(c.kind == "all-reduce" and c.group_size == 2 for c in step_rep.collectives) == 3
+        # over the replica pairs {i, i + 4} (dp is Megatron's outer axis); a search may add model-parallel
+        # all-reduces over other pairs inside a replica
+        pairs = {frozenset({i, i + 4}) for i in range(4)}
+        assert sum(c.kind == "all-reduce" and {frozenset(g) for g in c.groups} == pairs
+                   for c in step_rep.collectives) == 3
 
 
 # -- optimizer parallel --------------------------------------------------------------------------------

@@ -149,11 +149,17 @@ def test_megatron_step_without_a_fusion_setting_leaves_the_reductions_to_xla():
     assert len(data_parallel_all_reduces(step, DATA[0])) == 1
 
 
-def replica_all_reduces(step, data, replicas):
-    """Sizes of the all-reduces over ``replicas`` devices, less the 4-byte f32[] loss mean XLA may merge in."""
+# Megatron's dp=2 x mp=4 on 8 devices: devices 0-3 and 4-7 are the model-parallel groups (dp is the outer axis),
+# so the data-parallel replicas of a weight slice are the pairs {i, i + 4}
+DP_PAIRS = {frozenset({i, i + 4}) for i in range(4)}
+ALL_8 = {frozenset(range(8))}
+
+
+def replica_all_reduces(step, data, groups):
+    """Sizes of the all-reduces over the device ``groups``, less the 4-byte f32[] loss mean XLA may merge in."""
     out = []
     for c in ms.comm_report(step, *data).collectives:
-        if c.kind == "all-reduce" and c.group_size == replicas:
+        if c.kind == "all-reduce" and {frozenset(g) for g in c.groups} == groups:
             shape = c.text.split("=", 1)[1].split("all-reduce")[0]
             out.append(c.nbytes - 4 * len(re.findall(r"f32\[\]", shape)))
     return [x for x in out if x]
@@ -173,8 +179,9 @@ def slice_bytes(step):
 
 @pytest.mark.parametrize("mode", ["sharding_propagation", "dynamic_programming", "recursive_programming", "ilp"])
 def test_fusion_buckets_in_a_searched_megatron_step(mode):
-    """auto_parallel: the Megatron strategies are fixed, the search plans the rest. The replicas are the devices
-    the searched forward splits the batch over (here the 2 of Megatron's dp); every weight stays whole over them
+    """auto_parallel: the Megatron strategies are fixed, the search plans the rest. The replicas lie along the
+    batch's mesh axes that the user's strategies split no weight over (here Megatron's dp: the pairs {i, i + 4}),
+    even where the search split a bias or fc3 over them too; every weight stays whole over the replicas
     (in its searched layout on the model-parallel axes), each replica computes its own gradient, and each
     device all-reduces its slices over the replicas in the [2, 4] buckets. Training equals one device."""
     ms.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode=mode, device_num=8,
@@ -185,7 +192,7 @@ def test_fusion_buckets_in_a_searched_megatron_step(mode):
     slices = slice_bytes(step)
     # the user's Megatron weights keep their 4-way model-parallel slices
     assert slices[1] == 64 * 16 * 4 // 4 and slices[3] == 64 * 64 * 4 // 4
-    got = replica_all_reduces(step, data[0], 2)
+    got = replica_all_reduces(step, data[0], DP_PAIRS)
     assert sorted(got) == sorted(sum(slices[i] for i in b) for b in plan_buckets(slices, "index", (2, 4)))
 
 
@@ -200,7 +207,7 @@ def test_fusion_buckets_in_a_searched_step_without_strategies():
         net = MLP(nnx.Rngs(3))
         step = train_like_one_device(net, data, tx=lambda: optax.sgd(1e-2), wrap=wrap, opt_state=False)
         expect = [sum(SIZES[i] for i in b) for b in plan_buckets(SIZES, "index", (2, 4))]
-        assert sorted(replica_all_reduces(step, data[0], 8)) == sorted(expect) == [2080, 4352, 16640]
+        assert sorted(replica_all_reduces(step, data[0], ALL_8)) == sorted(expect) == [2080, 4352, 16640]
 
 
 def test_searched_megatron_step_with_optimizer_parallel_buckets():
@@ -222,7 +229,7 @@ def test_searched_megatron_step_with_optimizer_parallel_buckets():
     expect = [sum(weights[i] for i in b) // 2 for b in plan_buckets(weights, "size", 0.001)]
     assert sorted(gradient_collectives(step, data[0], "reduce-scatter")) == sorted(expect)
     biases = [slices[i] for i in range(6) if i not in zero]
-    assert sorted(replica_all_reduces(step, data[0], 2)) == sorted(
+    assert sorted(replica_all_reduces(step, data[0], DP_PAIRS)) == sorted(
         sum(biases[i] for i in b) for b in plan_buckets(biases, "index", (2, 4)))
 
 

@@ -246,6 +246,7 @@ class _StepPlan:
     dp_axes: tuple[str, ...]
     param_layouts: dict[str, DimAxes]          # "network.<path>" -> planned layout
     pure_dp: bool
+    strategy_layouts: dict[str, DimAxes] = field(default_factory=dict)    # as the user's strategies lay them out
     zero: dict[str, DimAxes] = field(default_factory=dict)      # ZeRO layouts of sharded parameters
     replicas: tuple[str, ...] = ()      # set when a model-parallel step computes per-replica gradients (fusion)
     info: dict[str, dict] = field(default_factory=dict)
@@ -262,6 +263,8 @@ def _plan_step(probe: Region, data: tuple, net: nnx.Module, ctx) -> _StepPlan:
     n_state = len(jax.tree.leaves(nnx.state(net)))
     names = [n for n, _ in _named_leaves(net)]
     param_layouts = {f"network.{nm}": lay.inputs[i] for i, nm in enumerate(names)}
+    by_strategy = lay.strategy_inputs or lay.inputs
+    strategy_layouts = {f"network.{nm}": by_strategy[i] for i, nm in enumerate(names)}
     data_lays = lay.inputs[n_state:]
     dp_axes: tuple[str, ...] = ()
     for d in data_lays:
@@ -274,7 +277,7 @@ def _plan_step(probe: Region, data: tuple, net: nnx.Module, ctx) -> _StepPlan:
     no_search = ctx.parallel_mode == "data_parallel" or (
         ctx.parallel_mode == "semi_auto_parallel" and search_algorithm(ctx) is None)
     pure = bool(dp_axes) and replicated and data_ok and not marks and no_search
-    return _StepPlan(lay.mesh, dp_axes, param_layouts, pure)
+    return _StepPlan(lay.mesh, dp_axes, param_layouts, pure, strategy_layouts)
 
 
 def _named_leaves(module: nnx.Module) -> list[tuple[str, Any]]:
@@ -347,7 +350,8 @@ class _Runtime:
         if _searched(ctx) and not fusion.is_default(ctx):
             # a searched step with a fusion setting runs its data-parallel replicas side by side (see
             # _replica_axes): every parameter is whole over the replicas, in its layout on the other axes
-            plan.param_layouts = {k: _drop_axes(v, plan.dp_axes) for k, v in plan.param_layouts.items()}
+            rax = _replica_axes(plan, ctx)
+            plan.param_layouts = {k: _drop_axes(v, rax) for k, v in plan.param_layouts.items()}
         pstate = nnx.as_pure(nnx.state(net, nnx.Param))
         pleaves, ptree = jax.tree.flatten_with_path(pstate)
         names = ["network." + ".".join(str(k.key) for k in p if isinstance(k, jax.tree_util.DictKey))
@@ -529,13 +533,13 @@ def _drop_axes(lay: DimAxes | None, axes: tuple[str, ...]) -> DimAxes | None:
 def _replica_axes(plan: _StepPlan, ctx) -> tuple[str, ...]:
     """The data-parallel axes of a model-parallel step. Planned from strategies: the batch's axes that no
     parameter is split over (with Megatron's dp=2 x mp=4 on 8 devices, the batch may enter split 8 ways but
-    the replicas are the 2 devices every weight slice is repeated on). Planned by a search: every axis the
-    searched forward splits the batch over (a search may split a weight over a data axis too, which no
-    replica group would then hold whole; the fused step keeps each weight whole over the replicas instead,
-    in its searched layout on the other axes, and the step's own search plans the rest around that)."""
-    if _searched(ctx):
-        return plan.dp_axes
-    used = {a for lay in plan.param_layouts.values() if lay for d in lay for a in d}
+    the replicas are the 2 devices every weight slice is repeated on). Planned by a search: the axes the
+    searched forward splits the batch over that the user's strategies alone split no parameter over (a search
+    may split a weight over a data axis too, which no replica group would then hold whole; the fused step
+    keeps each weight whole over the replicas instead, in its searched layout on the other axes, and the
+    step's own search plans the rest around that)."""
+    layouts = plan.strategy_layouts if _searched(ctx) else plan.param_layouts
+    used = {a for lay in layouts.values() if lay for d in lay for a in d}
     return tuple(a for a in plan.dp_axes if a not in used)
 
 
