@@ -345,18 +345,36 @@ def op_names(jaxpr: jcore.Jaxpr) -> dict[int, str]:
     return names
 
 
+def _inner_var(eqn, k: int):
+    """The body variable operand ``k`` of a call-like eqn or a ``scan`` constant is bound to (None otherwise: a
+    scan's carry or sliced input, another loop or branch)."""
+    body = call_jaxpr(eqn)
+    if body is not None:
+        return body, body.invars[k] if k < len(body.invars) else None
+    if eqn.primitive.name == "scan" and k < eqn.params.get("num_consts", 0):
+        body = _as_jaxpr(eqn.params["jaxpr"])
+        return body, body.invars[k]
+    return None, None
+
+
+def _first_use(eqns, v) -> Any:
+    """The first use of ``v`` if it is an annotated mark with a strategy (looking through call bodies and scan
+    constants: a weight used inside GradAccumulationCell's micro-batch loop or a recomputed Cell), else None."""
+    for eqn in eqns:
+        for k, u in enumerate(eqn.invars):
+            if isinstance(u, jcore.Literal) or u is not v:
+                continue
+            if eqn.primitive is mark_p:
+                ok = eqn.params["role"] == "in" and eqn.params["note"].in_strategy[eqn.params["index"]] is not None
+                return eqn if ok else None
+            body, inner = _inner_var(eqn, k)
+            return None if inner is None else _first_use(body.eqns, inner)
+    return None
+
+
 def _first_uses(jaxpr: jcore.Jaxpr) -> dict[Any, Any]:
     """Region inputs whose first use is an annotated mark with a strategy -> that mark eqn."""
-    first: dict[Any, Any] = {}
-    invars = set(jaxpr.invars)
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if isinstance(v, jcore.Literal) or v not in invars or v in first:
-                continue
-            ok = (eqn.primitive is mark_p and eqn.params["role"] == "in"
-                  and eqn.params["note"].in_strategy[eqn.params["index"]] is not None)
-            first[v] = eqn if ok else None
-    return first
+    return {v: _first_use(jaxpr.eqns, v) for v in jaxpr.invars}
 
 
 def data_layout(info: InputInfo, dataset: Any, index: int, mesh: RegionMesh, assigner: Assigner,

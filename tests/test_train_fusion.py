@@ -233,22 +233,25 @@ def test_searched_megatron_step_with_optimizer_parallel_buckets():
         sum(biases[i] for i in b) for b in plan_buckets(biases, "index", (2, 4)))
 
 
-@pytest.mark.parametrize("case", ["accumulation", "sum"])
-def test_fused_megatron_step_with_accumulation_or_gradient_sum(case):
-    """GradAccumulationCell inside every replica; gradients_mean=False: MindSpore's sum over the 2 replicas."""
+@pytest.mark.parametrize("case", ["accumulation", "recompute", "sum"])
+def test_fused_megatron_step_with_accumulation_recompute_or_gradient_sum(case):
+    """GradAccumulationCell inside every replica; recomputed layers; gradients_mean=False: MindSpore's sum over
+    the 2 replicas. The Megatron weights keep their slices although their first use is inside the micro-batch
+    loop or the recomputed call, so the replicas are still the 2 data-parallel devices."""
     mean = case != "sum"
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=mean,
                                  all_reduce_fusion_config=[2, 4])
     data = batches(3, [(32, 16), (32, 8)], seed=5)
     net = MLP(nnx.Rngs(5)).megatron(2, 4)
+    if case == "recompute":
+        net.recompute()
     step = train_like_one_device(net, data, tx=lambda: optax.sgd(1e-2), grad_scale=1.0 if mean else 2.0,
                                  wrap=(lambda n: nn.GradAccumulationCell(n, 2)) if case == "accumulation" else None,
                                  opt_state=False)
-    # under GradAccumulationCell the weights are placed whole (their first use is inside the micro-batch loop,
-    # which parameter slicing does not look into), so all 8 devices are replicas of them
-    replicas = 8 if case == "accumulation" else 2
-    rep = ms.comm_report(step, *data[0])
-    assert sum(c.kind == "all-reduce" and c.group_size == replicas for c in rep.collectives) == 3
+    assert net.fc1.weight[...].sharding.shard_shape((64, 16)) == (16, 16)
+    assert net.fc2.weight[...].sharding.shard_shape((64, 64)) == (64, 16)
+    got = replica_all_reduces(step, data[0], DP_PAIRS)
+    assert sorted(got) == sorted(sum(MP_SIZES[i] for i in b) for b in plan_buckets(MP_SIZES, "index", (2, 4)))
 
 
 def test_fused_step_with_cell_shard_and_parameter_plan():
