@@ -6,10 +6,18 @@ assignment as semi_auto: :mod:`mshard.assign`), the data inputs are fixed by dat
 parameters with a parameter_plan by it; the searcher decides the rest. Every traced op then has a
 layout for each result; the executor constrains op results to them, and an op's operands where the
 plan redistributes them.
+
+Updated state (parameters, optimizer state, counters) is stored back in its input's layout, which the
+graph shows as a ``writeback`` op per updated input (:func:`mshard.trace.jaxpr_to_graph`). Where the
+search left one of them free, the region is searched a second time with every updated input and its
+writeback held at the layout the first search gave the input: the update's ops are then priced against
+the layout they must end in (without this, a search splits an update as finely as it can, slicing is
+free, and XLA gathers every new value back after the step).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from collections.abc import Callable, Sequence
@@ -116,6 +124,29 @@ def _groups(trace: TraceResult) -> dict[int, Any]:
     return out
 
 
+def _hold_state(graph: Graph, strategies) -> bool:
+    """Fix each ``writeback`` op and its state input to the state input's layout in ``strategies`` (see
+    :func:`mshard.trace.jaxpr_to_graph`); True if any was not fixed yet."""
+    changed = False
+    for op in graph.ops:
+        if op.kind != "writeback":
+            continue
+        src = graph.producer(op.inputs[1])
+        lay = result_layout(src, strategies[src.id], src.outputs.index(op.inputs[1]))
+        want = tuple(tuple(a) for a in lay)
+        if op.fixed is None or src.fixed is None:
+            changed = True
+        src.fixed = src.fixed if src.fixed is not None else _strategy_from_layout_ids(src, want)
+        op.fixed = want
+    return changed
+
+
+def _strategy_from_layout_ids(op, layout) -> tuple:
+    """A source op's strategy (its loop dims are its tensor's dims) from a layout of mesh-axis indices."""
+    where = dict(zip(op.out_dims[0], layout))
+    return tuple(where.get(d, ()) for d in op.dims)
+
+
 def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx, algorithm: str,
                   param_plans: Sequence[tuple[str, str, Any]] = ()) -> Planned:
     """Plan a region with the searcher ``algorithm`` (a key of :data:`SEARCHERS`)."""
@@ -133,7 +164,11 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     dmesh = DeviceMesh(mesh.shape, mesh.names, tuple(bw) if bw else ())
     params = CostParams(alpha=cm.costmodel_alpha, beta=cm.costmodel_beta, gamma=cm.costmodel_gamma,
                         device_memory_capacity=cm.device_memory_capacity)
-    trace = jaxpr_to_graph(closed, dmesh, [i.kind for i in inputs], [i.name for i in inputs])
+    # a region returns its user outputs, then the new value of every state input (the "param" inputs, first)
+    n_state = sum(i.kind == "param" for i in inputs)
+    n_user = len(closed.jaxpr.outvars) - n_state
+    state = [(n_user + j, j) for j in range(n_state)] if n_user >= 0 else []
+    trace = jaxpr_to_graph(closed, dmesh, [i.kind for i in inputs], [i.name for i in inputs], state)
     graph = trace.graph
     # fixed: user inputs (data, parameter_plan), annotated marks, a loaded strategy file
     for i in range(len(inputs)):
@@ -168,6 +203,12 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     if "elementwise_op_strategy_follow" in inspect.signature(searcher).parameters:
         opts["elementwise_op_strategy_follow"] = algo.elementwise_op_strategy_follow
     result = searcher(graph, params, **opts)
+    if _hold_state(graph, result.strategies):
+        # updated state is stored in its input's layout: a second search with every state input held at
+        # the layout the first one gave it prices the update's layout against that (the writeback ops)
+        first = result.seconds
+        result = searcher(graph, params, **opts)
+        result = dataclasses.replace(result, seconds=result.seconds + first)
     notes.extend(result.notes)
     strategies = result.strategies
 

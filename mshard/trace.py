@@ -269,8 +269,27 @@ class _Tracer:
         self.eqns.append(TracedEqn(eqn, self.graph.ops[-1].id, name, path, tuple(inputs), tuple(outs)))
 
 
+def _tie_state(t: _Tracer, jaxpr, env: dict, state_outputs: Sequence[tuple[int, int]]) -> None:
+    """A ``writeback`` op per updated state: its operands are the new value (result ``o``) and the state input
+    ``i`` it replaces, on the same loop dims. The new value is stored in the input's layout (the region's
+    output sharding is the input's), so a plan that leaves it in another layout pays that redistribution
+    here, where the search sees it, instead of as a collective after the last op."""
+    g = t.graph
+    for o, i in state_outputs:
+        ov, iv = jaxpr.outvars[o], jaxpr.invars[i]
+        if isinstance(ov, jcore.Literal) or ov is iv:
+            continue
+        new, old = env[ov], env[iv]
+        shape = g.tensors[old].shape
+        if g.tensors[new].shape != shape or not shape:
+            continue
+        dims = {f"w{k}": n for k, n in enumerate(shape)}
+        g.add_op(t.names(f"writeback/{g.ops[g.tensors[old].producer].name}"), "writeback", dims, [new, old],
+                 [tuple(dims), tuple(dims)], [tuple(dims)], [shape], itemsize=g.tensors[old].itemsize, flops=0.0)
+
+
 def jaxpr_to_graph(closed_jaxpr, mesh: DeviceMesh, input_kinds: Sequence[str],
-                   input_names: Sequence[str]) -> TraceResult:
+                   input_names: Sequence[str], state_outputs: Sequence[tuple[int, int]] = ()) -> TraceResult:
     """The :class:`searchers.Graph` of ``closed_jaxpr`` (e.g. from ``jax.make_jaxpr``).
 
     ``input_kinds[i]`` (``"data"``, ``"param"`` or ``"const"``) and ``input_names[i]`` describe
@@ -281,6 +300,9 @@ def jaxpr_to_graph(closed_jaxpr, mesh: DeviceMesh, input_kinds: Sequence[str],
     >>> r = jaxpr_to_graph(cj, DeviceMesh.prime(8), ["data", "param"], ["x", "w"])
     >>> [op.name for op in r.graph.ops]
     ['x', 'w', 'dot_general', 'tanh']
+
+    ``state_outputs``: (result index, input index) pairs of a region's updated state (parameters,
+    optimizer state): each adds a ``writeback`` op tying the new value to the input's layout.
     """
     jaxpr = closed_jaxpr.jaxpr
     if len(input_kinds) != len(jaxpr.invars) or len(input_names) != len(jaxpr.invars):
@@ -300,6 +322,7 @@ def jaxpr_to_graph(closed_jaxpr, mesh: DeviceMesh, input_kinds: Sequence[str],
     t.var_tensor.update(env)
     t.walk(jaxpr, env, "", ())
     t.graph.outputs = [t.read(v, env, "output", i) for i, v in enumerate(jaxpr.outvars)]
+    _tie_state(t, jaxpr, env, state_outputs)
     return TraceResult(t.graph, closed_jaxpr, t.var_tensor, t.eqns, input_ops, const_ops, t.by_eqn)
 
 

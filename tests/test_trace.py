@@ -383,3 +383,17 @@ def test_itemsizes_and_bad_arguments():
     cj = jax.make_jaxpr(lambda x, y: x + y)(f32(2), f32(2))
     with pytest.raises(PlanError, match="2 inputs"):
         jaxpr_to_graph(cj, MESH8, ["data"], ["x"])
+
+
+def test_updated_state_is_tied_to_its_input_by_a_writeback_op():
+    """state_outputs (result index, input index): a writeback op consumes the new value and the input it
+    replaces on the same loop dims; an unchanged state (the result is the input itself) gets none."""
+    fn = lambda w, c, x: (jnp.sum(x @ w), w, c + 1.0)        # user output, then the new w (unchanged), new c
+    cj = jax.make_jaxpr(fn)(f32(4, 6), f32(6), f32(8, 4))
+    r = jaxpr_to_graph(cj, MESH8, ["param", "param", "data"], ["w", "c", "x"], state_outputs=[(1, 0), (2, 1)])
+    g = r.graph
+    (wb,) = [op for op in g.ops if op.kind == "writeback"]
+    assert wb.name == "writeback/c" and g.producer(wb.inputs[0]).kind == "add"
+    assert g.producer(wb.inputs[1]).name == "c" and wb.in_dims[0] == wb.in_dims[1] == tuple(wb.dims)
+    assert not any(op.kind == "writeback" for op in jaxpr_to_graph(cj, MESH8, ["param", "param", "data"],
+                                                                     ["w", "c", "x"]).graph.ops)

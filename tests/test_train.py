@@ -302,6 +302,35 @@ def test_auto_parallel_every_search_mode_trains_like_one_device(search_mode):
     assert_trees_close(step.opt_state, ref_opt)
 
 
+def test_searched_megatron_step_communicates_no_more_than_its_strategies_alone():
+    """The semi_auto step (the Megatron strategies, XLA's propagation elsewhere) is a plan in the search space
+    of the same step in auto_parallel with the same strategies fixed, so a good search must not compile to
+    more communication. It used to: the search split the parameter update over all 8 devices (cheaper compute,
+    free slicing) and XLA gathered every updated parameter back to its stored layout after the step, a cost
+    the search did not see until the updated state was tied to its input's layout (writeback ops)."""
+    data = batches(2, [(16, 8), (16, 8)], seed=9, ints=[32, 32])
+
+    def step_for(mode, **kw):
+        ms.reset_auto_parallel_context()
+        ms.set_auto_parallel_context(parallel_mode=mode, device_num=8, gradients_mean=True, **kw)
+        net = TinyGPT(nnx.Rngs(9), layers=1)
+        for blk in net.blocks:
+            blk.shard_megatron(2, 4)
+        return net, nn.TrainOneStepCell(nn.WithLossCell(net, token_loss), optax.sgd(0.1))
+
+    def moved(step):
+        return sum(c.moved for c in ms.comm_report(step, *data[0]).collectives)
+    ms.set_algo_parameters(fully_use_devices=False)
+    _, semi = step_for("semi_auto_parallel")
+    semi_moved = moved(semi)                       # planned under its own context
+    net, searched = step_for("auto_parallel", search_mode="dynamic_programming")
+    assert moved(searched) <= semi_moved
+    ref, _, ref_losses = reference_train(net, optax.sgd(0.1), data, token_loss)
+    losses = [float(searched(*b)) for b in data]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+
+
 def test_sens_scales_the_gradients():
     ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True)
     data = batches(2, [(32, 16), (32, 8)], seed=16)
