@@ -12,7 +12,9 @@ graph shows as a ``writeback`` op per updated input (:func:`mshard.trace.jaxpr_t
 search left one of them free, the region is searched a second time with every updated input and its
 writeback held at the layout the first search gave the input: the update's ops are then priced against
 the layout they must end in (without this, a search splits an update as finely as it can, slicing is
-free, and XLA gathers every new value back after the step).
+free, and XLA gathers every new value back after the step). Not for ``sharding_propagation``: it spreads
+layouts outwards from the fixed ops, and held state would make every parameter such a seed (measured on
+a GPT step: 5 times the bytes moved).
 """
 
 from __future__ import annotations
@@ -203,7 +205,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     if "elementwise_op_strategy_follow" in inspect.signature(searcher).parameters:
         opts["elementwise_op_strategy_follow"] = algo.elementwise_op_strategy_follow
     result = searcher(graph, params, **opts)
-    if _hold_state(graph, result.strategies):
+    if searcher is not sharding_propagation and _hold_state(graph, result.strategies):
         # updated state is stored in its input's layout: a second search with every state input held at
         # the layout the first one gave it prices the update's layout against that (the writeback ops)
         first = result.seconds
