@@ -31,7 +31,7 @@ from jax.extend import core as jcore
 from searchers import DeviceMesh, Graph
 from searchers.cost import CostParams, op_cost, redistribution_cost
 from searchers.dynamic_programming import dynamic_programming
-from searchers.graph import ms_strategy, operand_layout, result_layout
+from searchers.graph import ms_strategy, operand_layout, result_layout, strategy_of_layout
 from searchers.ilp import ilp
 from searchers.propagation import sharding_propagation
 from searchers.recursive_programming import recursive_programming
@@ -88,10 +88,8 @@ def _names(layout, mesh: RegionMesh) -> DimAxes:
 
 
 def _strategy_from_layout(op, layout: DimAxes, mesh: RegionMesh, operand: int | None = None):
-    """A strategy of an op whose loop dims map 1:1 onto one tensor (source ops, marks)."""
-    dims = op.out_dims[0] if operand is None else op.in_dims[operand]
-    where = {d: tuple(mesh.names.index(a) for a in axes) for d, axes in zip(dims, layout) if d is not None}
-    return tuple(where.get(d, ()) for d in op.dims)
+    """A strategy of an op whose loop dims map 1:1 onto one tensor (source ops, marks), from axis names."""
+    return strategy_of_layout(op, tuple(tuple(mesh.names.index(a) for a in axes) for axes in layout), operand)
 
 
 def _batched(lay: DimAxes, eqn, rank: int) -> DimAxes:
@@ -138,15 +136,9 @@ def _hold_state(graph: Graph, strategies) -> bool:
         want = tuple(tuple(a) for a in lay)
         if op.fixed is None or src.fixed is None:
             changed = True
-        src.fixed = src.fixed if src.fixed is not None else _strategy_from_layout_ids(src, want)
+        src.fixed = src.fixed if src.fixed is not None else strategy_of_layout(src, want)
         op.fixed = want
     return changed
-
-
-def _strategy_from_layout_ids(op, layout) -> tuple:
-    """A source op's strategy (its loop dims are its tensor's dims) from a layout of mesh-axis indices."""
-    where = dict(zip(op.out_dims[0], layout))
-    return tuple(where.get(d, ()) for d in op.dims)
 
 
 def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx, algorithm: str,

@@ -34,6 +34,7 @@ import numpy as np
 from jax.extend import core as jcore  # Literal, Jaxpr, ClosedJaxpr
 
 from searchers import DeviceMesh, Graph
+from searchers.graph import strategy_of_layout
 
 from . import rules
 from .errors import PlanError
@@ -240,8 +241,7 @@ class _Tracer:
             return
         lay = _spec_strategy(sh.spec, len(op.out_dims[0]), self.axis)
         if lay is not None:
-            where = dict(zip(op.out_dims[0], lay))
-            op.fixed = tuple(where.get(d, ()) for d in op.dims)
+            op.fixed = strategy_of_layout(op, lay)
 
     def op(self, eqn, env: dict, scope: str, path: tuple) -> None:
         prim = eqn.primitive.name

@@ -234,6 +234,21 @@ def result_layout(op: Op, strategy: Strategy, index: int = 0) -> TensorLayout:
     return tuple(where[d] if d is not None else () for d in op.out_dims[index])
 
 
+def strategy_of_layout(op: Op, layout: TensorLayout, operand: int | None = None) -> Strategy:
+    """The strategy that gives result 0 (or operand ``operand``) of ``op`` the tensor ``layout``, every loop
+    dim that tensor does not map left unsplit: the inverse of :func:`result_layout` for ops whose loop dims
+    are one tensor's dims (sources, elementwise ops, marks).
+
+    >>> g = Graph(DeviceMesh((2, 2)))
+    >>> x = g.source("x", (4, 6))
+    >>> strategy_of_layout(g.ops[0], ((), (0, 1)))
+    ((), (0, 1))
+    """
+    dims = op.out_dims[0] if operand is None else op.in_dims[operand]
+    where = {d: tuple(axes) for d, axes in zip(dims, layout) if d is not None}
+    return tuple(where.get(d, ()) for d in op.dims)
+
+
 def partial_axes(op: Op, strategy: Strategy) -> Axes:
     """Mesh axes over which the results are partial (axes of split reduction dims)."""
     where = dict(zip(op.dims, strategy))

@@ -111,16 +111,6 @@ def train_like_one_device(net, data, tx=lambda: optax.adam(1e-2), wrap=None, gra
     return step
 
 
-def data_parallel_all_reduces(step, data):
-    """Sizes of the all-reduces over the 2 data-parallel replicas (the model-parallel ones span 4 devices)."""
-    out = []
-    for c in ms.comm_report(step, *data).collectives:
-        if c.kind == "all-reduce" and c.group_size == 2:
-            shape = c.text.split("=", 1)[1].split("all-reduce")[0]
-            out.append(c.nbytes - 4 * len(re.findall(r"f32\[\]", shape)))
-    return [x for x in out if x]
-
-
 @pytest.mark.parametrize("ctx", [
     dict(all_reduce_fusion_config=[2, 4]),
     dict(all_reduce_fusion_config=[1]),
@@ -134,7 +124,7 @@ def test_fusion_buckets_in_a_megatron_step_match_one_device(ctx):
     data = batches(3, [(32, 16), (32, 8)], seed=21)
     net = MLP(nnx.Rngs(21), dropout=0.25).megatron(2, 4)
     step = train_like_one_device(net, data)
-    got = data_parallel_all_reduces(step, data[0])
+    got = replica_all_reduces(step, data[0], DP_PAIRS)
     assert sorted(got) == sorted(sum(MP_SIZES[i] for i in b) for b in plan_buckets(MP_SIZES, mode, config))
     assert net.fc1.weight[...].sharding.shard_shape((64, 16)) == (16, 16)        # still model parallel
 
@@ -146,7 +136,7 @@ def test_megatron_step_without_a_fusion_setting_leaves_the_reductions_to_xla():
     step(*DATA[0])
     # the gradient of the global loss: XLA's partitioner places the reductions (some span all 8 devices, for
     # the ops it splits 8 ways) and XLA:CPU's combiner merges those over the 2 replicas into one
-    assert len(data_parallel_all_reduces(step, DATA[0])) == 1
+    assert len(replica_all_reduces(step, DATA[0], DP_PAIRS)) == 1
 
 
 # Megatron's dp=2 x mp=4 on 8 devices: devices 0-3 and 4-7 are the model-parallel groups (dp is the outer axis),
@@ -262,7 +252,7 @@ def test_fused_step_with_cell_shard_and_parameter_plan():
     net = MLP(nnx.Rngs(7))
     net.shard(in_strategy=((2, 1),), parameter_plan={"fc1.weight": (4, 1), "fc2.weight": (1, 4)})
     step = train_like_one_device(net, data, opt_state=False)
-    assert len(data_parallel_all_reduces(step, data[0])) == 3
+    assert len(replica_all_reduces(step, data[0], DP_PAIRS)) == 3
 
 
 def test_fused_megatron_step_with_optimizer_parallel_buckets():
@@ -286,7 +276,7 @@ def test_fused_megatron_step_with_optimizer_parallel_buckets():
     # the updated halves come back in one all-gather (auto: 64 MB buckets)
     assert gradient_collectives(step, data[0], "all-gather").count(sum(weights)) == 1
     # the biases are all-reduced over the replicas in the allreduce buckets ([2, 4] over the 3 biases: 2 buckets)
-    assert sorted(data_parallel_all_reduces(step, data[0])) == sorted([MP_SIZES[0] + MP_SIZES[2], MP_SIZES[4]])
+    assert sorted(replica_all_reduces(step, data[0], DP_PAIRS)) == sorted([MP_SIZES[0] + MP_SIZES[2], MP_SIZES[4]])
 
 
 def test_fused_step_falls_back_when_a_replica_cannot_hold_the_strategy():
