@@ -173,11 +173,12 @@ def test_fusion_buckets_in_a_searched_megatron_step(mode):
     batch's mesh axes that the user's strategies split no weight over (here Megatron's dp: the pairs {i, i + 4}),
     even where the search split a bias or fc3 over them too; every weight stays whole over the replicas
     (in its searched layout on the model-parallel axes), each replica computes its own gradient, and each
-    device all-reduces its slices over the replicas in the [2, 4] buckets. Training equals one device."""
+    device all-reduces its slices over the replicas in the [2, 4] buckets. Training (dropout included) equals one
+    device."""
     ms.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode=mode, device_num=8,
                                  gradients_mean=True, all_reduce_fusion_config=[2, 4])
     data = batches(2, [(32, 16), (32, 8)], seed=21)
-    net = MLP(nnx.Rngs(21)).megatron(2, 4)
+    net = MLP(nnx.Rngs(21), dropout=0.25).megatron(2, 4)          # each replica draws its rows of the mask
     step = train_like_one_device(net, data, opt_state=False)
     slices = slice_bytes(step)
     # the user's Megatron weights keep their 4-way model-parallel slices
