@@ -72,23 +72,25 @@ assert mu.sharding.shard_shape(mu.shape) == (8, 16)          # Adam's moment sha
 
 
 # the same training with Megatron (dp=2 across the processes, mp=4 inside each) and gradient fusion: every device
-# all-reduces its gradient slices with its replica in the other process, in the buckets of all_reduce_fusion_config
-ms.reset_auto_parallel_context()
-ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True,
-                             all_reduce_fusion_config=[2])
-net = MLP(nnx.Rngs(0))
-net.fc1.matmul.shard(((2, 1), (4, 1)))
-net.fc1.bias_add.shard(((2, 4), (4,)))
-net.fc2.matmul.shard(((2, 4), (1, 4)))
-step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), tx)
-mp_losses = []
-for x, y in data:
-    half = slice(pid * 16, (pid + 1) * 16)
-    mp_losses.append(float(step(*ms.dataset.shard_batch((x[half], y[half])))))
-np.testing.assert_allclose(mp_losses, ref_losses, rtol=1e-5)
-for got, want in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), ref_params):
-    for shard in got.addressable_shards:
-        np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=2e-5, atol=2e-6)
-assert step._rt.last.replicas and net.fc1.weight[...].sharding.shard_shape((64, 16)) == (16, 16)
+# all-reduces its gradient slices with its replica in the other process, in the buckets of all_reduce_fusion_config;
+# from the strategies alone, and in auto_parallel with the same strategies fixed and the rest searched
+for mode, search in (("semi_auto_parallel", {}), ("auto_parallel", {"search_mode": "sharding_propagation"})):
+    ms.reset_auto_parallel_context()
+    ms.set_auto_parallel_context(parallel_mode=mode, device_num=8, gradients_mean=True, all_reduce_fusion_config=[2],
+                                 **search)
+    net = MLP(nnx.Rngs(0))
+    net.fc1.matmul.shard(((2, 1), (4, 1)))
+    net.fc1.bias_add.shard(((2, 4), (4,)))
+    net.fc2.matmul.shard(((2, 4), (1, 4)))
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), tx)
+    mp_losses = []
+    for x, y in data:
+        half = slice(pid * 16, (pid + 1) * 16)
+        mp_losses.append(float(step(*ms.dataset.shard_batch((x[half], y[half])))))
+    np.testing.assert_allclose(mp_losses, ref_losses, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), ref_params):
+        for shard in got.addressable_shards:
+            np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=2e-5, atol=2e-6)
+    assert step._rt.last.replicas and net.fc1.weight[...].sharding.shard_shape((64, 16)) == (16, 16), mode
 print(f"process {pid} OK", losses, mp_losses, flush=True)
 jax.distributed.shutdown()
