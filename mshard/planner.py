@@ -202,7 +202,9 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
         # the layout the first one gave it prices the update's layout against that (the writeback ops)
         first = result.seconds
         result = searcher(graph, params, **opts)
-        result = dataclasses.replace(result, seconds=result.seconds + first)
+        result = dataclasses.replace(result, seconds=result.seconds + first, notes=list(result.notes) + [
+            "updated state is stored in its input's layout: searched again with every updated input held at the "
+            "layout the first search gave it"])
     notes.extend(result.notes)
     strategies = result.strategies
 

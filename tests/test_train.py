@@ -325,6 +325,7 @@ def test_searched_megatron_step_communicates_no_more_than_its_strategies_alone()
     semi_moved = moved(semi)                       # planned under its own context
     net, searched = step_for("auto_parallel", search_mode="dynamic_programming")
     assert moved(searched) <= semi_moved
+    assert any("updated state" in n for n in searched.plan(*data[0]).notes)
     ref, _, ref_losses = reference_train(net, optax.sgd(0.1), data, token_loss)
     losses = [float(searched(*b)) for b in data]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
