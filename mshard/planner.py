@@ -15,6 +15,11 @@ the layout they must end in (without this, a search splits an update as finely a
 free, and XLA gathers every new value back after the step). Not for ``sharding_propagation``: it spreads
 layouts outwards from the fixed ops, and held state would make every parameter such a seed (measured on
 a GPT step: 5 times the bytes moved).
+
+``fully_use_devices`` restricts the ops a user output depends on (a training step's forward); the others
+(its backward and update, which MindSpore derives from the forward strategies and the parameters' layouts
+rather than searches) are marked ``free_devices`` and may leave devices idle, e.g. to stay in a Megatron
+layout that is replicated over the model-parallel devices.
 """
 
 from __future__ import annotations
@@ -124,6 +129,25 @@ def _groups(trace: TraceResult) -> dict[int, Any]:
     return out
 
 
+def _free_derived(graph: Graph, n_user: int) -> None:
+    """Mark ``free_devices`` every op no user output depends on: in a training step, the backward and the
+    update, which only feed the new state. MindSpore applies ``fully_use_devices`` to the operators it searches
+    (the forward); their backward is derived from the forward strategies and the optimizer follows the
+    parameters' layouts. Here they are searched too, but without that restriction."""
+    if n_user < 0 or n_user >= len(graph.outputs):
+        return
+    live: set[int] = set()
+    todo = list(graph.outputs[:n_user])
+    while todo:
+        op = graph.producer(todo.pop())
+        if op.id not in live:
+            live.add(op.id)
+            todo.extend(op.inputs)
+    for op in graph.ops:
+        if op.id not in live and not op.is_source:
+            op.free_devices = True
+
+
 def _hold_state(graph: Graph, strategies) -> bool:
     """Fix each ``writeback`` op and its state input to the state input's layout in ``strategies`` (see
     :func:`mshard.trace.jaxpr_to_graph`); True if any was not fixed yet."""
@@ -164,6 +188,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     state = [(n_user + j, j) for j in range(n_state)] if n_user >= 0 else []
     trace = jaxpr_to_graph(closed, dmesh, [i.kind for i in inputs], [i.name for i in inputs], state)
     graph = trace.graph
+    _free_derived(graph, n_user)
     # fixed: user inputs (data, parameter_plan), annotated marks, a loaded strategy file
     for i in range(len(inputs)):
         if i in base.user_inputs:

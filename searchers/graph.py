@@ -121,6 +121,8 @@ class Op:
     fixed: Strategy | None = None               # a user strategy: searchers never change it
     layer: str | None = None                    # repeated-layer key (ops of identical layers share it)
     split_limit: dict[str, int] | None = None   # loop dim -> a split of it must also divide this (reshape)
+    free_devices: bool = False                  # fully_use_devices does not apply (a training step's backward and
+                                                # update, which MindSpore derives from the forward, not searches)
 
     def split_sizes(self) -> tuple[int, ...]:
         """Per loop dim, the number a split count must divide (its size, or gcd with its split_limit)."""

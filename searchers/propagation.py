@@ -41,7 +41,7 @@ from .cost import Cost, CostParams, counted_cost
 from .cost_vectors import candidate_tables, cost_vector, redistribution_affine
 from .graph import DeviceMesh, Graph, Strategy, TensorLayout
 from .result import SearchResult
-from .spec import OpSpec, SpecKey, layout_of, spec_from_key, spec_keys
+from .spec import OpSpec, SpecKey, all_devices, layout_of, spec_from_key, spec_keys
 from .strategies import data_parallel_strategy, strategies_for
 
 ALGORITHM = "sharding_propagation"
@@ -117,7 +117,7 @@ class _Tables:
         st = self.by_struct.get(self.struct_of[sid])
         if st is None:
             cands = strategies_for(spec.sizes, spec.unsplittable, self.mesh.shape,
-                                   self.fully and bool(spec.in_maps), self.maxc)   # sources: not 'fully'
+                                   all_devices(spec, self.fully), self.maxc)
             in_lids = [self._lids(m, cands) for m in spec.in_maps]
             out_lids = [self._lids(m, cands) for m in spec.out_maps]
             tables = candidate_tables(spec.in_maps, spec.out_maps, spec.reduction, cands, self.mesh)

@@ -65,7 +65,7 @@ from .graph import DeviceMesh, Graph, Op, Strategy, Tensor
 from .progress import Progress
 from .propagation import _Tables
 from .result import SearchResult
-from .spec import layout_of, spec_keys
+from .spec import all_devices, layout_of, spec_keys
 from .strategies import strategies_for
 
 ALGORITHM = "recursive_programming"
@@ -188,7 +188,7 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
         if got is None:
             spec = tab.specs[sid]
             cands = tab.ensure(sid).cands
-            finals = strategies_for(spec.sizes, spec.unsplittable, mesh.shape, fully and bool(spec.in_maps))
+            finals = strategies_for(spec.sizes, spec.unsplittable, mesh.shape, all_devices(spec, fully))
             key = (cands, finals)
             got = by_sets.get(key)
             if got is None:

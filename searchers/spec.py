@@ -30,6 +30,7 @@ class OpSpec(NamedTuple):
     out_bytes: tuple[int, ...]               # global bytes of each result
     reduction: tuple[int, ...]               # loop-dim indices no result uses
     flops: float
+    free_devices: bool = False               # Op.free_devices: exempt from fully_use_devices
 
 
 def op_spec(op: Op, graph: Graph) -> OpSpec:
@@ -60,7 +61,7 @@ def _struct_id(op: Op) -> int:
     """The interned id of ``op``'s name-free structure (dims, maps, unsplittable, flops, split limits)."""
     lim = op.split_limit
     key = (tuple(op.dims.items()), tuple(op.in_dims), tuple(op.out_dims), op.unsplittable, op.flops,
-           op.kind in SOURCE_KINDS, tuple(sorted(lim.items())) if lim else None)
+           op.kind in SOURCE_KINDS, tuple(sorted(lim.items())) if lim else None, op.free_devices)
     sid = _STRUCT_IDS.get(key)
     if sid is None:
         sid = _STRUCT_IDS[key] = len(_STRUCTS)
@@ -84,8 +85,14 @@ def spec_keys(graph: Graph) -> list[SpecKey]:
 
 def spec_from_key(key: SpecKey) -> OpSpec:
     """The :class:`OpSpec` a :func:`spec_key` stands for."""
-    sizes, uns, in_maps, out_maps, red, flops = _STRUCTS[key[0]]
-    return OpSpec(sizes, uns, in_maps, out_maps, key[1], key[2], red, flops)
+    sizes, uns, in_maps, out_maps, red, flops, free = _STRUCTS[key[0]]
+    return OpSpec(sizes, uns, in_maps, out_maps, key[1], key[2], red, flops, free)
+
+
+def all_devices(spec: OpSpec, fully_use_devices: bool) -> bool:
+    """Whether ``fully_use_devices`` restricts this op: operators only (a source's layout follows its users,
+    as in MindSpore), and not ops marked ``free_devices``."""
+    return fully_use_devices and bool(spec.in_maps) and not spec.free_devices
 
 
 # interned op structures: a few per distinct op shape, never cleared (ids must stay valid)
@@ -100,7 +107,7 @@ def _structure(op: Op) -> tuple:
     used = {i for m in out_maps for i in m}
     uns = op.unsplittable
     return (op.split_sizes(), tuple(d in uns for d in op.dims), in_maps, out_maps,
-            tuple(i for i in range(len(idx)) if i not in used), op.compute_flops())
+            tuple(i for i in range(len(idx)) if i not in used), op.compute_flops(), op.free_devices)
 
 
 def layout_of(maps: tuple[int, ...], strategy: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:

@@ -44,8 +44,8 @@ def enumerate_strategies(op: Op, mesh: DeviceMesh, *, fully_use_devices: bool = 
     """
     if op.fixed is not None:
         return [tuple(tuple(a) for a in op.fixed)]
-    if op.is_source:   # fully_use_devices is about operators; a tensor's layout follows its users (MindSpore)
-        fully_use_devices = False
+    if op.is_source or op.free_devices:   # fully_use_devices is about operators; a tensor's layout follows its
+        fully_use_devices = False          # users (MindSpore); free_devices: the backward and update (Op)
     uns = tuple(d in op.unsplittable for d in op.dims)
     return list(strategies_for(op.split_sizes(), uns, mesh.shape, fully_use_devices, max_candidates))
 

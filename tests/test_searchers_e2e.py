@@ -123,3 +123,27 @@ def test_a_sharding_constraint_inside_a_searched_region_is_a_fixed_strategy(mode
     (op,) = [o for o in plan.ops if o.kind == "sharding_constraint"]
     assert op.fixed and op.strategy == ((1, 8),)
     assert_close(y, f(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_the_backward_and_update_of_a_step_are_exempt_from_fully_use_devices():
+    """In a searched region, the ops no user output depends on (a training step's backward and update, which
+    MindSpore derives rather than searches) are marked free_devices; the forward, which the loss depends on,
+    is not."""
+    from mshard.planner import _free_derived
+    from mshard.trace import jaxpr_to_graph
+    from searchers import DeviceMesh
+
+    def step(w, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+        return loss, w - 0.1 * g
+    w, x = jnp.ones((4, 6)), jnp.ones((8, 4))
+    r = jaxpr_to_graph(jax.make_jaxpr(step)(w, x), DeviceMesh.prime(8), ["param", "data"], ["w", "x"],
+                       state_outputs=[(1, 0)])
+    _free_derived(r.graph, 1)
+    free = {op.name for op in r.graph.ops if op.free_devices}
+    forward = {op.name for op in r.graph.ops if op.name.startswith("jvp()/") and not op.is_source}
+    backward = {op.name for op in r.graph.ops if op.name.startswith("transpose(") and not op.is_source}
+    # the forward ops the loss is computed by; jvp's residual 1 - tanh^2 feeds only the backward
+    assert forward - free == {"jvp()/dot_general", "jvp()/tanh", "jvp()/reduce_sum"}
+    assert backward and backward <= free
+    assert {"mul", "sub", "writeback/w"} <= free                     # the update w - 0.1 * g and its write-back
