@@ -17,30 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "examples"))
+import _cpu8  # first: 8 simulated CPU devices before JAX is imported
+import jax
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from gpt import GPT  # noqa: E402
-
-import mshard as ms  # noqa: E402
-from mshard import nn  # noqa: E402
+import mshard as ms
 
 CFG = dict(vocab=256, hidden=128, heads=4, ffn=512, seq=32, layers=2)
 BATCH = 16
-LOSS = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 SETTINGS = [("semi_auto_parallel", None, True), ("auto_parallel", "sharding_propagation", True),
             ("auto_parallel", "dynamic_programming", True), ("auto_parallel", "recursive_programming", True),
             ("auto_parallel", "sharding_propagation", False)]
@@ -56,15 +44,12 @@ def build(mode, search, megatron, fused):
     ctx = dict(parallel_mode=mode, device_num=8, gradients_mean=True)
     if search:
         ctx["search_mode"] = search
-    net = GPT(nnx.Rngs(0), **CFG)
-    if megatron:
-        for block in net.blocks:
-            block.shard_megatron(2, 4)
+    net, step = _cpu8.gpt_step(CFG, megatron)
     n_params = len(jax.tree.leaves(nnx.state(net, nnx.Param)))
     if fused:
         ctx["all_reduce_fusion_config"] = [n_params // 3, 2 * n_params // 3]
     ms.set_auto_parallel_context(**ctx)
-    return net, nn.TrainOneStepCell(nn.WithLossCell(net, LOSS), optax.sgd(0.1))
+    return net, step
 
 
 def replica_groups(step) -> set[frozenset[int]]:
@@ -90,7 +75,7 @@ def timed(step, batch, steps=5):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "fusion.json"))
+    ap.add_argument("--out", default=str(_cpu8.ROOT / "bench" / "out" / "fusion.json"))
     args = ap.parse_args(argv)
     batch = data()
     rows = []

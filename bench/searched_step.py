@@ -14,29 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "examples"))
+import _cpu8  # first: 8 simulated CPU devices before JAX is imported
+import numpy as np
 
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from gpt import GPT  # noqa: E402
-
-import mshard as ms  # noqa: E402
-from mshard import nn, planner  # noqa: E402
+import mshard as ms
+from mshard import planner
 
 CFG = dict(vocab=64, hidden=64, heads=4, ffn=128, seq=16, layers=1)
 BATCH = 16
 SEARCHERS = ("dynamic_programming", "ilp", "recursive_programming", "sharding_propagation")
-LOSS = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 
 
 def measure(mode, search=None):
@@ -44,10 +32,7 @@ def measure(mode, search=None):
     ms.reset_auto_parallel_context()
     ms.set_auto_parallel_context(parallel_mode=mode, device_num=8, gradients_mean=True,
                                  **({"search_mode": search} if search else {}))
-    net = GPT(nnx.Rngs(0), **CFG)
-    for block in net.blocks:
-        block.shard_megatron(2, 4)
-    step = nn.TrainOneStepCell(nn.WithLossCell(net, LOSS), optax.sgd(0.1))
+    _, step = _cpu8.gpt_step(CFG)
     rep = ms.comm_report(step, t[:, :-1], t[:, 1:])
     return {"collectives": rep.total_count, "moved_bytes": int(sum(c.moved for c in rep.collectives))}
 
@@ -55,7 +40,7 @@ def measure(mode, search=None):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--searchers", default=",".join(SEARCHERS))
-    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "searched_step.json"))
+    ap.add_argument("--out", default=str(_cpu8.ROOT / "bench" / "out" / "searched_step.json"))
     args = ap.parse_args(argv)
     hold = planner._hold_state
     rows = []
