@@ -347,7 +347,7 @@ class _Runtime:
         ctx = ctxmod.current()
         net, opt = cell.network, cell.optimizer
         plan = _plan_step(self.probe, data, net, ctx)
-        if _searched(ctx) and not fusion.is_default(ctx):
+        if search_algorithm(ctx) is not None and not fusion.is_default(ctx):
             # a searched step with a fusion setting runs its data-parallel replicas side by side (see
             # _replica_axes): every parameter is whole over the replicas, in its layout on the other axes
             rax = _replica_axes(plan, ctx)
@@ -521,11 +521,6 @@ def _no_fusion_reason(plan: _StepPlan, ctx) -> str | None:
     return None
 
 
-def _searched(ctx) -> bool:
-    return ctx.parallel_mode == "auto_parallel" or (
-        ctx.parallel_mode == "semi_auto_parallel" and search_algorithm(ctx) is not None)
-
-
 def _drop_axes(lay: DimAxes | None, axes: tuple[str, ...]) -> DimAxes | None:
     return None if lay is None else tuple(tuple(a for a in d if a not in axes) for d in lay)
 
@@ -538,7 +533,7 @@ def _replica_axes(plan: _StepPlan, ctx) -> tuple[str, ...]:
     may split a weight over a data axis too, which no replica group would then hold whole; the fused step
     keeps each weight whole over the replicas instead, in its searched layout on the other axes, and the
     step's own search plans the rest around that)."""
-    layouts = plan.strategy_layouts if _searched(ctx) else plan.param_layouts
+    layouts = plan.strategy_layouts if search_algorithm(ctx) is not None else plan.param_layouts
     used = {a for lay in layouts.values() if lay for d in lay for a in d}
     return tuple(a for a in plan.dp_axes if a not in used)
 
