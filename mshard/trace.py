@@ -134,7 +134,7 @@ def _spec_strategy(spec, rank: int, axis: dict[str, int]) -> tuple[tuple[int, ..
         if any(n not in axis for n in names):
             return None
         out.append(tuple(axis[n] for n in names))
-    return tuple(out[:rank]) if len(out) >= rank else None
+    return tuple(out[:rank])
 
 
 def _join(*parts: str) -> str:
@@ -222,17 +222,21 @@ class _Tracer:
         if any(s is None for s in ins + outs):
             return False
         for i, (v, st) in enumerate(zip(eqn.invars, ins)):
-            tid = self.read(v, env, name, i)
-            shape = _shape(v.aval)
-            dims = {f"i{k}": n for k, n in enumerate(shape)}
-            self.graph.add_op(self.names(f"{name}/in{i}"), "shard_map_in", dims, [tid], [tuple(dims)],
-                              [tuple(dims)], [shape], itemsize=_itemsize(v.aval), fixed=st)
+            self.identity(f"{name}/in{i}", "shard_map_in", [self.read(v, env, name, i)], fixed=st)
         for j, (v, st) in enumerate(zip(eqn.outvars, outs)):
             tid = self.graph.source(self.names(f"{name}/out{j}"), _shape(v.aval), kind="data",
                                     itemsize=_itemsize(v.aval), fixed=st)
             env[v] = tid
             self.var_tensor[v] = tid
         return True
+
+    def identity(self, name: str, kind: str, tids: list[int], **kw) -> None:
+        """An op over one tensor's dims (every operand shaped like ``tids[0]``) whose result nobody reads: a
+        fixed boundary or a tie between tensors that the search prices through its edges."""
+        t = self.graph.tensors[tids[0]]
+        dims = {f"i{k}": n for k, n in enumerate(t.shape)}
+        self.graph.add_op(self.names(name), kind, dims, tids, [tuple(dims)] * len(tids), [tuple(dims)],
+                          [t.shape], itemsize=t.itemsize, flops=0.0, **kw)
 
     def fixed_by_constraint(self, eqn, op) -> None:
         """Fix a ``sharding_constraint`` op to its sharding when that is on the region mesh."""
@@ -280,12 +284,9 @@ def _tie_state(t: _Tracer, jaxpr, env: dict, state_outputs: Sequence[tuple[int, 
         if isinstance(ov, jcore.Literal) or ov is iv:
             continue
         new, old = env[ov], env[iv]
-        shape = g.tensors[old].shape
-        if g.tensors[new].shape != shape or not shape:
+        if g.tensors[new].shape != g.tensors[old].shape or not g.tensors[old].shape:
             continue
-        dims = {f"w{k}": n for k, n in enumerate(shape)}
-        g.add_op(t.names(f"writeback/{g.ops[g.tensors[old].producer].name}"), "writeback", dims, [new, old],
-                 [tuple(dims), tuple(dims)], [tuple(dims)], [shape], itemsize=g.tensors[old].itemsize, flops=0.0)
+        t.identity(f"writeback/{g.ops[g.tensors[old].producer].name}", "writeback", [new, old])
 
 
 def jaxpr_to_graph(closed_jaxpr, mesh: DeviceMesh, input_kinds: Sequence[str],
