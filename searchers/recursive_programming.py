@@ -10,11 +10,12 @@ reduction dim, memory — the symbolic costs of the paper (cutting ``i`` of a Ma
 the weight, cutting ``k`` leaves partial sums) — plus the redistribution against the
 neighbours already decided in this round, at their partial layouts.
 
-An op's round-``r`` cut depends only on its own earlier cuts and on the round-``r`` state of the
-heavier neighbours; so the rounds are run op by op in one pass (identical results to running
-them round by round), and each op's decision is memoised on (op shape and sizes, the decided
-neighbours' layouts): repeated layers cost one evaluation. Work is linear in the number of
-ops and edges; no sort beyond the weight order.
+In a round an op reads the new layouts of its heavier neighbours and the old ones of its
+lighter neighbours, so the ops fall into *levels* of ops that do not depend on each other
+(:mod:`searchers.rp_levels`). The large leading levels are decided at once with numpy; the
+rest op by op, each decision memoised on (op shape and sizes, neighbours' layouts), so
+repeated layers cost one evaluation. Both give the same plan (the same sums in the same order,
+the same ties). Work is linear in the number of ops and edges; no sort beyond the weight order.
 
 Quality — no worst-case bound. Three additions to the paper: an input used by one op only (a
 weight) is folded into that op, which prices each cut with the weight's best response
@@ -53,7 +54,8 @@ from __future__ import annotations
 import gc
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import cast
 
 import numpy as np
 
@@ -65,12 +67,15 @@ from .graph import DeviceMesh, Graph, Op, Strategy, Tensor
 from .progress import Progress
 from .propagation import _Tables
 from .result import SearchResult
+from .rp_levels import LevelBatch
+from .slots import Slots, slot_graph
 from .spec import all_devices, layout_of, spec_keys
 from .strategies import strategies_for
 
 ALGORITHM = "recursive_programming"
 _REL_TIE = 1e-9
 POLISH_AUTO_OPS = 20_000     # polish="auto": two sweeps up to this many movable ops, none above
+LEVEL_MIN_OPS = 128          # levels of at least this many ops are decided at once (numpy), the rest op by op
 
 
 class _Rounds:
@@ -134,51 +139,26 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     mesh, ops, tensors = graph.mesh, graph.ops, graph.tensors
     n, n_axes = len(ops), len(mesh.shape)
     tab = _Tables(graph, params, False, None)          # every partial strategy is a candidate here
-    # one pass: spec ids, and flat layout slots (every op's operands then results); refs[v]: the
-    # slots of v's neighbours that v's cost depends on (its operands' producer results, its
-    # results' consumer operands); e_*: per edge, the operand slot, the producer result slot, bytes
-    sids: list[int] = []
-    in_base, out_base, in_end, out_end, nslot = [0] * n, [0] * n, [0] * n, [0] * n, 0
-    res_slot = [0] * len(tensors)
-    refs: list[list[int]] = [[] for _ in ops]
-    outj: list[list[int]] = [[] for _ in ops]       # per op: the result index behind each consumer ref
-    e_in: list[int] = []
-    e_src: list[int] = []
-    e_bytes: list[int] = []
-    producer = [t.producer for t in tensors]
-    known = tab.key_ids.get
-    for op, skey in zip(ops, spec_keys(graph)):
-        v = op.id
-        sid = known(skey)
-        sids.append(tab.spec_id(skey) if sid is None else sid)
-        in_base[v] = cb = nslot
-        mine = refs[v]
-        for k, tid in enumerate(op.inputs):
-            p = producer[tid]
-            slot = res_slot[tid]
-            mine.append(slot)
-            refs[p].append(cb + k)
-            outj[p].append(slot - out_base[p])
-            e_src.append(slot)
-        e_bytes.extend(skey[1])
-        nslot += len(op.inputs)
-        e_in.extend(range(cb, nslot))
-        in_end[v] = out_base[v] = nslot
-        for j, tid in enumerate(op.outputs):
-            res_slot[tid] = nslot + j
-        nslot += len(op.outputs)
-        out_end[v] = nslot
+    # flat layout slots (every op's operands then results) and each op's refs: the slots of its
+    # neighbours its cost depends on (searchers.slots)
+    sl = slot_graph(graph)
+    sids = [tab.spec_id(k) for k in spec_keys(graph)]
+    base, rp = sl.base.tolist(), sl.ref_ptr.tolist()
+    in_base, out_end, nslot = base[:-1], base[1:], base[-1]
+    in_end = out_base = (sl.base[:-1] + sl.n_in).tolist()
+    rl, pl, nin = sl.ref_slot.tolist(), sl.ref_pos.tolist(), sl.n_in.tolist()
+    refs = [rl[i:j] for i, j in zip(rp, rp[1:])]
     # a signature says which operand / result each ref is: (operand count, result index per consumer ref)
     sig_ids: dict[tuple, int] = {}
     sigs: list[tuple] = []
     sig_of = []
-    for op, js in zip(ops, outj):
-        t = (len(op.inputs), tuple(js))
-        i = sig_ids.get(t)
-        if i is None:
-            i = sig_ids[t] = len(sigs)
-            sigs.append(tuple((0, k) for k in range(t[0])) + tuple((1, j) for j in js))
-        sig_of.append(i)
+    for k, i, j in zip(nin, rp, rp[1:]):
+        t = (k, tuple(pl[i + k:j]))
+        g = sig_ids.get(t)
+        if g is None:
+            g = sig_ids[t] = len(sigs)
+            sigs.append(tuple((0, q) for q in range(k)) + tuple((1, x - k) for x in t[1]))
+        sig_of.append(g)
     rounds: dict[int, _Rounds] = {}
     by_sets: dict[tuple, _Rounds] = {}       # structures with the same candidates share their round tables
 
@@ -309,47 +289,66 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
         rank[v] = i
     structs = tab.structs
     get = lay.__getitem__
-    work = [(v, sids[v], sig_of[v], refs[v], in_base[v], in_end[v], out_base[v], out_end[v]) for v in movable]
+
+    def one_by_one(entries: list[tuple], memo: dict[tuple, int], choose: Callable[[int, int, int, tuple], int]) -> int:
+        """Give each op of ``entries``, in order, its choice against its neighbours' current
+        layouts; memoised on (spec, signature, state, neighbour layouts). How many ops moved."""
+        moved = 0
+        mget = memo.get
+        for v, sid, sig, rf, ib, ie, ob, oe in entries:
+            s0 = state[v]
+            key = (sid, sig, s0, *map(get, rf))
+            c = mget(key)
+            if c is None:
+                c = memo[key] = choose(sid, sig, s0, key[3:])
+            if c != s0:
+                moved += 1
+                state[v] = c
+                st = structs[sid]
+                lay[ib:ie] = st.in_rows[c]    # type: ignore[union-attr]
+                lay[ob:oe] = st.out_rows[c]   # type: ignore[union-attr]
+        return moved
+
+    def entries(vs: Iterable[int]) -> list[tuple]:
+        return [(v, sids[v], sig_of[v], refs[v], in_base[v], in_end[v], out_base[v], out_end[v]) for v in vs]
+
+    levels = _levels(movable, sl, sids, tab, rounds_of, side, n_axes) if len(movable) >= LEVEL_MIN_OPS else None
+    if levels is None:
+        work = entries(movable)
+    else:
+        work = entries(movable[i] for i in levels.tail.tolist())
+        st_np, lay_np = np.asarray(state, dtype=np.intp), np.asarray(lay, dtype=np.intp)
+
+    def sweep(memo: dict[tuple, int], rnd: int | None) -> int:
+        """Round ``rnd`` (None: a refinement sweep): the large levels at once, then the rest op by
+        op. How many ops moved."""
+        def choose(sid: int, sig: int, s0: int, lids: tuple) -> int:
+            return refine_one(sid, sig, s0, lids) if rnd is None else decide(sid, sig, rnd, s0, lids)
+
+        if levels is None:
+            return one_by_one(work, memo, choose)
+        moved = levels.sweep(rnd, st_np, lay_np)
+        lay[:] = lay_np.tolist()
+        state[:] = st_np.tolist()
+        if work:
+            moved += one_by_one(work, memo, choose)
+            levels.apply(levels.tail, np.asarray([state[e[0]] for e in work], dtype=np.intp), st_np, lay_np)
+        return moved
+
     with Progress(f"recursive_programming: {n} ops", n * n_axes) as bar:
         for r in range(n_axes):
-            decisions: dict[tuple, int] = {}       # per round: (spec, signature, state, *neighbour layouts)
-            dget = decisions.get
-            for v, sid, sig, rf, ib, ie, ob, oe in work:
-                s0 = state[v]
-                key = (sid, sig, s0, *map(get, rf))
-                c = dget(key)
-                if c is None:
-                    c = decisions[key] = decide(sid, sig, r, s0, key[3:])
-                if c != s0:
-                    state[v] = c
-                    st = structs[sid]
-                    lay[ib:ie] = st.in_rows[c]    # type: ignore[union-attr]
-                    lay[ob:oe] = st.out_rows[c]   # type: ignore[union-attr]
+            sweep({}, r)           # a memo per round: (spec, signature, state, *neighbour layouts) -> cut
             bar.advance(n)
-        decisions = {}
-        dget = decisions.get
+        memo: dict[tuple, int] = {}
         for _sweep in range(refine):
-            moved = 0
-            for v, sid, sig, rf, ib, ie, ob, oe in work:
-                s0 = state[v]
-                key = (sid, sig, s0, *map(get, rf))
-                c = dget(key)
-                if c is None:
-                    c = decisions[key] = refine_one(sid, sig, s0, key[3:])
-                if c != s0:
-                    moved += 1
-                    state[v] = c
-                    st = structs[sid]
-                    lay[ib:ie] = st.in_rows[c]    # type: ignore[union-attr]
-                    lay[ob:oe] = st.out_rows[c]   # type: ignore[union-attr]
-            if not moved:
+            if not sweep(memo, None):
                 break
         if polish == "auto":
             polish = 2 if len(movable) <= POLISH_AUTO_OPS else 0
         if polish:
             view = _View(ops, tensors, sids, sig_of, sigs, refs, in_base, in_end, out_base, out_end, lay, state,
                          tab, rounds_of, side, movable)
-            view.sweeps(int(polish), block_size, rank, e_src, e_in)
+            view.sweeps(int(polish), block_size, rank, sl.e_src, sl.e_in)
         for u in leaves:                  # each leaf's best response to its user's final layout
             (c,) = tensors[ops[u].outputs[0]].consumers
             want = lay[in_base[c] + ops[c].inputs.index(ops[u].outputs[0])]
@@ -364,12 +363,35 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     notes = []
     if followers:
         notes.append(f"elementwise_op_strategy_follow: {followers} elementwise op(s) took their consumer's layout")
-    cost = _cost(tab, sids, chosen, lay, e_in, e_src, e_bytes, mesh, params)
+    cost = _cost(tab, sids, chosen, lay, sl.e_in, sl.e_src, sl.e_bytes, mesh, params)
     return SearchResult(dict(enumerate(chosen)), cost, ALGORITHM, time.perf_counter() - t0, notes)
 
 
-def _cost(tab: _Tables, sids: list[int], chosen: list[Strategy], lay: list[int], e_in: list[int],
-          e_src: list[int], e_bytes: list[int], mesh: DeviceMesh, params: CostParams) -> Cost:
+def _levels(movable: list[int], sl: Slots, sids: list[int], tab: _Tables, rounds_of: Callable[[int], _Rounds],
+            side: Callable[[int, int, int, int], np.ndarray], n_axes: int) -> LevelBatch | None:
+    """The movable ops as a :class:`~searchers.rp_levels.LevelBatch`; None where there is no
+    round, no level is large enough, or the side-vector index would not fit."""
+    widest = max(len(spec.in_maps) + len(spec.out_maps) for spec in tab.specs)
+    if not n_axes or not LevelBatch.fits(len(tab.specs), widest, len(tab.layouts)):
+        return None
+    cand_slots: dict[int, np.ndarray] = {}
+
+    def slots_of(sid: int) -> np.ndarray:
+        got = cand_slots.get(sid)
+        if got is None:
+            st = tab.ensure(sid)
+            got = cand_slots[sid] = np.asarray([a + b for a, b in zip(st.in_rows, st.out_rows)], dtype=np.intp)
+        return got
+
+    lb = LevelBatch(np.asarray(movable, dtype=np.intp), np.asarray(sids, dtype=np.intp), sl,
+                    cast(list[np.ndarray], tab.own), [len(spec.in_maps) for spec in tab.specs], slots_of,
+                    lambda sid: rounds_of(sid).kids, lambda sid: rounds_of(sid).final_array, side,
+                    len(tab.layouts), n_axes, LEVEL_MIN_OPS)
+    return lb if lb.n_levels else None
+
+
+def _cost(tab: _Tables, sids: list[int], chosen: list[Strategy], lay: list[int], e_in: np.ndarray,
+          e_src: np.ndarray, e_bytes: np.ndarray, mesh: DeviceMesh, params: CostParams) -> Cost:
     """:func:`~searchers.cost.graph_cost` of the plan, counted on the layout ids at hand."""
     by_spec: Counter = Counter()
     for (sid, st), c in Counter(zip(sids, chosen)).items():   # distinct sids may share an OpSpec
@@ -497,7 +519,7 @@ class _View:
         self.lay[self.out_base[v]:self.out_end[v]] = st.out_rows[k]   # type: ignore[union-attr]
         self.moved.add(v)
 
-    def sweeps(self, n: int, block_size: int, rank: list[int], e_src: list[int], e_in: list[int]) -> None:
+    def sweeps(self, n: int, block_size: int, rank: list[int], e_src: np.ndarray, e_in: np.ndarray) -> None:
         """Up to ``n`` sweeps over the consumers of edges that redistribute, heaviest first; after
         the first, only those next to an op that moved in the sweep before."""
         cons = np.repeat(np.arange(len(self.ops)), [len(op.inputs) for op in self.ops])

@@ -1,0 +1,261 @@
+"""recursive_programming's rounds and refinement sweep, many ops at a time (numpy).
+
+In a round every op, heaviest first, takes the cut that is cheapest against its neighbours'
+current layouts: an op reads the new layouts of its heavier neighbours and the old ones of its
+lighter neighbours. So an op depends only on its heavier neighbours, and the ops fall into
+*levels*: level 0 has no heavier movable neighbour, level ``k`` has one in level ``k - 1`` and
+none deeper. Two neighbours are never in one level, so a whole level can be decided at once,
+with exactly the arithmetic of the op-by-op loop (same sums in the same order, same ties),
+and the result is identical to it. This class does that for the leading levels while they
+are large (a random DAG of 100k ops has about 15 levels; a stack of identical layers ordered
+by program order has thousands of tiny ones); the remaining *tail* (every op at or below the
+first small level, a set closed under lighter neighbours) is left to the op-by-op loop, in
+weight order, after the levels.
+
+>>> import numpy as np
+>>> levels_of(np.array([0, 1, 0]), np.array([1, 2, 2]), 3, min_size=1)   # edges 0->1, 1->2, 0->2
+(array([0, 1, 2]), 3)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .slots import Slots
+
+_REL_TIE = 1e-9
+_NO = -1
+_MAX_INDEX = 1 << 24        # entries of the side-vector index (int32): 64 MiB at most
+_MIX = np.random.default_rng(0).integers(1, 1 << 62, size=64, dtype=np.int64) | 1   # row hash multipliers
+
+
+def levels_of(src: np.ndarray, dst: np.ndarray, n: int, min_size: int) -> tuple[np.ndarray, int]:
+    """Level of each of ``n`` nodes on the edges ``src[e] -> dst[e]`` (``src[e] < dst[e]``): the
+    length of the longest path ending there, and the number of leading levels that hold at least
+    ``min_size`` nodes each. Levels past those are not computed exactly (only known to be at
+    least that number), so nodes at or past it form the tail."""
+    lvl = np.zeros(n, dtype=np.int64)
+    order = np.argsort(dst, kind="stable")
+    s, d = src[order], dst[order]
+    heads = np.flatnonzero(np.r_[True, d[1:] != d[:-1]]) if len(d) else np.zeros(0, dtype=np.intp)
+    targets = d[heads]
+    t = 0
+    while True:
+        # after t + 1 relaxations every level below t + 1 is exact (longest paths truncated at t + 1)
+        new = np.zeros(n, dtype=np.int64)
+        if len(d):
+            new[targets] = np.maximum.reduceat(lvl[s], heads) + 1
+        changed = bool((new != lvl).any())
+        lvl = new
+        if int((lvl == t).sum()) < min_size:
+            return lvl, t
+        t += 1
+        if not changed:
+            return lvl, t
+
+
+def distinct_rows(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The first row of each group of equal rows of ``key`` and each row's group: an exact
+    ``np.unique(key, axis=0)``, by a hash of each row checked against the rows (it falls back
+    to sorting the rows on a collision).
+
+    >>> first, inv = distinct_rows(np.array([[1, 2], [3, 4], [1, 2]]))
+    >>> first[inv].tolist()
+    [0, 1, 0]
+    """
+    first: np.ndarray | None = None
+    if key.shape[1] <= len(_MIX):
+        with np.errstate(over="ignore"):
+            _, first, inv = np.unique(key @ _MIX[:key.shape[1]], return_index=True, return_inverse=True)
+        if not (key == key[first][inv]).all():
+            first = None
+    if first is None:
+        _, first, inv = np.unique(key, axis=0, return_index=True, return_inverse=True)
+    return first, inv.reshape(-1)
+
+
+class LevelBatch:
+    """The movable ops of a recursive_programming search as flat arrays, decided level by level.
+
+    ``ops``: the movable ops in weight order; ``refs[v]``: the layout slots ``v``'s cost reads
+    (its operands' producer results, then its results' consumer operands); ``ref_pos[v]``: where
+    each one meets ``v``'s own slot block (operand ``k`` is ``k``, result ``j`` is
+    ``n_operands + j``); ``cand_slots(sid)``: per candidate, the layout id of every slot of the
+    op; ``kids(sid)``: ``{(round, state): candidates}``; ``side(sid, out, idx, lid)``: the
+    searcher's side vector (per candidate) against layout ``lid`` at operand (``out == 0``) or
+    result ``idx``, a negative ``lid`` marking a folded leaf."""
+
+    def __init__(self, ops: np.ndarray, sids: np.ndarray, sl: Slots, own: Sequence[np.ndarray], n_in: Sequence[int],
+                 cand_slots: Callable[[int], np.ndarray], kids: Callable[[int], dict], finals: Callable[[int], np.ndarray],
+                 side: Callable[[int, int, int, int], np.ndarray], n_layouts: int, n_axes: int, min_size: int) -> None:
+        m = len(ops)
+        self.ops, self.sid = ops, sids[ops]
+        self.off = sl.ref_ptr[ops]
+        self.deg = sl.ref_ptr[ops + 1] - self.off
+        self.ref_slot, self.base = sl.ref_slot, sl.base[ops]
+        # dependencies: a ref to a heavier movable op (earlier in ``ops``)
+        where_op = np.full(len(sl.ref_ptr) - 1, _NO, dtype=np.intp)
+        where_op[ops] = np.arange(m)
+        ref_owner = np.repeat(np.arange(len(where_op)), np.diff(sl.ref_ptr))
+        me, nb = where_op[ref_owner], where_op[sl.owner[sl.ref_slot]]
+        dep = (me >= 0) & (nb >= 0) & (nb < me)
+        self.level, self.n_levels = levels_of(nb[dep], me[dep], m, min_size)
+        self.groups = [np.flatnonzero(self.level == k) for k in range(self.n_levels)]
+        self.tail = np.flatnonzero(self.level >= self.n_levels)
+        self._tables(own, cand_slots, kids, finals, n_axes)
+        # side vectors, one table row per (spec, position, neighbour layout); a folded leaf's
+        # marker -usid - 1 is shifted into range by ``len(own)``
+        self.used = np.unique(self.sid)
+        self.P = int(sl.ref_pos.max(initial=0)) + 1
+        self.W = n_layouts + len(own)
+        self.shift = len(own)
+        local = np.zeros(len(own), dtype=np.intp)
+        local[self.used] = np.arange(len(self.used))
+        self.ref_code = (local[sids[ref_owner]] * self.P + sl.ref_pos) * self.W + self.shift
+        self.row_of = np.full(len(self.used) * self.P * self.W, _NO, dtype=np.int32)
+        self.vec = np.zeros((64, self.C + 1))
+        self.n_rows = 0
+        self.n_in, self.side = n_in, side
+
+    @staticmethod
+    def fits(n_specs: int, positions: int, n_layouts: int) -> bool:
+        """Whether the side-vector index of a search this large fits in memory (else: op by op)."""
+        return n_specs * positions * (n_layouts + n_specs) <= _MAX_INDEX
+
+    def _tables(self, own: Sequence[np.ndarray], cand_slots: Callable[[int], np.ndarray], kids: Callable[[int], dict],
+                finals: Callable[[int], np.ndarray], n_axes: int) -> None:
+        """Padded per-spec tables; candidate index ``C`` (one past the widest) is the padding."""
+        used = np.unique(self.sid).tolist()
+        C = max(len(own[s]) for s in used)
+        P = max(cand_slots(s).shape[1] for s in used)
+        ns = len(own)
+        self.own = np.full((ns, C + 1), np.inf)
+        self.slots = np.zeros((ns, C + 1, max(P, 1)), dtype=np.intp)
+        self.n_slots = np.zeros(ns, dtype=np.intp)
+        rid: dict[int, int] = {}
+        self.rid = np.zeros(ns, dtype=np.intp)
+        tables: list[tuple[dict, np.ndarray]] = []
+        for s in used:
+            o = own[s]
+            self.own[s, :len(o)] = o
+            cs = cand_slots(s)
+            self.slots[s, :cs.shape[0], :cs.shape[1]] = cs
+            self.n_slots[s] = cs.shape[1]
+            k = kids(s)
+            r = rid.get(id(k))
+            if r is None:
+                r = rid[id(k)] = len(tables)
+                tables.append((k, finals(s)))
+            self.rid[s] = r
+        K = max((len(a) for k, _ in tables for a in k.values()), default=1)
+        F = max(len(f) for _, f in tables)
+        self.kid = np.full((len(tables), n_axes, C + 1, K), C, dtype=np.intp)
+        self.fin = np.full((len(tables), F), C, dtype=np.intp)
+        self.is_fin = np.zeros((len(tables), C + 1), dtype=bool)
+        for r, (k, f) in enumerate(tables):
+            for (rnd, state), a in k.items():
+                self.kid[r, rnd, state, :len(a)] = a
+            self.fin[r, :len(f)] = f
+            self.is_fin[r, f] = True
+        self.C = C
+
+    # -- one level -----------------------------------------------------------------------------
+    def _rows(self, ref: np.ndarray, lay: np.ndarray) -> np.ndarray:
+        """The side-vector table row of each ref at the current layouts (new rows computed)."""
+        code = self.ref_code[ref] + lay[self.ref_slot[ref]]
+        row = self.row_of[code]
+        new = row < 0
+        if new.any():
+            fresh = np.unique(code[new]).tolist()
+            need = self.n_rows + len(fresh)
+            if need > len(self.vec):
+                grown = np.zeros((max(need, 2 * len(self.vec)), self.C + 1))
+                grown[:self.n_rows] = self.vec[:self.n_rows]
+                self.vec = grown
+            for c in fresh:
+                rest, lid = divmod(c, self.W)
+                loc, pos = divmod(rest, self.P)
+                sid = int(self.used[loc])
+                n_in = self.n_in[sid]
+                v = self.side(sid, 0, pos, lid - self.shift) if pos < n_in else \
+                    self.side(sid, 1, pos - n_in, lid - self.shift)
+                self.vec[self.n_rows, :len(v)] = v
+                self.row_of[c] = self.n_rows
+                self.n_rows += 1
+            row = self.row_of[code]
+        return row
+
+    def _distinct(self, rows: np.ndarray, state: np.ndarray, lay: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Ops ``rows`` as distinct problems: ops of one spec and state whose refs read the same
+        side vectors decide alike (the op-by-op loop's memo). Returns the first op of each
+        problem (an index into ``rows``), each op's problem, and the problems' states and
+        side-vector rows (``-1``: no ref there)."""
+        deg, off = self.deg[rows], self.off[rows]
+        width = int(deg.max(initial=0))
+        at = np.arange(width)[None, :]
+        has = at < deg[:, None]
+        R = np.full((len(rows), width), _NO, dtype=np.intp)
+        R[has] = self._rows((off[:, None] + at)[has], lay)
+        st = state[self.ops[rows]]
+        first, inv = distinct_rows(np.concatenate([self.sid[rows][:, None], st[:, None], R], axis=1))
+        return first, inv, st[first], R[first]
+
+    def decide(self, level: int, rnd: int, state: np.ndarray, lay: np.ndarray) -> int:
+        """Round ``rnd`` for every op of ``level`` (``state``, ``lay``: every op's / slot's, updated
+        in place); the number of ops that moved."""
+        rows = self.groups[level]
+        first, inv, st, R = self._distinct(rows, state, lay)
+        sid = self.sid[rows[first]]
+        cand = self.kid[self.rid[sid], rnd, st]
+        cost = self.own[sid[:, None], cand]
+        for j in range(R.shape[1]):               # sides in ref order: the op-by-op loop's sums
+            sel = np.flatnonzero(R[:, j] >= 0)
+            cost[sel] += self.vec[R[sel, j][:, None], cand[sel]]
+        lo = cost.min(axis=1)
+        pick = np.argmax(cost <= (lo + _REL_TIE * np.abs(lo))[:, None], axis=1)
+        new = np.where(cand[:, 0] < self.C, cand[np.arange(len(cand)), pick], st)   # no cut this round: stay
+        return self.apply(rows, new[inv], state, lay)
+
+    def refine(self, level: int, state: np.ndarray, lay: np.ndarray) -> int:
+        """The refinement sweep for every op of ``level``; the number of ops that moved."""
+        rows = self.groups[level]
+        first, inv, st, R = self._distinct(rows, state, lay)
+        sid = self.sid[rows[first]]
+        full = self.own[sid]
+        for j in range(R.shape[1]):
+            sel = np.flatnonzero(R[:, j] >= 0)
+            full[sel] += self.vec[R[sel, j]]
+        r = self.rid[sid]
+        cand = self.fin[r]
+        idx = np.arange(len(cand))
+        cost = full[idx[:, None], cand]
+        at = np.argmax(cand == st[:, None], axis=1)
+        cur = np.where(self.is_fin[r, st], cost[idx, at], np.inf)
+        best = np.argmin(cost, axis=1)
+        with np.errstate(invalid="ignore"):        # inf - inf: a state that is not final never moves (as op by op)
+            move = cost[idx, best] < cur - _REL_TIE * np.abs(cur)
+        return self.apply(rows, np.where(move, cand[idx, best], st)[inv], state, lay)
+
+    def sweep(self, rnd: int | None, state: np.ndarray, lay: np.ndarray) -> int:
+        """Round ``rnd`` (None: a refinement sweep) over every level; how many ops moved."""
+        if rnd is None:
+            return sum(self.refine(k, state, lay) for k in range(self.n_levels))
+        return sum(self.decide(k, rnd, state, lay) for k in range(self.n_levels))
+
+    def apply(self, rows: np.ndarray, new: np.ndarray, state: np.ndarray, lay: np.ndarray) -> int:
+        """Set ops ``rows`` to candidates ``new``: their state and every slot of their block."""
+        ops = self.ops[rows]
+        ch = np.flatnonzero(new != state[ops])
+        if not len(ch):
+            return 0
+        ops, new, rows = ops[ch], new[ch], rows[ch]
+        state[ops] = new
+        sid = self.sid[rows]
+        block = self.slots[sid, new]                       # (changed, widest block)
+        keep = np.arange(block.shape[1])[None, :] < self.n_slots[sid][:, None]
+        at = self.base[rows][:, None] + np.arange(block.shape[1])[None, :]
+        lay[at[keep]] = block[keep]
+        return len(ch)
