@@ -41,7 +41,7 @@ from .cost import Cost, CostParams, counted_cost
 from .cost_vectors import candidate_tables, cost_vector, redistribution_affine
 from .graph import DeviceMesh, Graph, Strategy, TensorLayout
 from .result import SearchResult
-from .spec import OpSpec, SpecKey, all_devices, layout_of, spec_from_key, spec_keys
+from .spec import OpSpec, SpecKey, all_devices, distinct_spec_keys, layout_of, spec_from_key
 from .strategies import data_parallel_strategy, strategies_for
 
 ALGORITHM = "sharding_propagation"
@@ -196,7 +196,8 @@ def _propagate(graph: Graph, params: CostParams, fully_use_devices: bool,
     mesh, ops = graph.mesh, graph.ops
     n = len(ops)
     tab = _Tables(graph, params, fully_use_devices, max_candidates)
-    sids = [tab.spec_id(k) for k in spec_keys(graph)]
+    keys, index = distinct_spec_keys(graph)
+    sids = np.asarray([tab.spec_id(k) for k in keys], dtype=np.intp)[index].tolist()
     in_src, out_edges = _adjacency(graph)
     st = _State(n)
 

@@ -68,8 +68,8 @@ from .progress import Progress
 from .propagation import _Tables
 from .result import SearchResult
 from .rp_levels import LevelBatch
-from .slots import Slots, slot_graph
-from .spec import all_devices, layout_of, spec_keys
+from .slots import Slots, flat_ops, slot_graph
+from .spec import all_devices, distinct_spec_keys, layout_of
 from .strategies import strategies_for
 
 ALGORITHM = "recursive_programming"
@@ -141,8 +141,10 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     tab = _Tables(graph, params, False, None)          # every partial strategy is a candidate here
     # flat layout slots (every op's operands then results) and each op's refs: the slots of its
     # neighbours its cost depends on (searchers.slots)
-    sl = slot_graph(graph)
-    sids = [tab.spec_id(k) for k in spec_keys(graph)]
+    flat = flat_ops(graph)
+    sl = slot_graph(graph, flat)
+    keys, index = distinct_spec_keys(graph, flat)
+    sids = np.asarray([tab.spec_id(k) for k in keys], dtype=np.intp)[index].tolist()
     base, rp = sl.base.tolist(), sl.ref_ptr.tolist()
     in_base, out_end, nslot = base[:-1], base[1:], base[-1]
     in_end = out_base = (sl.base[:-1] + sl.n_in).tolist()

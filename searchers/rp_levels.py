@@ -23,12 +23,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .rows import distinct_rows
 from .slots import Slots
 
 _REL_TIE = 1e-9
 _NO = -1
 _MAX_INDEX = 1 << 24        # entries of the side-vector index (int32): 64 MiB at most
-_MIX = np.random.default_rng(0).integers(1, 1 << 62, size=64, dtype=np.int64) | 1   # row hash multipliers
 
 
 def levels_of(src: np.ndarray, dst: np.ndarray, n: int, min_size: int) -> tuple[np.ndarray, int]:
@@ -54,26 +54,6 @@ def levels_of(src: np.ndarray, dst: np.ndarray, n: int, min_size: int) -> tuple[
         t += 1
         if not changed:
             return lvl, t
-
-
-def distinct_rows(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The first row of each group of equal rows of ``key`` and each row's group: an exact
-    ``np.unique(key, axis=0)``, by a hash of each row checked against the rows (it falls back
-    to sorting the rows on a collision).
-
-    >>> first, inv = distinct_rows(np.array([[1, 2], [3, 4], [1, 2]]))
-    >>> first[inv].tolist()
-    [0, 1, 0]
-    """
-    first: np.ndarray | None = None
-    if key.shape[1] <= len(_MIX):
-        with np.errstate(over="ignore"):
-            _, first, inv = np.unique(key @ _MIX[:key.shape[1]], return_index=True, return_inverse=True)
-        if not (key == key[first][inv]).all():
-            first = None
-    if first is None:
-        _, first, inv = np.unique(key, axis=0, return_index=True, return_inverse=True)
-    return first, inv.reshape(-1)
 
 
 class LevelBatch:

@@ -21,11 +21,34 @@ Assumes program order (a tensor's producer comes before its consumers), as :clas
 
 from __future__ import annotations
 
+import math
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
 
 from .graph import Graph
+
+
+class Flat(NamedTuple):
+    """Every op's operand and result tensor ids, flattened in op order, and every tensor's bytes."""
+
+    n_in: np.ndarray       # (n,) operands per op
+    n_out: np.ndarray      # (n,) results per op
+    inputs: np.ndarray     # operand tensor ids, op by op
+    outputs: np.ndarray    # result tensor ids, op by op
+    nbytes: np.ndarray     # per tensor
+
+
+def flat_ops(graph: Graph) -> Flat:
+    """The :class:`Flat` view of ``graph``."""
+    ins = [op.inputs for op in graph.ops]
+    outs = [op.outputs for op in graph.ops]
+    n_in = np.fromiter(map(len, ins), dtype=np.intp, count=len(ins))
+    n_out = np.fromiter(map(len, outs), dtype=np.intp, count=len(outs))
+    return Flat(n_in, n_out, np.fromiter(chain.from_iterable(ins), dtype=np.intp, count=int(n_in.sum())),
+                np.fromiter(chain.from_iterable(outs), dtype=np.intp, count=int(n_out.sum())),
+                np.array([math.prod(t.shape) * t.itemsize for t in graph.tensors], dtype=np.int64))
 
 
 class Slots(NamedTuple):
@@ -43,29 +66,26 @@ class Slots(NamedTuple):
         return self.ref_slot[self.ref_ptr[v]:self.ref_ptr[v + 1]].tolist()
 
 
-def _starts(counts: np.ndarray) -> np.ndarray:
+def starts(counts: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sums with the total appended: where each of ``counts``' runs starts."""
     out = np.zeros(len(counts) + 1, dtype=np.intp)
     np.cumsum(counts, out=out[1:])
     return out
 
 
-def slot_graph(graph: Graph) -> Slots:
-    """The :class:`Slots` of ``graph``."""
-    ops, tensors = graph.ops, graph.tensors
-    n = len(ops)
-    n_in = np.array([len(op.inputs) for op in ops], dtype=np.intp)
-    n_out = np.array([len(op.outputs) for op in ops], dtype=np.intp)
-    flat_in = np.array([t for op in ops for t in op.inputs], dtype=np.intp)
-    flat_out = np.array([t for op in ops for t in op.outputs], dtype=np.intp)
-    nbytes = np.array([t.nbytes for t in tensors], dtype=np.int64)
-    base = _starts(n_in + n_out)
+def slot_graph(graph: Graph, flat: Flat | None = None) -> Slots:
+    """The :class:`Slots` of ``graph`` (``flat``: its :func:`flat_ops`, if already at hand)."""
+    f = flat_ops(graph) if flat is None else flat
+    n_in, n_out, flat_in, flat_out = f.n_in, f.n_out, f.inputs, f.outputs
+    n = len(n_in)
+    base = starts(n_in + n_out)
     owner = np.repeat(np.arange(n), n_in + n_out)
     # operand slots, then result slots, each in op order
-    in_ptr, out_ptr = _starts(n_in), _starts(n_out)
+    in_ptr, out_ptr = starts(n_in), starts(n_out)
     e_owner = np.repeat(np.arange(n), n_in)
     e_in = base[e_owner] + (np.arange(len(flat_in)) - in_ptr[e_owner])
     r_owner = np.repeat(np.arange(n), n_out)
-    res_slot = np.zeros(len(tensors), dtype=np.intp)
+    res_slot = np.zeros(len(f.nbytes), dtype=np.intp)
     res_slot[flat_out] = base[r_owner] + n_in[r_owner] + (np.arange(len(flat_out)) - out_ptr[r_owner])
     e_src = res_slot[flat_in]
     # refs: an edge is a ref of its consumer (the producer's slot) and of its producer (the
@@ -75,5 +95,5 @@ def slot_graph(graph: Graph) -> Slots:
     order = np.argsort(who, kind="stable")
     ref_slot = np.concatenate([e_src, e_in])[order]
     ref_pos = np.concatenate([e_in - base[e_owner], e_src - base[prod]])[order]
-    ref_ptr = _starts(np.bincount(who, minlength=n))
-    return Slots(base, n_in, e_in, e_src, nbytes[flat_in], ref_ptr, ref_slot, ref_pos, owner)
+    ref_ptr = starts(np.bincount(who, minlength=n))
+    return Slots(base, n_in, e_in, e_src, f.nbytes[flat_in], ref_ptr, ref_slot, ref_pos, owner)

@@ -18,7 +18,11 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
+
 from .graph import SOURCE_KINDS, Graph, Op
+from .rows import distinct_rows
+from .slots import Flat, flat_ops, starts
 
 
 class OpSpec(NamedTuple):
@@ -81,6 +85,37 @@ def spec_keys(graph: Graph) -> list[SpecKey]:
     nb = [math.prod(t.shape) * t.itemsize for t in graph.tensors]
     return [(_struct_id(op), tuple([nb[t] for t in op.inputs]), tuple([nb[t] for t in op.outputs]))
             for op in graph.ops]
+
+
+def distinct_spec_keys(graph: Graph, flat: Flat | None = None) -> tuple[list[SpecKey], np.ndarray]:
+    """The distinct :func:`spec_key` of ``graph``'s ops in order of first use, and each op's
+    index into them: :func:`spec_keys` without building a key per op (rows of structure id
+    and tensor bytes are compared in numpy). ``flat``: the graph's :func:`~searchers.slots.flat_ops`.
+
+    >>> from searchers.graph import DeviceMesh, Graph
+    >>> g = Graph(DeviceMesh((2,)))
+    >>> a = g.source("a", (4,)); b = g.source("b", (4,)); c = g.source("c", (8,))
+    >>> keys, index = distinct_spec_keys(g)
+    >>> [keys[i] for i in index] == spec_keys(g), index.tolist()
+    (True, [0, 0, 1])
+    """
+    f = flat_ops(graph) if flat is None else flat
+    n = len(f.n_in)
+    wi, wo = int(f.n_in.max(initial=0)), int(f.n_out.max(initial=0))
+    rows = np.full((n, 1 + wi + wo), -1, dtype=np.int64)
+    rows[:, 0] = [_struct_id(op) for op in graph.ops]
+    for cols, counts, tids in ((1, f.n_in, f.inputs), (1 + wi, f.n_out, f.outputs)):
+        who = np.repeat(np.arange(n), counts)
+        rows[who, cols + np.arange(len(tids)) - starts(counts)[who]] = f.nbytes[tids]
+    first, inv = distinct_rows(rows)
+    order = np.argsort(first, kind="stable")          # keys in order of first use, as spec_keys meets them
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    keys: list[SpecKey] = []
+    for r in rows[first[order]].tolist():
+        ins, outs = r[1:1 + wi], r[1 + wi:]
+        keys.append((r[0], tuple(x for x in ins if x >= 0), tuple(x for x in outs if x >= 0)))
+    return keys, rank[inv]
 
 
 def spec_from_key(key: SpecKey) -> OpSpec:

@@ -5,12 +5,15 @@ import numpy as np
 import pytest
 
 import searchers.recursive_programming as rp
+import searchers.rows as rows
 import searchers.rp_levels as rpl
 from searchers.cost import CostParams
 from searchers.generators import random_dag, transformer_stack
 from searchers.graph import DeviceMesh, Graph
-from searchers.rp_levels import distinct_rows, levels_of
+from searchers.rows import distinct_rows
+from searchers.rp_levels import levels_of
 from searchers.slots import slot_graph
+from searchers.spec import distinct_spec_keys, spec_keys
 
 P = CostParams()
 
@@ -50,7 +53,7 @@ def test_distinct_rows_groups_equal_rows_even_when_every_hash_collides(monkeypat
     key = rng.integers(0, 3, size=(500, 4))
     for mix in (None, np.ones(64, dtype=np.int64)):          # ones: rows with equal sums collide
         if mix is not None:
-            monkeypatch.setattr(rpl, "_MIX", mix)
+            monkeypatch.setattr(rows, "_MIX", mix)
         first, inv = distinct_rows(key)
         assert (key[first][inv] == key).all()               # every row equals its group's first row
         assert len(first) == len(np.unique(key, axis=0))    # and groups are distinct
@@ -138,3 +141,12 @@ def test_levels_at_once_give_the_op_by_op_plan(monkeypatch, g, kw):
         assert sweeps and all(k > 0 for _, k, _ in sweeps)     # the level path ran, every round
         assert at_once.strategies == one.strategies
         assert at_once.cost.total == one.cost.total
+
+
+@pytest.mark.parametrize("g", [_multi_output_dag(300, 7, DeviceMesh((2, 2))), random_dag(800, 8, DeviceMesh((2, 3))),
+                               transformer_stack(2, 4, 8, 16, 2, 32, DeviceMesh((2, 2)), backward=True)])
+def test_distinct_spec_keys_are_spec_keys_in_order_of_first_use(g):
+    keys, index = distinct_spec_keys(g)
+    per_op = spec_keys(g)
+    assert [keys[i] for i in index.tolist()] == per_op
+    assert keys == list(dict.fromkeys(per_op))              # distinct, first use first
