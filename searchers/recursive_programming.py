@@ -63,12 +63,12 @@ from .block_polish import polish_blocks
 from .cache import cached_search
 from .cost import Cost, CostParams, counted_cost
 from .cost_vectors import layout_cost_matrix
-from .graph import DeviceMesh, Graph, Op, Strategy, Tensor
+from .graph import SOURCE_KINDS, DeviceMesh, Graph, Op, Strategy, Tensor
 from .progress import Progress
 from .propagation import _Tables
 from .result import SearchResult
 from .rp_levels import LevelBatch
-from .slots import Slots, flat_ops, slot_graph
+from .slots import Slots, flat_ops, slot_graph, starts
 from .spec import all_devices, distinct_spec_keys, layout_of
 from .strategies import strategies_for
 
@@ -144,9 +144,10 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     flat = flat_ops(graph)
     sl = slot_graph(graph, flat)
     keys, index = distinct_spec_keys(graph, flat)
-    sids = np.asarray([tab.spec_id(k) for k in keys], dtype=np.intp)[index].tolist()
+    sid_a = np.asarray([tab.spec_id(k) for k in keys], dtype=np.intp)[index]
+    sids = sid_a.tolist()
     base, rp = sl.base.tolist(), sl.ref_ptr.tolist()
-    in_base, out_end, nslot = base[:-1], base[1:], base[-1]
+    in_base, out_end = base[:-1], base[1:]
     in_end = out_base = (sl.base[:-1] + sl.n_in).tolist()
     rl, pl, nin = sl.ref_slot.tolist(), sl.ref_pos.tolist(), sl.n_in.tolist()
     refs = [rl[i:j] for i, j in zip(rp, rp[1:])]
@@ -246,49 +247,47 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
         best = int(np.argmin(cost))
         return int(fin[best]) if cost[best] < cur - _REL_TIE * abs(cur) else state
 
-    # heaviest first: fixed ops, then by the replicated cost, then program order
+    # heaviest first: fixed ops, then by the replicated cost, then program order. Every op
+    # starts replicated (the state before round 0): per spec, its replicated candidate and that
+    # candidate's slot layouts, spread over the slots; fixed ops hold their strategy
     weight = np.zeros(len(tab.specs))
+    rep = np.zeros(len(tab.specs), dtype=np.intp)
+    rep_slots = np.zeros((len(tab.specs), int(np.diff(sl.base).max(initial=1))), dtype=np.intp)
     for sid in range(len(tab.specs)):
-        tab.ensure(sid)
+        st = tab.ensure(sid)
         weight[sid] = float(np.max(tab.own[sid]))   # type: ignore[arg-type]
-    is_fixed = [op.fixed is not None for op in ops]
-    order = (np.lexsort((np.arange(n), -weight[np.array(sids, dtype=np.intp)], ~np.array(is_fixed))).tolist()
-             if n else [])
-    # every op starts replicated (the state before round 0); fixed ops hold their strategy
-    lay = [0] * nslot
-    state = [0] * n
+        rep[sid] = r = rounds_of(sid).rep
+        row = st.in_rows[r] + st.out_rows[r]
+        rep_slots[sid, :len(row)] = row
+    is_fixed = np.array([op.fixed is not None for op in ops], dtype=bool)
+    order_a = np.lexsort((np.arange(n), -weight[sid_a], ~is_fixed)) if n else np.zeros(0, dtype=np.intp)
+    owner = sl.owner
+    state_a = rep[sid_a]
+    lay_a = rep_slots[sid_a[owner], np.arange(len(owner)) - sl.base[owner]]
     fixed_strategy: dict[int, Strategy] = {}
-    reps: dict[int, tuple] = {}
-    for v, op in enumerate(ops):
-        sid = sids[v]
-        if op.fixed is not None:
-            f = fixed_strategy[v] = tuple(tuple(a) for a in op.fixed)
-            spec = tab.specs[sid]
-            ins = [tab.lid(layout_of(m, f)) for m in spec.in_maps]
-            outs = [tab.lid(layout_of(m, f)) for m in spec.out_maps]
-            lay[in_base[v]:in_end[v]] = ins
-            lay[out_base[v]:out_end[v]] = outs
-        else:
-            got = reps.get(sid)
-            if got is None:
-                rep = rounds_of(sid).rep
-                s = tab.ensure(sid)
-                got = reps[sid] = (rep, s.in_rows[rep], s.out_rows[rep])
-            state[v] = got[0]
-            lay[in_base[v]:in_end[v]] = got[1]
-            lay[out_base[v]:out_end[v]] = got[2]
+    for v in np.flatnonzero(is_fixed).tolist():
+        f = fixed_strategy[v] = tuple(tuple(a) for a in ops[v].fixed)    # type: ignore[union-attr]
+        spec = tab.specs[sids[v]]
+        state_a[v] = 0
+        lay_a[in_base[v]:out_end[v]] = [tab.lid(layout_of(m, f)) for m in spec.in_maps + spec.out_maps]
     # leaves: inputs used once (a weight of one op) follow their user, as MindSpore's merge
     # elimination folds them; their slot holds a marker until the end
-    leaves = [op.id for op in ops if op.is_source and op.fixed is None and len(op.outputs) == 1
-              and len(tensors[op.outputs[0]].consumers) == 1 and ops[tensors[op.outputs[0]].consumers[0]].fixed is None]
-    is_leaf = [False] * n
-    for u in leaves:
-        is_leaf[u] = True
-        lay[out_base[u]] = -sids[u] - 1
-    movable = [v for v in order if not is_fixed[v] and not is_leaf[v]]
-    rank = [0] * n
-    for i, v in enumerate(order):
-        rank[v] = i
+    source = np.array([op.kind in SOURCE_KINDS for op in ops], dtype=bool)
+    uses = np.bincount(flat.inputs, minlength=len(tensors))
+    user = np.full(len(tensors), -1, dtype=np.intp)
+    user[flat.inputs] = owner[sl.e_in]
+    result = flat.outputs[np.minimum(starts(flat.n_out)[:-1], max(len(flat.outputs) - 1, 0))]   # ops with one result
+    leaf = source & ~is_fixed & (flat.n_out == 1)
+    leaf &= (uses[result] == 1)
+    leaf &= ~is_fixed[np.where(leaf, user[result], 0)]
+    leaves = np.flatnonzero(leaf).tolist()
+    lay_a[sl.base[:-1][leaf] + flat.n_in[leaf]] = -sid_a[leaf] - 1
+    lay, state = lay_a.tolist(), state_a.tolist()
+    movable_a = order_a[~(is_fixed | leaf)[order_a]]
+    movable = movable_a.tolist()
+    rank_a = np.empty(n, dtype=np.intp)
+    rank_a[order_a] = np.arange(n)
+    rank = rank_a.tolist()
     structs = tab.structs
     get = lay.__getitem__
 
@@ -319,7 +318,7 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
         work = entries(movable)
     else:
         work = entries(movable[i] for i in levels.tail.tolist())
-        st_np, lay_np = np.asarray(state, dtype=np.intp), np.asarray(lay, dtype=np.intp)
+        st_np, lay_np = state_a, lay_a           # still equal to state and lay
 
     def sweep(memo: dict[tuple, int], rnd: int | None) -> int:
         """Round ``rnd`` (None: a refinement sweep): the large levels at once, then the rest op by
