@@ -387,7 +387,8 @@ def _levels(movable: list[int], sl: Slots, sids: list[int], tab: _Tables, rounds
     lb = LevelBatch(np.asarray(movable, dtype=np.intp), np.asarray(sids, dtype=np.intp), sl,
                     cast(list[np.ndarray], tab.own), [len(spec.in_maps) for spec in tab.specs], slots_of,
                     lambda sid: rounds_of(sid).kids, lambda sid: rounds_of(sid).final_array, side,
-                    len(tab.layouts), n_axes, LEVEL_MIN_OPS)
+                    [spec.in_bytes + spec.out_bytes for spec in tab.specs], tab.layouts, tab.mesh, tab.params,
+                    n_axes, LEVEL_MIN_OPS)
     return lb if lb.n_levels else None
 
 

@@ -23,6 +23,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .cost import CostParams
+from .cost_vectors import redistribution_affine
+from .graph import DeviceMesh, TensorLayout
 from .rows import distinct_rows
 from .slots import Slots
 
@@ -69,7 +72,9 @@ class LevelBatch:
 
     def __init__(self, ops: np.ndarray, sids: np.ndarray, sl: Slots, own: Sequence[np.ndarray], n_in: Sequence[int],
                  cand_slots: Callable[[int], np.ndarray], kids: Callable[[int], dict], finals: Callable[[int], np.ndarray],
-                 side: Callable[[int, int, int, int], np.ndarray], n_layouts: int, n_axes: int, min_size: int) -> None:
+                 side: Callable[[int, int, int, int], np.ndarray], slot_bytes: Sequence[tuple[int, ...]],
+                 layouts: Sequence[TensorLayout], mesh: DeviceMesh, params: CostParams, n_axes: int,
+                 min_size: int) -> None:
         m = len(ops)
         self.ops, self.sid = ops, sids[ops]
         self.off = sl.ref_ptr[ops]
@@ -89,7 +94,8 @@ class LevelBatch:
         # marker -usid - 1 is shifted into range by ``len(own)``
         self.used = np.unique(self.sid)
         self.P = int(sl.ref_pos.max(initial=0)) + 1
-        self.W = n_layouts + len(own)
+        self.L = len(layouts)
+        self.W = self.L + len(own)
         self.shift = len(own)
         local = np.zeros(len(own), dtype=np.intp)
         local[self.used] = np.arange(len(self.used))
@@ -98,6 +104,14 @@ class LevelBatch:
         self.vec = np.zeros((64, self.C + 1))
         self.n_rows = 0
         self.n_in, self.side = n_in, side
+        self.n_in_a = np.asarray(n_in, dtype=np.intp)
+        self.n_cands = np.array([len(o) for o in own], dtype=np.intp)
+        self.nbytes = np.zeros((len(own), self.P), dtype=float)
+        for sid in self.used.tolist():
+            b = slot_bytes[sid]
+            self.nbytes[sid, :len(b)] = b
+        self.layouts, self.mesh, self.params = layouts, mesh, params
+        self.affine: dict[int, tuple[float, float]] = {}
 
     @staticmethod
     def fits(n_specs: int, positions: int, n_layouts: int) -> bool:
@@ -148,24 +162,52 @@ class LevelBatch:
         row = self.row_of[code]
         new = row < 0
         if new.any():
-            fresh = np.unique(code[new]).tolist()
+            fresh = np.unique(code[new])
             need = self.n_rows + len(fresh)
             if need > len(self.vec):
                 grown = np.zeros((max(need, 2 * len(self.vec)), self.C + 1))
                 grown[:self.n_rows] = self.vec[:self.n_rows]
                 self.vec = grown
-            for c in fresh:
-                rest, lid = divmod(c, self.W)
-                loc, pos = divmod(rest, self.P)
-                sid = int(self.used[loc])
-                n_in = self.n_in[sid]
-                v = self.side(sid, 0, pos, lid - self.shift) if pos < n_in else \
-                    self.side(sid, 1, pos - n_in, lid - self.shift)
-                self.vec[self.n_rows, :len(v)] = v
-                self.row_of[c] = self.n_rows
-                self.n_rows += 1
+            self.row_of[fresh] = np.arange(self.n_rows, need)
+            self._fill(fresh, self.n_rows)
+            self.n_rows = need
             row = self.row_of[code]
         return row
+
+    def _fill(self, codes: np.ndarray, at: int) -> None:
+        """Table rows ``at, at + 1, ...`` for side-vector codes ``codes``: the redistribution
+        ``a + b * nbytes`` between the neighbour's layout and each candidate's, in numpy (the
+        searcher's own vectors hold the same floats); a folded leaf's from the searcher."""
+        rest, lid = np.divmod(codes, self.W)
+        loc, pos = np.divmod(rest, self.P)
+        sid = self.used[loc]
+        lid = lid - self.shift
+        rows = np.arange(at, at + len(codes))
+        for i in np.flatnonzero(lid < 0).tolist():     # folded leaves: a few distinct vectors
+            s, p = int(sid[i]), int(pos[i])
+            v = self.side(s, 0, p, int(lid[i])) if p < self.n_in[s] else self.side(s, 1, p - self.n_in[s], int(lid[i]))
+            self.vec[rows[i], :len(v)] = v
+        k = np.flatnonzero(lid >= 0)
+        if not len(k):
+            return
+        sid, pos, lid, rows = sid[k], pos[k], lid[k][:, None], rows[k]
+        mine = self.slots[sid, :, pos]                                  # (k, C + 1) candidate layouts
+        live = np.arange(self.C + 1)[None, :] < self.n_cands[sid][:, None]
+        result = (pos >= self.n_in_a[sid])[:, None]
+        pair = np.where(result, mine * self.L + lid, lid * self.L + mine)[live]
+        uniq, inv = np.unique(pair, return_inverse=True)
+        ab = np.array([self._affine(c) for c in uniq.tolist()], dtype=float).reshape(-1, 2)
+        nb = np.broadcast_to(self.nbytes[sid, pos][:, None], live.shape)[live]
+        v = np.zeros(live.shape)
+        v[live] = ab[inv.reshape(-1), 0] + ab[inv.reshape(-1), 1] * nb
+        self.vec[rows] = v
+
+    def _affine(self, pair: int) -> tuple[float, float]:
+        got = self.affine.get(pair)
+        if got is None:
+            src, dst = divmod(pair, self.L)
+            got = self.affine[pair] = redistribution_affine(self.layouts[src], self.layouts[dst], self.mesh, self.params)
+        return got
 
     def _distinct(self, rows: np.ndarray, state: np.ndarray, lay: np.ndarray
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
