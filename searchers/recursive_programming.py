@@ -75,7 +75,7 @@ from .strategies import strategies_for
 ALGORITHM = "recursive_programming"
 _REL_TIE = 1e-9
 POLISH_AUTO_OPS = 20_000     # polish="auto": two sweeps up to this many movable ops, none above
-LEVEL_MIN_OPS = 128          # levels of at least this many ops are decided at once (numpy), the rest op by op
+LEVEL_MIN_OPS = 256          # levels of at least this many ops are decided at once (numpy), the rest op by op
 
 
 class _Rounds:

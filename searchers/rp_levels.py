@@ -34,11 +34,11 @@ _NO = -1
 _MAX_INDEX = 1 << 24        # entries of the side-vector index (int32): 64 MiB at most
 
 
-def levels_of(src: np.ndarray, dst: np.ndarray, n: int, min_size: int) -> tuple[np.ndarray, int]:
+def levels_of(src: np.ndarray, dst: np.ndarray, n: int, min_size: int, most: int = 64) -> tuple[np.ndarray, int]:
     """Level of each of ``n`` nodes on the edges ``src[e] -> dst[e]`` (``src[e] < dst[e]``): the
-    length of the longest path ending there, and the number of leading levels that hold at least
-    ``min_size`` nodes each. Levels past those are not computed exactly (only known to be at
-    least that number), so nodes at or past it form the tail."""
+    length of the longest path ending there, and the number of leading levels (``most`` at most)
+    that hold at least ``min_size`` nodes each. Levels past those are not computed exactly (only
+    known to be at least that number), so nodes at or past it form the tail."""
     lvl = np.zeros(n, dtype=np.int64)
     order = np.argsort(dst, kind="stable")
     s, d = src[order], dst[order]
@@ -52,7 +52,7 @@ def levels_of(src: np.ndarray, dst: np.ndarray, n: int, min_size: int) -> tuple[
             new[targets] = np.maximum.reduceat(lvl[s], heads) + 1
         changed = bool((new != lvl).any())
         lvl = new
-        if int((lvl == t).sum()) < min_size:
+        if int((lvl == t).sum()) < min_size or t == most:
             return lvl, t
         t += 1
         if not changed:
@@ -62,13 +62,14 @@ def levels_of(src: np.ndarray, dst: np.ndarray, n: int, min_size: int) -> tuple[
 class LevelBatch:
     """The movable ops of a recursive_programming search as flat arrays, decided level by level.
 
-    ``ops``: the movable ops in weight order; ``refs[v]``: the layout slots ``v``'s cost reads
-    (its operands' producer results, then its results' consumer operands); ``ref_pos[v]``: where
-    each one meets ``v``'s own slot block (operand ``k`` is ``k``, result ``j`` is
-    ``n_operands + j``); ``cand_slots(sid)``: per candidate, the layout id of every slot of the
-    op; ``kids(sid)``: ``{(round, state): candidates}``; ``side(sid, out, idx, lid)``: the
-    searcher's side vector (per candidate) against layout ``lid`` at operand (``out == 0``) or
-    result ``idx``, a negative ``lid`` marking a folded leaf."""
+    ``ops``: the movable ops in weight order; ``sids``: every op's spec id; ``sl``: the graph's
+    :class:`~searchers.slots.Slots` (each op's refs, the slots its cost reads); per spec:
+    ``own`` its cost per candidate, ``n_in`` its operand count, ``cand_slots(sid)`` the layout id
+    of every slot of its block per candidate, ``kids(sid)`` its ``{(round, state): cuts}``,
+    ``finals(sid)`` its final candidates, ``slot_bytes`` the bytes of each slot of its block;
+    ``side(sid, out, idx, lid)``: the searcher's side vector, used for folded leaves (a negative
+    ``lid``); every other side vector is computed here from ``layouts``, ``mesh`` and
+    ``params`` with the same floats."""
 
     def __init__(self, ops: np.ndarray, sids: np.ndarray, sl: Slots, own: Sequence[np.ndarray], n_in: Sequence[int],
                  cand_slots: Callable[[int], np.ndarray], kids: Callable[[int], dict], finals: Callable[[int], np.ndarray],

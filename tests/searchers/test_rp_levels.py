@@ -30,22 +30,23 @@ def _longest_paths(src, dst, n):
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("min_size", [1, 5, 40])
-def test_levels_are_exact_longest_paths_and_the_tail_is_the_rest(seed, min_size):
+@pytest.mark.parametrize("min_size,most", [(1, 64), (5, 64), (40, 64), (1, 3)])
+def test_levels_are_exact_longest_paths_and_the_tail_is_the_rest(seed, min_size, most):
     rng = np.random.default_rng(seed)
     n = 300
     a = rng.integers(0, n, size=700)
     b = rng.integers(0, n, size=700)
     keep = a != b
     src, dst = np.minimum(a, b)[keep], np.maximum(a, b)[keep]
-    level, k = levels_of(src, dst, n, min_size)
+    level, k = levels_of(src, dst, n, min_size, most)
     longest = _longest_paths(src, dst, n)
     head = longest < k
     assert (level[head] == longest[head]).all()            # exact where the searcher uses them
     assert (level[~head] >= k).all()                       # the tail: every node at or past level k
     assert all((longest == i).sum() >= min_size for i in range(k))
-    # stopped at the first small level, or at the end
-    assert k == longest.max() + 1 or (longest == k).sum() < min_size
+    # stopped at the first small level, at the cap, or at the end
+    assert k == longest.max() + 1 or (longest == k).sum() < min_size or k == most
+    assert k <= most
 
 
 def test_distinct_rows_groups_equal_rows_even_when_every_hash_collides(monkeypatch):
