@@ -16,6 +16,7 @@ dim whose size stays divisible by the product of its axes' sizes, so there are a
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 from .graph import DeviceMesh, Op, Strategy
@@ -50,14 +51,25 @@ def enumerate_strategies(op: Op, mesh: DeviceMesh, *, fully_use_devices: bool = 
     return list(strategies_for(op.split_sizes(), uns, mesh.shape, fully_use_devices, max_candidates))
 
 
-@lru_cache(maxsize=4096)
 def strategies_for(sizes: tuple[int, ...], unsplittable: tuple[bool, ...], mesh_shape: tuple[int, ...],
                    fully_use_devices: bool = False, max_candidates: int | None = None) -> tuple[Strategy, ...]:
     """:func:`enumerate_strategies` on plain loop-dim sizes (memoised).
 
+    A split count is a product of mesh axis sizes, so it divides the device count ``N``; it
+    divides a size exactly when it divides ``gcd(size, N)``. Sizes are memoised by that gcd, so
+    graphs with many different sizes enumerate a few cases.
+
     >>> strategies_for((4, 6), (False, True), (2, 2))
     (((), ()), ((0, 1), ()), ((0,), ()), ((1,), ()))
     """
+    n = math.prod(mesh_shape)
+    return _strategies_for(tuple(math.gcd(s, n) for s in sizes), unsplittable, tuple(mesh_shape),
+                           fully_use_devices, max_candidates)
+
+
+@lru_cache(maxsize=4096)
+def _strategies_for(sizes: tuple[int, ...], unsplittable: tuple[bool, ...], mesh_shape: tuple[int, ...],
+                    fully_use_devices: bool, max_candidates: int | None) -> tuple[Strategy, ...]:
     n_dims, n_axes = len(sizes), len(mesh_shape)
     found: list[tuple[int, Strategy]] = []
     counts = [1] * n_dims

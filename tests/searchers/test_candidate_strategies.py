@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from searchers.graph import DeviceMesh, Graph, replicated
-from searchers.strategies import data_parallel_strategy, enumerate_strategies
+from searchers.strategies import data_parallel_strategy, enumerate_strategies, strategies_for
 
 
 def matmul_graph(mesh, m=64, k=32, n=128, **kw):
@@ -154,3 +154,19 @@ def test_data_parallel_unsplittable_and_scalar_are_replicated():
     assert data_parallel_strategy(g.ops[1], g.mesh) == replicated(g.ops[1])
     assert data_parallel_strategy(g.ops[2], g.mesh) == ()
     assert data_parallel_strategy(g.ops[3], g.mesh) == ()
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (2, 3), (2, 2, 3), (5,)])
+def test_strategies_for_depends_on_sizes_only_through_their_gcd_with_the_device_count(mesh_shape):
+    """The memo by gcd(size, N) must give exactly the enumeration on the raw sizes."""
+    import random
+
+    from searchers.strategies import _strategies_for  # the enumeration itself, without the gcd memo
+    rng = random.Random(0)
+    for _ in range(60):
+        nd = rng.randint(1, 3)
+        sizes = tuple(rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 12, 18, 20, 24, 30, 36, 60, 64, 96, 100]) for _ in range(nd))
+        uns = tuple(rng.random() < 0.2 for _ in range(nd))
+        for fully in (False, True):
+            assert strategies_for(sizes, uns, mesh_shape, fully) == \
+                _strategies_for.__wrapped__(sizes, uns, mesh_shape, fully, None)
