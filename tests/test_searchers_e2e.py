@@ -147,3 +147,46 @@ def test_the_backward_and_update_of_a_step_are_exempt_from_fully_use_devices():
     assert forward - free == {"jvp()/dot_general", "jvp()/tanh", "jvp()/reduce_sum"}
     assert backward and backward <= free
     assert {"mul", "sub", "writeback/w"} <= free                     # the update w - 0.1 * g and its write-back
+
+
+@pytest.mark.parametrize("fully", [False, True])
+def test_recursive_programming_levels_at_once_on_a_traced_gpt_step(monkeypatch, fully):
+    """A traced 4-layer GPT training step (reshapes, broadcasts, the backward and update marked free_devices,
+    write-back ops): recursive_programming decides its levels at once (searchers.rp_levels) and must give
+    exactly the op-by-op plan."""
+    from gpt import GPT
+
+    import searchers.recursive_programming as rp
+    import searchers.rp_levels as rpl
+    from mshard.planner import _free_derived
+    from mshard.trace import jaxpr_to_graph
+    from searchers import DeviceMesh
+    from searchers.cost import CostParams
+
+    net = GPT(nnx.Rngs(0), vocab=32, hidden=32, heads=4, ffn=64, seq=8, layers=4)
+    graphdef, state, rest = nnx.split(net, nnx.Param, ...)
+    leaves = jax.tree.leaves(state)
+
+    def step(state, ids, labels):
+        def loss(state):
+            logits = nnx.merge(graphdef, state, rest)(ids)
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], axis=-1))
+        value, grads = jax.value_and_grad(loss)(state)
+        return value, jax.tree.map(lambda p, g: p - 0.1 * g, state, grads)
+
+    ids = jnp.zeros((16, 8), jnp.int32)
+    cj = jax.make_jaxpr(step)(state, ids, ids)
+    n = len(leaves)
+    r = jaxpr_to_graph(cj, DeviceMesh.prime(8), ["param"] * n + ["data", "data"],
+                       [f"p{i}" for i in range(n)] + ["ids", "labels"], state_outputs=[(1 + i, i) for i in range(n)])
+    _free_derived(r.graph, 1)
+    ran = []
+    real = rpl.LevelBatch.sweep
+    monkeypatch.setattr(rpl.LevelBatch, "sweep", lambda self, *a: ran.append(self.n_levels) or real(self, *a))
+    plans = {}
+    for least in (10**9, 1):
+        monkeypatch.setattr(rp, "LEVEL_MIN_OPS", least)
+        plans[least] = rp.recursive_programming(r.graph, CostParams(), fully_use_devices=fully, cache=False)
+    assert ran and min(ran) > 0                       # the level path ran in every round
+    assert plans[1].strategies == plans[10**9].strategies
+    assert plans[1].cost.total == plans[10**9].cost.total
