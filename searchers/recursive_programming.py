@@ -363,7 +363,7 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
                               structs[sids[v]].cands[state[v]] for v in range(n)]   # type: ignore[union-attr]
     notes = []
     if followers:
-        notes.append(f"elementwise_op_strategy_follow: {followers} elementwise op(s) took their consumer's layout")
+        notes.append(f"elementwise_op_strategy_follow: {followers} elementwise op(s) take their consumer's layout")
     cost = _cost(tab, sids, chosen, lay, sl.e_in, sl.e_src, sl.e_bytes, mesh, params)
     return SearchResult(dict(enumerate(chosen)), cost, ALGORITHM, time.perf_counter() - t0, notes)
 
@@ -411,7 +411,8 @@ def _cost(tab: _Tables, sids: list[int], chosen: list[Strategy], lay: list[int],
 def _follow(ops: list[Op], movable: list[int], sids: list[int], tab: _Tables, refs: list[list[int]], lay: list[int],
             in_base: list[int], out_base: list[int], state: list[int], rounds_of: Callable[[int], _Rounds]) -> int:
     """Give every elementwise op whose result has one consuming op the final strategy whose result
-    layout is the one that consumer wants (consumers first, so chains follow through)."""
+    layout is the one that consumer wants (consumers first, so chains follow through). Returns how
+    many ops follow (those already there included, as the other searchers count them)."""
     n = 0
     for v in sorted(movable, reverse=True):
         op = ops[v]
@@ -428,11 +429,13 @@ def _follow(ops: list[Op], movable: list[int], sids: list[int], tab: _Tables, re
         s = tab.ensure(sids[v])
         ro = rounds_of(sids[v])
         hit = [i for i in sorted(ro.finals) if s.out_rows[i][0] == want]
-        if hit and hit[0] != state[v]:
+        if not hit:
+            continue
+        n += 1
+        if hit[0] != state[v]:
             c = state[v] = hit[0]
             lay[in_base[v]:in_base[v] + len(op.inputs)] = s.in_rows[c]
             lay[out_base[v]] = s.out_rows[c][0]
-            n += 1
     return n
 
 

@@ -10,7 +10,7 @@ from searchers.cost import CostParams, graph_cost
 from searchers.dynamic_programming import _series, dynamic_programming
 from searchers.factor import Problem
 from searchers.generators import mlp_chain, transformer_stack
-from searchers.graph import DeviceMesh, Graph
+from searchers.graph import DeviceMesh
 from searchers.ilp import ilp
 
 P = CostParams()
@@ -52,19 +52,6 @@ def test_repeated_layers_are_reused():
     note = next(n for n in res.notes if n.startswith("repeated structure"))
     hits, total = (int(x) for x in note.split(": ")[1].split(" eliminations")[0].split(" of "))
     assert hits / total > 0.8                     # after the first copies, a layer's eliminations are lookups
-
-
-def test_elementwise_op_strategy_follow():
-    g = Graph(DeviceMesh((2,)))
-    x = g.source("x", (8, 6))
-    w = g.source("w", (6, 4), kind="param")
-    (r,) = g.add_op("relu", "relu", {"i": 8, "j": 6}, [x], [("i", "j")], [("i", "j")])
-    g.add_op("mm", "dot_general", {"m": 8, "k": 6, "n": 4}, [r, w], [("m", "k"), ("k", "n")], [("m", "n")],
-             fixed=((), (0,), ()))                  # wants its operand split along k (relu's j)
-    for searcher in (dynamic_programming, ilp):
-        res = searcher(g, P, elementwise_op_strategy_follow=True, cache=False)
-        assert res.strategies[2] == ((), (0,)), searcher.__name__
-        assert any("elementwise_op_strategy_follow" in n for n in res.notes)
 
 
 def test_follow_is_exact_under_its_constraint():

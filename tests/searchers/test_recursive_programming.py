@@ -57,17 +57,6 @@ def test_heaviest_op_is_cut_and_the_plan_is_near_optimal():
     assert res.cost.total <= dynamic_programming(g, P, cache=False).cost.total * 1.10
 
 
-def test_elementwise_op_strategy_follow():
-    g = Graph(DeviceMesh((2,)))
-    x = g.source("x", (8, 6))
-    w = g.source("w", (6, 4), kind="param")
-    (r,) = g.add_op("relu", "relu", {"i": 8, "j": 6}, [x], [("i", "j")], [("i", "j")])
-    g.add_op("mm", "dot_general", {"m": 8, "k": 6, "n": 4}, [r, w], [("m", "k"), ("k", "n")], [("m", "n")],
-             fixed=((), (0,), ()))
-    res = recursive_programming(g, P, elementwise_op_strategy_follow=True, cache=False)
-    assert res.strategies[2] == ((), (0,))
-
-
 @pytest.mark.parametrize("family", ["mlp", "transformer", "conv"])
 def test_within_ten_percent_of_dynamic_programming_on_the_benchmark_families(family):
     g = graph_of_size(150, family, DeviceMesh.prime(8), fix_data=True)

@@ -183,3 +183,17 @@ def test_sharding_propagation_keeps_its_own_contract():
     res = sharding_propagation(g, P)
     valid(g, res.strategies)
     assert dynamic_programming(g, P, cache=False).cost.total <= res.cost.total * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("name", SEARCHERS)
+def test_elementwise_op_strategy_follow(name):
+    """relu's only consumer wants its operand split along k (relu's j): with the flag, relu follows."""
+    g = Graph(DeviceMesh((2,)))
+    x = g.source("x", (8, 6))
+    w = g.source("w", (6, 4), kind="param")
+    (r,) = g.add_op("relu", "relu", {"i": 8, "j": 6}, [x], [("i", "j")], [("i", "j")])
+    g.add_op("mm", "dot_general", {"m": 8, "k": 6, "n": 4}, [r, w], [("m", "k"), ("k", "n")], [("m", "n")],
+             fixed=((), (0,), ()))
+    res = SEARCHERS[name](g, P, elementwise_op_strategy_follow=True, cache=False)
+    assert res.strategies[2] == ((), (0,))
+    assert any("elementwise_op_strategy_follow" in n for n in res.notes)
