@@ -115,31 +115,27 @@ def test_semi_auto_gradients_mean_false_scales_by_the_planned_batch_split():
     assert_params_close(net, ref)
 
 
+MICRO_BATCH_WRAPPERS = {   # name: (wrapper, batch, seed)
+    "accumulation": (lambda n: nn.GradAccumulationCell(n, 4), 64, 5),
+    "interleaved": (lambda n: nn.MicroBatchInterleaved(n, 2), 32, 6),
+}
+
+
+@pytest.mark.parametrize("wrapper", MICRO_BATCH_WRAPPERS)
 @pytest.mark.parametrize("mode", ["data_parallel", "semi_auto_parallel"])
-def test_grad_accumulation_equals_full_batch(mode):
+def test_micro_batch_wrappers_equal_the_full_batch(mode, wrapper):
+    """GradAccumulationCell and MicroBatchInterleaved train exactly as one step on the whole batch."""
+    wrap, batch, seed = MICRO_BATCH_WRAPPERS[wrapper]
     ms.set_auto_parallel_context(parallel_mode=mode, device_num=8, gradients_mean=True)
-    data = batches(STEPS, [(64, 16), (64, 8)], seed=5)
-    net = MLP(nnx.Rngs(5))
+    data = batches(STEPS, [(batch, 16), (batch, 8)], seed=seed)
+    net = MLP(nnx.Rngs(seed))
     if mode == "semi_auto_parallel":
         net.megatron(2, 4)
     ref, ref_opt, ref_losses = reference_train(net, optax.adam(1e-2), data, mse)
-    step, losses = run(net, optax.adam(1e-2), data, wrap=lambda n: nn.GradAccumulationCell(n, 4))
+    step, losses = run(net, optax.adam(1e-2), data, wrap=wrap)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params_close(net, ref)
     assert_trees_close(step.opt_state, ref_opt)
-
-
-@pytest.mark.parametrize("mode", ["data_parallel", "semi_auto_parallel"])
-def test_micro_batch_interleaved_equals_full_batch(mode):
-    ms.set_auto_parallel_context(parallel_mode=mode, device_num=8, gradients_mean=True)
-    data = batches(STEPS, [(32, 16), (32, 8)], seed=6)
-    net = MLP(nnx.Rngs(6))
-    if mode == "semi_auto_parallel":
-        net.megatron(2, 4)
-    ref, _, ref_losses = reference_train(net, optax.adam(1e-2), data, mse)
-    _, losses = run(net, optax.adam(1e-2), data, wrap=lambda n: nn.MicroBatchInterleaved(n, 2))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_params_close(net, ref)
 
 
 def test_micro_batch_wrappers_called_directly_give_the_full_batch_loss():
