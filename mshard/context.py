@@ -158,14 +158,19 @@ def _v_dataset(v, ctx):
                            f"'full_batch' or a tuple of per-input split tuples like ((8, 1),), got {v!r}.")
 
 
-def _v_popt(v, ctx):
+def _config_items(name: str, v: Any, defaults: dict) -> tuple[dict, list[tuple[str, Any]]]:
+    """A copy of ``defaults`` to update and the (key, value) pairs of the dict ``v``, every key known."""
     if not isinstance(v, dict):
-        raise ContextTypeError(f"set_auto_parallel_context: parallel_optimizer_config must be a dict, got {v!r}.")
-    out = dict(ParallelContext().parallel_optimizer_config)
-    for k, x in v.items():
-        if k not in out:
-            raise ContextError(f"set_auto_parallel_context: unknown parallel_optimizer_config key {k!r}; "
-                               f"expected {sorted(out)}.")
+        raise ContextTypeError(f"set_auto_parallel_context: {name} must be a dict, got {v!r}.")
+    for k in v:
+        if k not in defaults:
+            raise ContextError(f"set_auto_parallel_context: unknown {name} key {k!r}; expected {sorted(defaults)}.")
+    return dict(defaults), list(v.items())
+
+
+def _v_popt(v, ctx):
+    out, items = _config_items("parallel_optimizer_config", v, ParallelContext().parallel_optimizer_config)
+    for k, x in items:
         _type(f"parallel_optimizer_config[{k!r}]", x, (int,), "an int")
         if k == "optimizer_weight_shard_size" and x != -1 and x < 1:
             raise ContextError(f"set_auto_parallel_context: optimizer_weight_shard_size={x}; use -1 (the "
@@ -218,13 +223,8 @@ def _v_arfc(v, ctx):
 
 
 def _v_ckpt(v, ctx):
-    if not isinstance(v, dict):
-        raise ContextTypeError(f"set_auto_parallel_context: strategy_ckpt_config must be a dict, got {v!r}.")
-    out = dict(ParallelContext().strategy_ckpt_config)
-    for k, x in v.items():
-        if k not in out:
-            raise ContextError(f"set_auto_parallel_context: unknown strategy_ckpt_config key {k!r}; "
-                               f"expected {sorted(out)}.")
+    out, items = _config_items("strategy_ckpt_config", v, ParallelContext().strategy_ckpt_config)
+    for k, x in items:
         if k == "only_trainable_params":
             _type(f"strategy_ckpt_config[{k!r}]", x, (bool,), "True or False")
         else:
