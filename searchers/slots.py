@@ -6,7 +6,6 @@ joins the producer's result slot to the consumer's operand slot. ``refs`` of an 
 slots on the far side of its edges, the ones its cost reads: its operands' producer results
 (operand order), then its results' consumer operands (edge order). ``ref_pos`` says which slot
 of the op's own block each ref meets: operand ``k`` is ``k``, result ``j`` is ``n_operands + j``.
-Assumes program order (a tensor's producer comes before its consumers), as :class:`Graph` builds.
 
 >>> from searchers.graph import DeviceMesh, Graph
 >>> g = Graph(DeviceMesh((2,)))
