@@ -16,7 +16,8 @@ layers produce identical keys and a searcher can memoise its expensive steps on 
 Two exact shrinks are provided: :meth:`Problem.absorb_single` folds every node with one
 candidate (a user strategy, or an op that cannot be split) into its neighbours' vectors, and
 :meth:`Problem.follow_elementwise` ties an elementwise op to its only consumer
-(``elementwise_op_strategy_follow``).
+(``elementwise_op_strategy_follow``), and :meth:`Problem.tie_operands` an op with a
+``follow_operand`` to that operand's producer.
 
 >>> from searchers.graph import DeviceMesh, Graph
 >>> from searchers.cost import CostParams, graph_cost
@@ -238,9 +239,11 @@ class Problem:
     @classmethod
     def prepared(cls, graph: Graph, params: CostParams, notes: list[str], *, fully_use_devices: bool = False,
                  max_candidates: int | None = None, elementwise_op_strategy_follow: bool = False) -> Problem:
-        """:meth:`build`, then elementwise ops follow their consumer (if asked, with a note) and
-        single-candidate ops are absorbed: the common start of the exact searchers."""
+        """:meth:`build`, then ops with a ``follow_operand`` are tied to that operand's producer,
+        elementwise ops follow their consumer (if asked, with a note) and single-candidate ops are
+        absorbed: the common start of the exact searchers."""
         prob = cls.build(graph, params, fully_use_devices=fully_use_devices, max_candidates=max_candidates)
+        prob.tie_operands()
         if elementwise_op_strategy_follow:
             k = prob.follow_elementwise()
             if k:
@@ -280,6 +283,31 @@ class Problem:
                 c, cmap = self.follows[c]
                 fmap = np.where(cmap >= 0, fmap[np.maximum(cmap, 0)], -1)
             if not self.alive[c]:
+                continue
+            self._merge(v, c, fmap)
+            n += 1
+        return n
+
+    def tie_operands(self) -> int:
+        """An op with ``follow_operand = k`` takes the strategy that gives operand ``k`` its producer's
+        result layout: it is merged into the producer, whose candidates with a layout no candidate
+        of the op can take get an infinite cost. Exact under the constraint. An op none of whose
+        candidates fits any producer candidate is left free. Returns how many ops are tied."""
+        graph, n = self.graph, 0
+        for op in graph.ops:
+            k, v = op.follow_operand, op.id
+            if k is None or not self.alive[v]:
+                continue
+            tid = op.inputs[k]
+            p = graph.tensors[tid].producer
+            j = graph.ops[p].outputs.index(tid)
+            have = {operand_layout(op, s, k): i for i, s in enumerate(self.cands[v])}
+            fmap = np.array([have.get(result_layout(graph.ops[p], s, j), -1) for s in self.cands[p]], dtype=np.intp)
+            c = p
+            while c in self.follows:                 # the producer follows in turn: compose the maps
+                c, cmap = self.follows[c]
+                fmap = np.where(cmap >= 0, fmap[np.maximum(cmap, 0)], -1)
+            if not self.alive[c] or not (fmap >= 0).any():
                 continue
             self._merge(v, c, fmap)
             n += 1

@@ -123,6 +123,8 @@ class Op:
     split_limit: dict[str, int] | None = None   # loop dim -> a split of it must also divide this (reshape)
     free_devices: bool = False                  # fully_use_devices does not apply (a training step's backward and
                                                 # update, which MindSpore derives from the forward, not searches)
+    follow_operand: int | None = None           # this operand keeps its producer's layout: the op's strategy is
+                                                # tied to the producer's (mshard's writeback: state stored in place)
 
     def split_sizes(self) -> tuple[int, ...]:
         """Per loop dim, the number a split count must divide (its size, or gcd with its split_limit)."""
@@ -195,6 +197,10 @@ class Graph:
                 [tuple(d) for d in in_dims], [], [tuple(d) for d in out_dims], **kw)
         if len(op.in_dims) != len(op.inputs):
             raise ValueError(f"{name}: {len(op.inputs)} inputs but {len(op.in_dims)} in_dims")
+        k = op.follow_operand
+        if k is not None and not (0 <= k < len(op.inputs) and set(op.dims) <= set(op.in_dims[k])):
+            raise ValueError(f"{name}: follow_operand={k} must name an operand that uses every loop dim "
+                             f"(its layout then decides the op's strategy); operands: {op.in_dims}")
         for tid, idims in zip(op.inputs, op.in_dims):
             t = self.tensors[tid]
             if len(idims) != len(t.shape):
@@ -249,6 +255,28 @@ def strategy_of_layout(op: Op, layout: TensorLayout, operand: int | None = None)
     dims = op.out_dims[0] if operand is None else op.in_dims[operand]
     where = {d: tuple(axes) for d, axes in zip(dims, layout) if d is not None}
     return tuple(where.get(d, ()) for d in op.dims)
+
+
+def tied_strategy(graph: Graph, op: Op, strategies: Sequence[Strategy | None]) -> Strategy | None:
+    """For an op with ``follow_operand = k``: the strategy that gives operand ``k`` its producer's result
+    layout under ``strategies`` (indexed by op id); None for any other op. Greedy searchers apply the
+    tie with it after their search; the exact ones search under it.
+
+    >>> g = Graph(DeviceMesh((2,)))
+    >>> w = g.source("w", (4, 6))
+    >>> _ = g.add_op("wb", "writeback", {"i": 4, "j": 6}, [w, w], [("i", "j")] * 2, [("i", "j")], follow_operand=1)
+    >>> tied_strategy(g, g.ops[1], [((), (0,)), ((0,), ())])
+    ((), (0,))
+    """
+    k = op.follow_operand
+    if k is None:
+        return None
+    tid = op.inputs[k]
+    p = graph.ops[graph.tensors[tid].producer]
+    s = strategies[p.id]
+    if s is None:
+        return None
+    return strategy_of_layout(op, result_layout(p, s, p.outputs.index(tid)), k)
 
 
 def partial_axes(op: Op, strategy: Strategy) -> Axes:

@@ -39,7 +39,7 @@ import numpy as np
 from .cache import cached_search
 from .cost import Cost, CostParams, counted_cost
 from .cost_vectors import candidate_tables, cost_vector, redistribution_affine
-from .graph import DeviceMesh, Graph, Strategy, TensorLayout
+from .graph import DeviceMesh, Graph, Strategy, TensorLayout, tied_strategy
 from .result import SearchResult
 from .spec import OpSpec, SpecKey, all_devices, distinct_spec_keys, layout_of, spec_from_key
 from .strategies import data_parallel_strategy, strategies_for
@@ -227,6 +227,10 @@ def _propagate(graph: Graph, params: CostParams, fully_use_devices: bool,
     if unreached and len(unreached) < n:
         names = ", ".join(op.name for op in unreached[:5]) + (", ..." if len(unreached) > 5 else "")
         notes.append(f"{len(unreached)} op(s) not reached from a fixed op got the data-parallel strategy: {names}")
+    for op in ops:                       # Op.follow_operand: the tied op takes its operand's layout
+        s = tied_strategy(graph, op, st.chosen)
+        if s is not None and s != st.chosen[op.id] and op.fixed is None and s in tab.ensure(sids[op.id]).cands:
+            set_strategy(op.id, s)
     cost = _predicted_cost(tab, sids, in_src, st, mesh, params)
     chosen = {i: s for i, s in enumerate(st.chosen) if s is not None}     # every op is decided by now
     return SearchResult(chosen, cost, ALGORITHM, time.perf_counter() - t0, notes)

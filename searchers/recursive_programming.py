@@ -63,7 +63,7 @@ from .block_polish import polish_blocks
 from .cache import cached_search
 from .cost import Cost, CostParams, counted_cost
 from .cost_vectors import layout_cost_matrix
-from .graph import SOURCE_KINDS, DeviceMesh, Graph, Op, Strategy, Tensor
+from .graph import SOURCE_KINDS, DeviceMesh, Graph, Op, Strategy, Tensor, tied_strategy
 from .progress import Progress
 from .propagation import _Tables
 from .result import SearchResult
@@ -361,6 +361,15 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
             if follow else 0
     chosen: list[Strategy] = [fixed_strategy[v] if v in fixed_strategy else
                               structs[sids[v]].cands[state[v]] for v in range(n)]   # type: ignore[union-attr]
+    for op in ops:                       # Op.follow_operand: the tied op takes its operand's layout
+        s = tied_strategy(graph, op, chosen)
+        cands = structs[sids[op.id]].cands      # type: ignore[union-attr]
+        if s is None or s == chosen[op.id] or op.id in fixed_strategy or s not in cands:
+            continue
+        v, c = op.id, cands.index(s)
+        chosen[v], state[v] = s, c
+        lay[in_base[v]:in_end[v]] = structs[sids[v]].in_rows[c]     # type: ignore[union-attr]
+        lay[out_base[v]:out_end[v]] = structs[sids[v]].out_rows[c]  # type: ignore[union-attr]
     notes = []
     if followers:
         notes.append(f"elementwise_op_strategy_follow: {followers} elementwise op(s) take their consumer's layout")

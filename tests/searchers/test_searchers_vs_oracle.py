@@ -133,3 +133,59 @@ def test_block_polish_only_lowers_the_cost():
         g = c.values[0]
         plain = recursive_programming(g, P, cache=False, polish=0).cost.total
         assert recursive_programming(g, P, cache=False, polish=2).cost.total <= plain * (1 + 1e-12)
+
+
+def sgd_step(mesh, fixed_x=False, fixed_w=None):
+    """y = x @ w; g = x^T @ y; w' = w - g, written back into w's layout (a writeback tied by follow_operand)."""
+    g = Graph(mesh)
+    x = g.source("x", (8, 6), fixed=((0,), ()) if fixed_x else None)
+    w = g.source("w", (6, 4), kind="param", fixed=fixed_w)
+    (y,) = g.add_op("mm", "dot_general", {"m": 8, "k": 6, "n": 4}, [x, w], [("m", "k"), ("k", "n")], [("m", "n")])
+    (gw,) = g.add_op("mmT", "dot_general", {"k": 6, "m": 8, "n": 4}, [x, y], [("m", "k"), ("m", "n")],
+                     [("k", "n")], free_devices=True)
+    (new,) = g.add_op("sub", "sub", {"i": 6, "j": 4}, [w, gw], [("i", "j")] * 2, [("i", "j")], free_devices=True)
+    g.add_op("writeback", "writeback", {"i": 6, "j": 4}, [new, w], [("i", "j")] * 2, [("i", "j")],
+             free_devices=True, follow_operand=1)
+    return g
+
+
+def _keeps_tie(g, strategies):
+    from searchers.graph import operand_layout, result_layout
+    wb = g.ops[-1]
+    return operand_layout(wb, strategies[wb.id], 1) == result_layout(g.ops[1], strategies[1], 0)
+
+
+@pytest.mark.parametrize("kw", [{}, {"fixed_x": True}, {"fixed_w": ((), (0,))}])
+@pytest.mark.parametrize("params", [P, P_SLOW_LINK], ids=["default", "slow-link"])
+def test_exact_searchers_equal_brute_force_under_a_follow_operand_tie(kw, params):
+    g = sgd_step(DeviceMesh((2, 2)), **kw)
+    best = brute_force(g, params)
+    assert _keeps_tie(g, best)
+    opt = graph_cost(g, best, params).total
+    free = copy.deepcopy(g)
+    free.ops[-1].follow_operand = None
+    assert graph_cost(free, brute_force(free, params), params).total <= opt    # the tie only constrains
+    for searcher in (dynamic_programming, ilp):
+        res = searcher(g, params, cache=False)
+        assert _keeps_tie(g, res.strategies), searcher.__name__
+        assert res.cost.total == pytest.approx(opt, rel=1e-9), searcher.__name__
+
+
+@pytest.mark.parametrize("name", ["recursive_programming", "sharding_propagation"])
+def test_greedy_searchers_keep_a_follow_operand_tie(name):
+    from searchers.propagation import sharding_propagation
+    fn = {"recursive_programming": recursive_programming, "sharding_propagation": sharding_propagation}[name]
+    for kw in ({"fixed_x": True}, {"fixed_x": True, "fixed_w": ((), (0, 1))}):
+        g = sgd_step(DeviceMesh((2, 2)), **kw)
+        res = fn(g, P, cache=False)
+        assert _keeps_tie(g, res.strategies)
+        assert res.cost.total == pytest.approx(graph_cost(g, res.strategies, P).total, rel=1e-9)
+
+
+def test_follow_operand_must_name_an_operand_over_every_loop_dim():
+    g = Graph(DeviceMesh((2,)))
+    x = g.source("x", (4, 6))
+    v = g.source("v", (6,))
+    for k, ins, in_dims in ((2, [x, x], [("i", "j")] * 2), (1, [x, v], [("i", "j"), ("j",)])):
+        with pytest.raises(ValueError, match=f"follow_operand={k}"):
+            g.add_op("tie", "writeback", {"i": 4, "j": 6}, ins, in_dims, [("i", "j")], follow_operand=k)
