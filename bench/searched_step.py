@@ -4,15 +4,21 @@
 
 One training step (SGD) of a 1-layer GPT with ``shard_megatron(2, 4)`` on 8 simulated CPU devices: planned
 from the strategies alone (semi_auto_parallel) and by each searcher in auto_parallel with the same strategies
-fixed, with fully_use_devices False and True. For each: the collectives of the compiled step and the bytes
-each device moves (``ms.comm_report``, ring estimates), with the held-state second search
-(:mod:`mshard.planner`: updated state tied to its stored layout) and without it (``once``: the first search's
-plan, as before that change). sharding_propagation never runs the second search.
+fixed, with fully_use_devices False and True. For each: the collectives of the compiled step, the bytes each
+device moves (``ms.comm_report``, ring estimates) and the search seconds (``plan.seconds``), in these variants:
+
+* ``plan``: mshard as it is. Updated state is stored in its input's layout: dynamic_programming and ilp search
+  under the write-back ties (``Op.follow_operand``) in one pass; recursive_programming applies them after its
+  search and searches again with the state held (:mod:`mshard.planner`); sharding_propagation applies them after.
+* ``untied``: dynamic_programming and ilp without the ties, searched twice as recursive_programming is
+  (the way before the ties).
+* ``once``: recursive_programming without its second search.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -21,6 +27,8 @@ import numpy as np
 
 import mshard as ms
 from mshard import planner
+from searchers.cache import SEARCH_CACHE
+from searchers.factor import Problem
 
 CFG = dict(vocab=64, hidden=64, heads=4, ffn=128, seq=16, layers=1)
 BATCH = 16
@@ -34,7 +42,31 @@ def measure(mode, search=None):
                                  **({"search_mode": search} if search else {}))
     _, step = _cpu8.gpt_step(CFG)
     rep = ms.comm_report(step, t[:, :-1], t[:, 1:])
-    return {"collectives": rep.total_count, "moved_bytes": int(sum(c.moved for c in rep.collectives))}
+    out = {"collectives": rep.total_count, "moved_bytes": int(sum(c.moved for c in rep.collectives))}
+    if search:
+        out["search_s"] = round(step.plan(t[:, :-1], t[:, 1:]).seconds, 3)
+    return out
+
+
+@contextlib.contextmanager
+def variant(tag):
+    """``untied``: no write-back ties in the exact searchers, and their second search back; ``once``: no
+    second search."""
+    SEARCH_CACHE.clear()                     # every variant searches afresh (the cache keys on the graph only)
+    saved = planner._hold_state, planner.TIES_EXACTLY, Problem.tie_operands
+    if tag == "untied":
+        planner.TIES_EXACTLY = frozenset()
+        Problem.tie_operands = lambda self: 0
+    if tag == "once":
+        planner._hold_state = lambda graph, strategies: False
+    try:
+        yield
+    finally:
+        planner._hold_state, planner.TIES_EXACTLY, Problem.tie_operands = saved
+
+
+VARIANTS = {"dynamic_programming": ("plan", "untied"), "ilp": ("plan", "untied"),
+            "recursive_programming": ("plan", "once"), "sharding_propagation": ("plan",)}
 
 
 def main(argv=None):
@@ -42,7 +74,6 @@ def main(argv=None):
     ap.add_argument("--searchers", default=",".join(SEARCHERS))
     ap.add_argument("--out", default=str(_cpu8.ROOT / "bench" / "out" / "searched_step.json"))
     args = ap.parse_args(argv)
-    hold = planner._hold_state
     rows = []
     for fully in (False, True):
         ms.reset_algo_parameters()
@@ -52,16 +83,14 @@ def main(argv=None):
               f"{semi['moved_bytes']:,} B moved", flush=True)
         for name in args.searchers.split(","):
             row = {"fully_use_devices": fully, "searcher": name, "semi_auto": semi}
-            for tag, fn in (("held", hold), ("once", lambda graph, strategies: False)):
-                planner._hold_state = fn
-                try:
+            for tag in VARIANTS[name]:
+                with variant(tag):
                     row[tag] = measure("auto_parallel", name)
-                finally:
-                    planner._hold_state = hold
             rows.append(row)
-            print(f"  {name:22s} once {row['once']['collectives']:4d} / {row['once']['moved_bytes']:>9,} B   "
-                  f"held {row['held']['collectives']:4d} / {row['held']['moved_bytes']:>9,} B   "
-                  f"held / semi_auto bytes {row['held']['moved_bytes'] / semi['moved_bytes']:.2f}", flush=True)
+            print(f"  {name:22s} " + "   ".join(
+                f"{tag} {row[tag]['collectives']:4d} / {row[tag]['moved_bytes']:>9,} B "
+                f"({row[tag]['moved_bytes'] / semi['moved_bytes']:.2f}x semi, search {row[tag]['search_s']:.2f} s)"
+                for tag in VARIANTS[name]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"config": {**CFG, "batch": BATCH}, "rows": rows}, indent=1))
     print(f"wrote {args.out}")

@@ -148,6 +148,11 @@ def _free_derived(graph: Graph, n_user: int) -> None:
             op.free_devices = True
 
 
+# searchers that search under Op.follow_operand ties exactly (searchers.factor.Problem.tie_operands): one search
+# prices a training step's updated state in its stored layout
+TIES_EXACTLY = frozenset({"dynamic_programming", "ilp"})
+
+
 def _hold_state(graph: Graph, strategies) -> bool:
     """Fix each ``writeback`` op and its state input to the state input's layout in ``strategies`` (see
     :func:`mshard.trace.jaxpr_to_graph`); True if any was not fixed yet."""
@@ -222,9 +227,14 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     if "elementwise_op_strategy_follow" in inspect.signature(searcher).parameters:
         opts["elementwise_op_strategy_follow"] = algo.elementwise_op_strategy_follow
     result = searcher(graph, params, **opts)
-    if searcher is not sharding_propagation and _hold_state(graph, result.strategies):
-        # updated state is stored in its input's layout: a second search with every state input held at
-        # the layout the first one gave it prices the update's layout against that (the writeback ops)
+    if algorithm in TIES_EXACTLY:
+        if any(op.kind == "writeback" for op in graph.ops):
+            notes.append("updated state is stored in its input's layout: every write-back was tied to its input "
+                         "in the search")
+    elif searcher is not sharding_propagation and _hold_state(graph, result.strategies):
+        # updated state is stored in its input's layout: a greedy searcher applies the writeback ties only after
+        # its search, so a second search with every state input held at the layout the first one gave it prices
+        # the update's layout against that (the writeback ops)
         first = result.seconds
         result = searcher(graph, params, **opts)
         result = dataclasses.replace(result, seconds=result.seconds + first, notes=list(result.notes) + [

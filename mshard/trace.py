@@ -275,9 +275,10 @@ class _Tracer:
 
 def _tie_state(t: _Tracer, jaxpr, env: dict, state_outputs: Sequence[tuple[int, int]]) -> None:
     """A ``writeback`` op per updated state: its operands are the new value (result ``o``) and the state input
-    ``i`` it replaces, on the same loop dims. The new value is stored in the input's layout (the region's
-    output sharding is the input's), so a plan that leaves it in another layout pays that redistribution
-    here, where the search sees it, instead of as a collective after the last op."""
+    ``i`` it replaces, on the same loop dims, tied to the input's layout (``follow_operand=1``). The new value
+    is stored in the input's layout (the region's output sharding is the input's), so a plan that leaves it in
+    another layout pays that redistribution here, where the search sees it, instead of as a collective after
+    the last op."""
     g = t.graph
     for o, i in state_outputs:
         ov, iv = jaxpr.outvars[o], jaxpr.invars[i]
@@ -286,7 +287,7 @@ def _tie_state(t: _Tracer, jaxpr, env: dict, state_outputs: Sequence[tuple[int, 
         new, old = env[ov], env[iv]
         if g.tensors[new].shape != g.tensors[old].shape or not g.tensors[old].shape:
             continue
-        t.identity(f"writeback/{g.ops[g.tensors[old].producer].name}", "writeback", [new, old])
+        t.identity(f"writeback/{g.ops[g.tensors[old].producer].name}", "writeback", [new, old], follow_operand=1)
 
 
 def jaxpr_to_graph(closed_jaxpr, mesh: DeviceMesh, input_kinds: Sequence[str],
