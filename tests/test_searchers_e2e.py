@@ -190,3 +190,44 @@ def test_recursive_programming_levels_at_once_on_a_traced_gpt_step(monkeypatch, 
     assert ran and min(ran) > 0                       # the level path ran in every round
     assert plans[1].strategies == plans[10**9].strategies
     assert plans[1].cost.total == plans[10**9].cost.total
+
+
+@pytest.mark.parametrize("mode,searches", [("dynamic_programming", 1), ("ilp", 1), ("recursive_programming", 2)])
+def test_a_training_step_keeps_its_state_layout_in_one_search_where_the_searcher_ties_exactly(monkeypatch, mode,
+                                                                                             searches):
+    """Updated state is stored in its input's layout. dynamic_programming and ilp search under the write-back
+    ties (Op.follow_operand) in one pass; recursive_programming applies them after its search and searches
+    again with the state held. Either way every write-back keeps its input's layout."""
+    import functools
+
+    import optax
+
+    from mshard import nn, planner
+    from searchers.graph import operand_layout, result_layout
+
+    seen = []
+    real = planner.SEARCHERS[mode]
+
+    @functools.wraps(real)
+    def spy(graph, params, **kw):
+        r = real(graph, params, **kw)
+        if any(op.kind == "writeback" for op in graph.ops):
+            seen.append((graph, r.strategies))
+        return r
+
+    monkeypatch.setitem(planner.SEARCHERS, mode, spy)
+    x, y = jnp.ones((16, 16)), jnp.ones((16, 8))
+    with auto(mode):
+        step = nn.TrainOneStepCell(nn.WithLossCell(MLP(16, 32, 8), lambda p, y: jnp.mean((p - y) ** 2)),
+                                   optax.sgd(0.1))
+        step(x, y)
+        notes = " ".join(step.plan(x, y).notes)
+    assert len(seen) == searches
+    graph, strategies = seen[-1]
+    wb = [o for o in graph.ops if o.kind == "writeback"]
+    assert len(wb) == 2                                       # w1 and w2
+    for op in wb:
+        src = graph.ops[graph.tensors[op.inputs[1]].producer]
+        assert operand_layout(op, strategies[op.id], 1) == result_layout(src, strategies[src.id], 0), op.name
+    assert ("tied to its input" in notes) == (searches == 1)
+    assert ("searched again" in notes) == (searches == 2)
