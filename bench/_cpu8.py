@@ -1,8 +1,8 @@
-"""Shared set-up of the training-step benchmarks (bench/fusion.py, bench/searched_step.py): import it first.
+"""Shared set-up of the JAX benchmarks (every bench/*.py but search.py and rp_levels.py): import it first.
 
 It puts 8 simulated CPU devices in ``XLA_FLAGS`` before JAX is imported, quiets XLA's partitioner warnings
 (they would bury the tables), puts the repository and ``examples/`` on ``sys.path``, and builds the small GPT
-training step both benchmarks measure.
+training step bench/fusion.py and bench/searched_step.py measure.
 """
 
 from __future__ import annotations

@@ -22,16 +22,10 @@ The ratio column is the plan's collective bytes over the expert's (per device, f
 from __future__ import annotations
 
 import json
-import os
-import sys
-from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")     # XLA's partitioner warnings would bury the table
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "examples"))
+import _cpu8  # first: 8 simulated CPU devices before JAX is imported, quiet XLA, paths
+
+ROOT = _cpu8.ROOT
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import pathlib
-import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+import _cpu8  # first: 8 simulated CPU devices before JAX is imported, quiet XLA, paths
+
+ROOT = _cpu8.ROOT
 
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402

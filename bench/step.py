@@ -35,27 +35,22 @@ rendezvous (a 40 s termination timeout) on a loaded 2-core machine, for mshard a
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
+import _cpu8  # noqa: F401  first: 8 simulated CPU devices before JAX is imported, quiet XLA, paths
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from gpt import GPT
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mshard as ms
 from mshard import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT
 
 SIZES = {"small": dict(vocab=256, hidden=128, heads=4, ffn=512, seq=64, batch=16),
          "medium": dict(vocab=512, hidden=256, heads=8, ffn=1024, seq=128, batch=32)}
