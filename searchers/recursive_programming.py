@@ -231,18 +231,27 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     fin_own: dict[int, np.ndarray] = {}
     fin_side: dict[tuple, np.ndarray] = {}
 
-    def refine_one(sid: int, sig: int, state: int, lids: tuple) -> int:
-        ro = rounds_of(sid)
-        fin = ro.final_array
+    def final_costs(sid: int, sig: int, lids: Iterable[int | None]) -> np.ndarray:
+        """Own cost plus the side against each neighbour layout in ``lids`` (None: left out), per final
+        candidate of spec ``sid``."""
+        fin = rounds_of(sid).final_array
         cost = fin_own.get(sid)
         if cost is None:
             cost = fin_own[sid] = tab.own[sid][fin]           # type: ignore[index]
         for (out, idx), lid in zip(sigs[sig], lids):
+            if lid is None:
+                continue
             key = (sid, out, idx, lid)
             v = fin_side.get(key)
             if v is None:
                 v = fin_side[key] = side(sid, out, idx, lid)[fin]
             cost = cost + v
+        return cost
+
+    def refine_one(sid: int, sig: int, state: int, lids: tuple) -> int:
+        ro = rounds_of(sid)
+        fin = ro.final_array
+        cost = final_costs(sid, sig, lids)
         cur = cost[int(np.searchsorted(fin, state))] if state in ro.finals else np.inf
         best = int(np.argmin(cost))
         return int(fin[best]) if cost[best] < cur - _REL_TIE * abs(cur) else state
@@ -348,7 +357,7 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
             polish = 2 if len(movable) <= POLISH_AUTO_OPS else 0
         if polish:
             view = _View(ops, tensors, sids, sig_of, sigs, refs, in_base, in_end, out_base, out_end, lay, state,
-                         tab, rounds_of, side, movable)
+                         tab, rounds_of, final_costs, movable)
             view.sweeps(int(polish), block_size, rank, sl.e_src, sl.e_in)
         for u in leaves:                  # each leaf's best response to its user's final layout
             (c,) = tensors[ops[u].outputs[0]].consumers
@@ -461,10 +470,10 @@ class _View:
     def __init__(self, ops: list[Op], tensors: list[Tensor], sids: list[int], sig_of: list[int], sigs: list[tuple],
                  refs: list[list[int]], in_base: list[int], in_end: list[int], out_base: list[int], out_end: list[int],
                  lay: list[int], state: list[int], tab: _Tables, rounds_of: Callable[[int], _Rounds],
-                 side: Callable[[int, int, int, int], np.ndarray], movable: list[int]) -> None:
+                 final_costs: Callable[[int, int, Iterable[int | None]], np.ndarray], movable: list[int]) -> None:
         self.ops, self.tensors, self.sids, self.sig_of, self.sigs, self.refs = ops, tensors, sids, sig_of, sigs, refs
         self.in_base, self.in_end, self.out_base, self.out_end = in_base, in_end, out_base, out_end
-        self.lay, self.state, self.tab, self.rounds_of, self.side = lay, state, tab, rounds_of, side
+        self.lay, self.state, self.tab, self.rounds_of, self.final_costs = lay, state, tab, rounds_of, final_costs
         self.can_move = [False] * len(ops)
         for v in movable:
             self.can_move[v] = True
@@ -480,13 +489,9 @@ class _View:
         return self.can_move[v]
 
     def unary(self, v: int, inside: set[int]) -> np.ndarray:
-        sid = self.sids[v]
-        fin = self.rounds_of(sid).final_array
-        cost = self.tab.own[sid][fin]       # type: ignore[index]
-        for (out, idx), slot, w in zip(self.sigs[self.sig_of[v]], self.refs[v], self.owner[v]):
-            if w not in inside:
-                cost = cost + self.side(sid, out, idx, self.lay[slot])[fin]
-        return cost
+        lay = self.lay
+        return self.final_costs(self.sids[v], self.sig_of[v],
+                                (None if w in inside else lay[slot] for slot, w in zip(self.refs[v], self.owner[v])))
 
     def _flow(self, p: int, c: int) -> np.ndarray | None:
         """Redistribution from producer ``p`` (rows: its finals) to consumer ``c`` (columns)."""
