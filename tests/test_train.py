@@ -286,7 +286,7 @@ def test_repeated_steps_see_written_values_and_context_changes():
     assert ms.comm_report(step, *data[2]).count("all-reduce") == 3
 
 
-@pytest.mark.parametrize("search_mode", ["sharding_propagation", "dynamic_programming", "ilp"])
+@pytest.mark.parametrize("search_mode", ["sharding_propagation", "dynamic_programming", "recursive_programming", "ilp"])
 def test_auto_parallel_every_search_mode_trains_like_one_device(search_mode):
     ms.set_auto_parallel_context(parallel_mode="auto_parallel", device_num=8, gradients_mean=True,
                                  search_mode=search_mode)
