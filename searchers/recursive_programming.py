@@ -38,6 +38,10 @@ the cut may be "none" when splitting costs more than it saves (disabled by
 ``fully_use_devices``, which keeps only cuts that can still complete to a strategy using every
 mesh axis).
 
+An op with ``Op.follow_operand`` is given its operand's layout after the search
+(:func:`~searchers.graph.tied_strategy`): the rounds do not price the tie (dynamic_programming and
+ilp do), so mshard searches a training step a second time with its state held.
+
 >>> from searchers.graph import DeviceMesh, Graph
 >>> from searchers.cost import CostParams
 >>> g = Graph(DeviceMesh((2, 3)))
