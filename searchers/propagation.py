@@ -227,7 +227,7 @@ def _propagate(graph: Graph, params: CostParams, fully_use_devices: bool,
     if unreached and len(unreached) < n:
         names = ", ".join(op.name for op in unreached[:5]) + (", ..." if len(unreached) > 5 else "")
         notes.append(f"{len(unreached)} op(s) not reached from a fixed op got the data-parallel strategy: {names}")
-    for op in ops:                       # Op.follow_operand: the tied op takes its operand's layout
+    for op in (o for o in ops if o.follow_operand is not None):   # the tied op takes its operand's layout
         s = tied_strategy(graph, op, st.chosen)
         if s is not None and s != st.chosen[op.id] and op.fixed is None and s in tab.ensure(sids[op.id]).cands:
             set_strategy(op.id, s)

@@ -266,11 +266,22 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     weight = np.zeros(len(tab.specs))
     rep = np.zeros(len(tab.specs), dtype=np.intp)
     rep_slots = np.zeros((len(tab.specs), int(np.diff(sl.base).max(initial=1))), dtype=np.intp)
+    cand_slots: dict[int, np.ndarray] = {}
+
+    def slots_of(sid: int) -> np.ndarray:
+        """Per candidate of spec ``sid``, the layout id of every slot of its block (operands, results)."""
+        got = cand_slots.get(sid)
+        if got is None:
+            st = tab.ensure(sid)
+            got = cand_slots[sid] = np.asarray([a + b for a, b in zip(st.in_rows, st.out_rows)],
+                                               dtype=np.intp).reshape(len(st.cands), -1)
+        return got
+
     for sid in range(len(tab.specs)):
-        st = tab.ensure(sid)
+        tab.ensure(sid)
         weight[sid] = float(np.max(tab.own[sid]))   # type: ignore[arg-type]
         rep[sid] = r = rounds_of(sid).rep
-        row = st.in_rows[r] + st.out_rows[r]
+        row = slots_of(sid)[r]
         rep_slots[sid, :len(row)] = row
     is_fixed = np.array([op.fixed is not None for op in ops], dtype=bool)
     order_a = np.lexsort((np.arange(n), -weight[sid_a], ~is_fixed)) if n else np.zeros(0, dtype=np.intp)
@@ -326,7 +337,8 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     def entries(vs: Iterable[int]) -> list[tuple]:
         return [(v, sids[v], sig_of[v], refs[v], in_base[v], in_end[v], out_base[v], out_end[v]) for v in vs]
 
-    levels = _levels(movable, sl, sids, tab, rounds_of, side, n_axes) if len(movable) >= LEVEL_MIN_OPS else None
+    levels = (_levels(movable, sl, sids, tab, rounds_of, side, slots_of, n_axes)
+              if len(movable) >= LEVEL_MIN_OPS else None)
     if levels is None:
         work = entries(movable)
     else:
@@ -374,7 +386,7 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
             if follow else 0
     chosen: list[Strategy] = [fixed_strategy[v] if v in fixed_strategy else
                               structs[sids[v]].cands[state[v]] for v in range(n)]   # type: ignore[union-attr]
-    for op in ops:                       # Op.follow_operand: the tied op takes its operand's layout
+    for op in (o for o in ops if o.follow_operand is not None):   # the tied op takes its operand's layout
         s = tied_strategy(graph, op, chosen)
         cands = structs[sids[op.id]].cands      # type: ignore[union-attr]
         if s is None or s == chosen[op.id] or op.id in fixed_strategy or s not in cands:
@@ -391,21 +403,13 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
 
 
 def _levels(movable: list[int], sl: Slots, sids: list[int], tab: _Tables, rounds_of: Callable[[int], _Rounds],
-            side: Callable[[int, int, int, int], np.ndarray], n_axes: int) -> LevelBatch | None:
+            side: Callable[[int, int, int, int], np.ndarray], slots_of: Callable[[int], np.ndarray],
+            n_axes: int) -> LevelBatch | None:
     """The movable ops as a :class:`~searchers.rp_levels.LevelBatch`; None where there is no
     round, no level is large enough, or the side-vector index would not fit."""
     widest = max(len(spec.in_maps) + len(spec.out_maps) for spec in tab.specs)
     if not n_axes or not LevelBatch.fits(len(tab.specs), widest, len(tab.layouts)):
         return None
-    cand_slots: dict[int, np.ndarray] = {}
-
-    def slots_of(sid: int) -> np.ndarray:
-        got = cand_slots.get(sid)
-        if got is None:
-            st = tab.ensure(sid)
-            got = cand_slots[sid] = np.asarray([a + b for a, b in zip(st.in_rows, st.out_rows)], dtype=np.intp)
-        return got
-
     lb = LevelBatch(np.asarray(movable, dtype=np.intp), np.asarray(sids, dtype=np.intp), sl,
                     cast(list[np.ndarray], tab.own), [len(spec.in_maps) for spec in tab.specs], slots_of,
                     lambda sid: rounds_of(sid).kids, lambda sid: rounds_of(sid).final_array, side,

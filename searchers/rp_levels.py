@@ -90,10 +90,10 @@ class LevelBatch:
         self.level, self.n_levels = levels_of(nb[dep], me[dep], m, min_size)
         self.groups = [np.flatnonzero(self.level == k) for k in range(self.n_levels)]
         self.tail = np.flatnonzero(self.level >= self.n_levels)
+        self.used = np.unique(self.sid)
         self._tables(own, cand_slots, kids, finals, n_axes)
         # side vectors, one table row per (spec, position, neighbour layout); a folded leaf's
         # marker -usid - 1 is shifted into range by ``len(own)``
-        self.used = np.unique(self.sid)
         self.P = int(sl.ref_pos.max(initial=0)) + 1
         self.L = len(layouts)
         self.W = self.L + len(own)
@@ -122,7 +122,7 @@ class LevelBatch:
     def _tables(self, own: Sequence[np.ndarray], cand_slots: Callable[[int], np.ndarray], kids: Callable[[int], dict],
                 finals: Callable[[int], np.ndarray], n_axes: int) -> None:
         """Padded per-spec tables; candidate index ``C`` (one past the widest) is the padding."""
-        used = np.unique(self.sid).tolist()
+        used = self.used.tolist()
         C = max(len(own[s]) for s in used)
         P = max(cand_slots(s).shape[1] for s in used)
         ns = len(own)
