@@ -25,6 +25,7 @@ from typing import Any
 from jax.extend import core as jcore
 
 from .annotate import OpNote, mark_p
+from .claims import Meetings
 from .errors import DatasetStrategyError, LayoutError, ParameterPlanError, StrategyError, StrategyIgnoredWarning
 from .layout import DimAxes, RegionMesh, TensorStrategy, check_fits, choose_axes, to_tensor_strategy
 
@@ -133,21 +134,70 @@ def resolve_counts(st: TensorStrategy, mesh: RegionMesh, where: str) -> TensorSt
 
 # -- the planner -------------------------------------------------------------------------------------
 class Assigner:
-    """Walks a jaxpr in program order and fixes the axes of every annotated split."""
+    """Walks a jaxpr in program order and fixes the axes of every annotated split.
 
-    def __init__(self, mesh: RegionMesh):
+    With ``meetings`` (:class:`mshard.claims.Meetings`, built on the whole traced graph) a user split never
+    takes a mesh axis of another user split it meets in some op, whatever lies between them; where no free
+    axes are left it raises ``LayoutError`` naming both.
+    """
+
+    def __init__(self, mesh: RegionMesh, meetings: Meetings | None = None, claim_names: dict | None = None):
         self.mesh = mesh
         self.known: dict[Any, DimAxes] = {}             # jaxpr var -> layout
-        self.pending: dict[Any, tuple[TensorStrategy, str]] = {}   # var -> counts-only strategy, name
+        self.pending: dict[Any, tuple[TensorStrategy, str, Any]] = {}   # var -> counts-only strategy, name, claim
         self.marks: dict[tuple[int, str, int], DimAxes | None] = {}
         self.by_count: dict[int, tuple[str, ...]] = {}  # split count -> axes chosen for it before
+        self.meetings = meetings
+        self.claim_names = claim_names or {}            # claim key -> what the user wrote, for messages
+        self.claimed: dict[tuple[Any, int], tuple[str, ...]] = {}   # (claim key, dim) -> axes it took
+
+    # -- user splits that meet (mshard.claims) ----------------------------------------------------
+    def _met(self, claims: Sequence[tuple[Any, int]]) -> dict[tuple[Any, int], tuple[tuple[str, ...], str]]:
+        """Placed claims met by any of ``claims`` -> (their axes, the op where they meet)."""
+        out = {}
+        if self.meetings is None:
+            return out
+        for c in claims:
+            for other, op in self.meetings.meets(*c).items():
+                if other in self.claimed and other not in claims:
+                    out.setdefault(other, (self.claimed[other], op))
+        return out
+
+    def _claim(self, claims: Sequence[tuple[Any, int]], axes: tuple[str, ...], count: int) -> None:
+        """Record ``axes`` for ``claims``; LayoutError where a claim they meet already took one of them."""
+        if not axes or self.meetings is None:
+            return
+        for other, (ax, op) in self._met(claims).items():
+            shared = set(ax) & set(axes)
+            if shared:
+                mine = claims[0]
+                raise LayoutError(
+                    f"{self._who(mine)} (a {count}-way split over mesh axes {axes}) and {self._who(other)} (over "
+                    f"{ax}) meet in op {op!r} and need disjoint mesh axes, but mesh "
+                    f"{dict(zip(self.mesh.names, self.mesh.shape))} has no free axes for both (shared: "
+                    f"{sorted(shared)}). Give both a Layout with disjoint axes, e.g. Layout((2, 4), ('dp', 'mp')) "
+                    f"with layout('dp', 'None') for the data and layout('None', 'mp') for the weight, or use "
+                    f"splits whose product divides device_num={self.mesh.size}.")
+        for c in claims:
+            self.claimed[c] = axes
+
+    def _who(self, c: tuple[Any, int]) -> str:
+        key, d = c
+        return f"{self.claim_names.get(key, key)} dim {d}"
+
+    def _hard(self, claims: Sequence[tuple[Any, int]]) -> set[str]:
+        return {a for ax, _ in self._met(claims).values() for a in ax}
 
     # axes for one tensor given counts, preferring known axes per dim
     def place(self, st: TensorStrategy, where: str, prefer: Sequence[DimAxes | None] = (),
-              avoid: set[str] = frozenset(), reuse: bool = False) -> DimAxes:
-        """``reuse``: a split count seen before takes the same axes even if they are in ``avoid``."""
+              avoid: set[str] = frozenset(), reuse: bool = False, claim: Any = None) -> DimAxes:
+        """``reuse``: a split count seen before takes the same axes even if they are in ``avoid``. ``claim``: the
+        key of a user split (:mod:`mshard.claims`): its dims avoid the axes of the user splits they meet."""
         st = resolve_counts(st, self.mesh, where)
         if st.axes is not None:
+            if claim is not None:
+                for d, axes in enumerate(st.axes):
+                    self._claim([(claim, d)], axes, self.mesh.count(axes))
             return st.axes
         out: list[tuple[str, ...]] = [()] * st.rank
         used: set[str] = set()
@@ -156,21 +206,31 @@ class Assigner:
             c = st.counts[d]
             if c == 1:
                 continue
+            claims = [(claim, d)] if claim is not None else []
             pref = [p[d] for p in prefer if p is not None and d < len(p) and p[d]]
             if c in self.by_count and (reuse or not (set(self.by_count[c]) & avoid)):
                 pref.append(self.by_count[c])
             out[d] = self._take(c, used, pref, avoid, lambda free, c=c, d=d: (
                 f"{where}: split {c} on dim {d} cannot be made from the free mesh axes "
                 f"{ {a: self.mesh.axis_size(a) for a in free} } of mesh {dict(zip(self.mesh.names, self.mesh.shape))}; "
-                f"choose splits whose product is a product of distinct mesh axes."))
+                f"choose splits whose product is a product of distinct mesh axes."), claims)
         return tuple(out)
 
-    def _take(self, c: int, used: set[str], prefer, avoid, message) -> tuple[str, ...]:
-        """Axes for a ``c``-way split among the axes not in ``used``; records them in ``used`` and ``by_count``."""
+    def _take(self, c: int, used: set[str], prefer, avoid, message, claims=()) -> tuple[str, ...]:
+        """Axes for a ``c``-way split among the axes not in ``used`` (nor, where it can, those of the user splits
+        ``claims`` meet); records them in ``used``, ``by_count`` and for ``claims``."""
         free = [a for a in self.mesh.names if a not in used]
-        axes = choose_axes(c, free, self.mesh, prefer, avoid)
+        hard = self._hard(claims) if claims else set()
+        axes = None
+        if hard:
+            ok = [a for a in free if a not in hard]
+            axes = choose_axes(c, ok, self.mesh, [p for p in prefer if not set(p) & hard], avoid)
+        if axes is None:
+            axes = choose_axes(c, free, self.mesh, prefer, avoid)
         if axes is None:
             raise StrategyError(message(free))
+        if claims:
+            self._claim(claims, axes, c)
         used.update(axes)
         self.by_count.setdefault(c, axes)
         return axes
@@ -179,8 +239,8 @@ class Assigner:
         if isinstance(var, jcore.Literal):
             return None
         if var in self.pending:
-            st, name = self.pending.pop(var)
-            self.known[var] = self.place(st, name, avoid=avoid)
+            st, name, claim = self.pending.pop(var)
+            self.known[var] = self.place(st, name, avoid=avoid, claim=claim)
         return self.known.get(var)
 
     # -- ops --------------------------------------------------------------------------------------
@@ -210,6 +270,11 @@ class Assigner:
                                         f"over {axes or 'no axes'} but another input uses {loop[letter] or 'no axes'}"
                                         f" for the same dim; give both the same layout.")
                 loop[letter] = axes
+        letter_claims = {l: [((note.uid, "in", i), pos) for i, dims in enumerate(note.in_dims)
+                             if note.in_strategy[i] is not None for pos, x in enumerate(dims) if x == l]
+                         for l in {x for dims in note.in_dims for x in dims if x is not None}}
+        for letter, axes in loop.items():
+            self._claim(letter_claims.get(letter, []), axes, self.mesh.count(axes))
         counts = note.loop_counts
         used = {a for ax in loop.values() for a in ax}
         appearance = [l for dims in note.in_dims for l in dims if l is not None]
@@ -234,7 +299,7 @@ class Assigner:
             loop[letter] = self._take(c, used, prefer, avoid, lambda free, c=c: (
                 f"{name}: the strategy splits its dims {counts} over more mesh axes than mesh "
                 f"{dict(zip(self.mesh.names, self.mesh.shape))} has free for a {c}-way split; the product of all "
-                f"of the op's splits must divide device_num={self.mesh.size}."))
+                f"of the op's splits must divide device_num={self.mesh.size}."), letter_claims.get(letter, []))
         for i, dims in enumerate(note.in_dims):
             self.marks[(note.uid, "in", i)] = (None if note.in_strategy[i] is None else
                                                tuple(loop.get(l, ()) if l else () for l in dims))
@@ -244,9 +309,12 @@ class Assigner:
             ost = (note.out_strategy or (None,) * len(note.out_dims))[j]
             if ost is None:
                 self.marks[(note.uid, "out", j)] = natural
+                for pos, axes in enumerate(natural):
+                    self._claim([((note.uid, "out", j), pos)], axes, self.mesh.count(axes))
             else:
                 pref = tuple(n + tuple(a for a in partial if a not in n) for n in natural)
-                self.marks[(note.uid, "out", j)] = self.place(ost, f"{name} output {j}", prefer=[pref, natural])
+                self.marks[(note.uid, "out", j)] = self.place(ost, f"{name} output {j}", prefer=[pref, natural],
+                                                              claim=(note.uid, "out", j))
 
     def assign_shard(self, note: OpNote, name: str, in_vars: dict[int, Any]) -> None:
         """A shard-wrapped function or Cell: each annotated input/output gets its layout."""
@@ -256,11 +324,12 @@ class Assigner:
                 continue
             k = self.layout_of(in_vars[i])
             lay = self.place(st, f"{name} input {i}", prefer=[k] if k else [], avoid=set(taken),
-                             reuse=True)
+                             reuse=True, claim=(note.uid, "in", i))
             self.marks[(note.uid, "in", i)] = lay
             taken.update(a for d in lay for a in d)
         for j, st in enumerate(note.out_strategy or ()):
-            self.marks[(note.uid, "out", j)] = (None if st is None else self.place(st, f"{name} output {j}"))
+            self.marks[(note.uid, "out", j)] = (None if st is None else self.place(st, f"{name} output {j}",
+                                                                                   claim=(note.uid, "out", j)))
 
     # -- the walk ---------------------------------------------------------------------------------
     def walk(self, jaxpr: jcore.Jaxpr, names: dict[int, str]) -> None:
@@ -382,7 +451,8 @@ def data_layout(info: InputInfo, dataset: Any, index: int, mesh: RegionMesh, ass
     rank = len(info.shape)
     if info.strategy is not None:
         check_fits(info.strategy, info.shape, mesh.size, f"data input {info.name}")
-        return assigner.place(info.strategy, f"data input {info.name}", avoid=set(taken), reuse=True)
+        return assigner.place(info.strategy, f"data input {info.name}", avoid=set(taken), reuse=True,
+                              claim=("input", index))
     if dataset == "full_batch" or rank == 0:
         return ((),) * rank
     if dataset == "data_parallel":
@@ -428,7 +498,10 @@ def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode:
         mesh = region_mesh(notes, list(fixed.values()) + [i.strategy for i in inputs if i.strategy], device_num)
     else:
         mesh = RegionMesh.prime(device_num)
-    assigner = Assigner(mesh)
+    meetings, claim_names = None, {}
+    if mode in ("semi_auto_parallel", "auto_parallel"):
+        meetings, claim_names = user_meetings(closed, inputs, mesh, fixed, names)
+    assigner = Assigner(mesh, meetings, claim_names)
     in_layouts: list[DimAxes | None] = [None] * len(inputs)
     first_use = _first_uses(jaxpr) if mode in ("semi_auto_parallel", "auto_parallel") else {}
     taken: set[str] = set()
@@ -440,7 +513,7 @@ def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode:
             taken.update(a for d in in_layouts[i] for a in d)
             assigner.known[jaxpr.invars[i]] = in_layouts[i]
         elif i in fixed:
-            assigner.pending[jaxpr.invars[i]] = (fixed[i], f"parameter {info.name}")
+            assigner.pending[jaxpr.invars[i]] = (fixed[i], f"parameter {info.name}", ("input", i))
         elif first_use.get(jaxpr.invars[i]) is not None:
             continue   # a parameter sliced as the op that consumes it first asks (MindSpore's parameter slicing)
         else:
@@ -459,3 +532,59 @@ def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode:
             in_layouts[i] = assigner.layout_of(jaxpr.invars[i])
     user = {i for i, info in enumerate(inputs) if info.kind == "data" or i in fixed}
     return RegionLayouts(mesh, in_layouts, assigner.marks, names, honour_marks=honour, user_inputs=user)
+
+
+def _split_dims(st: TensorStrategy | None) -> list[int]:
+    return [] if st is None else [d for d, c in enumerate(st.counts) if c != 1]
+
+
+def user_meetings(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], mesh: RegionMesh,
+                  fixed: dict[int, TensorStrategy], names: dict[int, str]) -> tuple[Meetings, dict]:
+    """Where the region's user splits meet, on its whole traced graph (:mod:`mshard.claims`), and a name for
+    each claim (what the user wrote) for messages."""
+    from searchers import DeviceMesh
+
+    from .trace import jaxpr_to_graph
+    jaxpr = closed.jaxpr
+    tr = jaxpr_to_graph(closed, DeviceMesh(mesh.shape, mesh.names), [i.kind for i in inputs],
+                        [i.name for i in inputs])
+    g = tr.graph
+    sources: dict[Any, list[tuple[int, dict[int, int]]]] = {}
+    who: dict[Any, str] = {}
+    for i, info in enumerate(inputs):
+        st = fixed.get(i, info.strategy)
+        if st is not None:
+            sources[("input", i)] = [(g.ops[tr.input_ops[i]].outputs[0], {d: d for d in _split_dims(st)})]
+            who[("input", i)] = (f"parameter_plan[{info.name!r}]" if info.kind == "param"
+                                 else f"data input {info.name}")
+    del jaxpr
+    stops = {op.id for op in g.ops if op.fixed is not None}
+    for te in tr.eqns:
+        e = te.eqn
+        if e.primitive is not mark_p:
+            continue
+        note: OpNote = e.params["note"]
+        role, idx = e.params["role"], e.params["index"]
+        if note.in_dims is None:     # a shard-wrapped function or Cell: its annotated inputs and outputs
+            st = note.in_strategy[idx] if role in ("in", "ct") else (note.out_strategy or (None,) * (idx + 1))[idx]
+            split = _split_dims(st)
+        elif not any(s is not None for s in note.in_strategy) and not any(note.out_strategy or ()):
+            continue                 # an unannotated primitive object: an identity, not a user split
+        elif role in ("in", "ct"):
+            st = note.in_strategy[idx]
+            split = _split_dims(st)
+        else:
+            ost = (note.out_strategy or (None,) * len(note.out_dims))[idx]
+            st = ost if ost is not None else note
+            split = (_split_dims(ost) if ost is not None else
+                     [p for p, l in enumerate(note.out_dims[idx]) if l and note.loop_counts.get(l, 1) > 1])
+        if st is None:
+            continue
+        key = mark_key(e)
+        stops.add(te.op)
+        bdim = e.params.get("bdim")    # batched over replicas: the tensor has the replica dim at bdim
+        sources.setdefault(key, []).append(
+            (g.ops[te.op].outputs[0], {d: d + (bdim is not None and d >= bdim) for d in split}))
+        side = "input" if key[1] == "in" else "output"
+        who[key] = f"{names.get(note.uid, note.kind)} {side} {idx}"
+    return Meetings(g, sources, stops), who

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import mshard as ms
 from mshard import Layout, nn, ops
+from mshard.errors import LayoutError
 
 SEMI = dict(parallel_mode="semi_auto_parallel", device_num=8)
 
@@ -168,7 +169,11 @@ def test_cell_shard_with_parameter_plan_eager_and_in_region():
     ref = net_reference(net, x)
     eager = net(x)                      # no shard config: plain JAX
     assert_close(eager, ref)
+    # the batch split and the weight splits meet in dense1's matmul: 8-way data leaves no axis for them
     net.shard(in_strategy=((8, 1),), parameter_plan={"dense1.weight": (4, 1), "dense2.weight": (1, 4)})
+    with pytest.raises(LayoutError, match=r"parameter_plan\['dense1.weight'\].*Net input 0.*dense1"):
+        net(x)
+    net.shard(in_strategy=((2, 1),), parameter_plan={"dense1.weight": (4, 1), "dense2.weight": (1, 4)})
     y = net(x)                          # a sharded Cell called eagerly runs as its own region
     assert_close(y, ref)
     assert split_counts(net.dense1.weight[...]) == (4, 1)
