@@ -67,6 +67,7 @@ class OpNote:
     in_shapes: tuple[tuple[int, ...], ...]
     in_dims: tuple[tuple[str | None, ...], ...] | None = None
     out_dims: tuple[tuple[str | None, ...], ...] | None = None
+    fixed: frozenset[str] = frozenset()              # loop dims the primitive cannot split (Softmax's axis, ...)
     uid: int = field(default_factory=lambda: next(_uid))
 
     @property

@@ -72,6 +72,12 @@ def notes_in(jaxpr: jcore.Jaxpr) -> list[OpNote]:
     return list(seen.values())
 
 
+def exact_mark_key(eqn) -> tuple[int, str, int]:
+    """A mark's own key, its role kept: a searched plan lays out a transposed mark (role ``ct``/``ct_out``) on its
+    own; :func:`mark_key` (what semi_auto assigns) gives it its primal's layout."""
+    return (eqn.params["note"].uid, eqn.params["role"], eqn.params["index"])
+
+
 def mark_key(eqn) -> tuple[int, str, int]:
     role = eqn.params["role"]
     return (eqn.params["note"].uid, "in" if role in ("in", "ct") else "out", eqn.params["index"])

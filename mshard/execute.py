@@ -23,7 +23,7 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 
 from .annotate import mark_p
-from .assign import CALL_PARAMS, RegionLayouts, iter_marks, mark_key
+from .assign import CALL_PARAMS, RegionLayouts, exact_mark_key, iter_marks, mark_key
 from .layout import spec_of
 
 INLINE = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
@@ -80,7 +80,7 @@ class Emitter:
         if prim is mark_p:
             if not self.layouts.honour_marks:
                 return invals[0]
-            lay = self.layouts.marks.get(mark_key(eqn))
+            lay = self.layouts.marks.get(exact_mark_key(eqn), self.layouts.marks.get(mark_key(eqn)))
             if lay is not None and eqn.params.get("bdim") is not None and len(lay) == len(invals[0].shape) - 1:
                 lay = replica_layout(lay, eqn.params["bdim"], eqn.params["replica_axes"])
             return self.wsc(invals[0], lay)

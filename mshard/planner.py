@@ -44,11 +44,11 @@ from searchers.strategies import data_parallel_strategy, enumerate_strategies
 
 from . import context as ctxmod
 from .annotate import OpNote, mark_p
-from .assign import InputInfo, RegionLayouts, mark_key, plan_region
+from .assign import InputInfo, RegionLayouts, exact_mark_key, mark_key, plan_region
 from .execute import replica_layout
 from .layout import DimAxes, RegionMesh, spec_of
 from .plan import Plan, PlanCost, PlanOp, load_plan
-from .trace import TraceResult, jaxpr_to_graph
+from .trace import REPLICA, TraceResult, jaxpr_to_graph
 
 EqnKey = tuple[tuple[int, ...], int]
 
@@ -106,12 +106,49 @@ def _batched(lay: DimAxes, eqn, rank: int) -> DimAxes:
     return lay
 
 
+def _fix_group(te, op, base: RegionLayouts, mesh: RegionMesh) -> None:
+    """Fix a primitive object's op (traced as one op) to the strategy its annotated input marks were given."""
+    note: OpNote = te.eqn.params["note"]
+    where: dict[str, tuple[str, ...]] = {}
+    for e in te.group:
+        if e.primitive is not mark_p or e.params["role"] != "in":
+            continue
+        lay = base.marks.get(mark_key(e))
+        if lay is None:
+            continue
+        rep = tuple(e.params["replica_axes"]) if e.params.get("bdim") is not None else ()
+        for letter, axes in zip(note.in_dims[e.params["index"]], lay):
+            if letter is not None:            # the replica split leaves the per-replica dims (replica_layout)
+                where[letter] = tuple(a for a in axes if a not in rep)
+        if rep:
+            where[REPLICA] = rep
+    if where:
+        op.fixed = tuple(tuple(mesh.names.index(a) for a in where.get(d, ())) for d in op.dims)
+
+
+def _group_strategy(te, op, strategy, mesh) -> tuple[tuple[int, ...], ...]:
+    """A primitive object's MindSpore strategy (one split tuple per input, its own dims: no replica dim)."""
+    note: OpNote = te.eqn.params["note"]
+    where = dict(zip(op.dims, strategy))
+    return tuple(tuple(graph_mesh_count(mesh, where.get(letter, ())) if letter else 1 for letter in dims)
+                 for dims in note.in_dims)
+
+
+def graph_mesh_count(mesh: RegionMesh, axes) -> int:
+    n = 1
+    for a in axes:
+        n *= mesh.shape[a]
+    return n
+
+
 def _groups(trace: TraceResult) -> dict[int, Any]:
     """op id -> the primitive-object note it belongs to (its marks and the ops between them)."""
     out: dict[int, Any] = {}
     open_note, left = None, 0
     for te in trace.eqns:
         e = te.eqn
+        if te.group:               # traced as one op: its own entry (build_plan)
+            continue
         if e.primitive is mark_p:
             note: OpNote = e.params["note"]
             role = e.params["role"]
@@ -191,7 +228,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     n_state = sum(i.kind == "param" for i in inputs)
     n_user = len(closed.jaxpr.outvars) - n_state
     state = [(n_user + j, j) for j in range(n_state)] if n_user >= 0 else []
-    trace = jaxpr_to_graph(closed, dmesh, [i.kind for i in inputs], [i.name for i in inputs], state)
+    trace = jaxpr_to_graph(closed, dmesh, [i.kind for i in inputs], [i.name for i in inputs], state, primitives=True)
     graph = trace.graph
     _free_derived(graph, n_user)
     # fixed: user inputs (data, parameter_plan), annotated marks, a loaded strategy file
@@ -200,7 +237,9 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
             op = graph.ops[trace.input_ops[i]]
             op.fixed = _strategy_from_layout(op, base.inputs[i], mesh)
     for te in trace.eqns:
-        if te.eqn.primitive is mark_p:
+        if te.group:
+            _fix_group(te, graph.ops[te.op], base, mesh)
+        elif te.eqn.primitive is mark_p:
             lay = base.marks.get(mark_key(te.eqn))
             if lay is not None:
                 op = graph.ops[te.op]
@@ -254,8 +293,15 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     for te in trace.eqns:
         op = graph.ops[te.op]
         s = strategies[op.id]
+        if te.group:               # a primitive object: its marks pin its operands and results as it computes
+            for e in te.group:
+                if e.primitive is mark_p:
+                    idx = e.params["index"]
+                    lay = operand_layout(op, s, idx) if e.params["role"] == "in" else result_layout(op, s, idx)
+                    layouts.marks[mark_key(e)] = _names(lay, mesh)
+            continue
         if te.eqn.primitive is mark_p:
-            layouts.marks[mark_key(te.eqn)] = _names(result_layout(op, s, 0), mesh)
+            layouts.marks[exact_mark_key(te.eqn)] = _names(result_layout(op, s, 0), mesh)
             continue
         eqn_out[eqn_key(te)] = tuple(_names(result_layout(op, s, j), mesh) for j in range(len(op.outputs)))
         ins = []
@@ -286,6 +332,12 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
     seen_notes: dict[int, PlanOp] = {}
     for te in trace.eqns:
         op = graph.ops[te.op]
+        if te.group:
+            note = te.eqn.params["note"]
+            plan_ops.append(PlanOp(base.op_names.get(note.uid, note.kind), note.kind,
+                                   _group_strategy(te, op, strategies[op.id], mesh), op.fixed is not None,
+                                   PlanCost.of(costs[op.id]), (op.id,)))
+            continue
         note = groups.get(op.id)
         if note is not None:
             entry = seen_notes.get(note.uid)

@@ -26,6 +26,7 @@ taken gets ``_1``, ``_2``, ... in program order. Literal sources are named
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,7 @@ class TracedEqn:
     path: tuple[Any, ...]
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
+    group: tuple[Any, ...] = ()     # a primitive object traced as one op: its marks and body eqns (eqn: 1st mark)
 
     @property
     def primitive(self) -> str:
@@ -141,8 +143,73 @@ def _join(*parts: str) -> str:
     return "/".join(p for p in parts if p)
 
 
+class _NotAGroup(Exception):
+    pass
+
+
+REPLICA = "_r"      # the loop dim of a primitive object's data-parallel replicas (marks batched by jax.vmap)
+REDUCE_OF = {"reduce_max": "max", "reduce_min": "min", "reduce_prod": "prod", "argmax": "max", "argmin": "min"}
+
+
+def _last_uses(jaxpr) -> dict[Any, int]:
+    """var -> index of the last eqn reading it (``len(eqns)`` for a jaxpr result)."""
+    last: dict[Any, int] = {}
+    for k, e in enumerate(jaxpr.eqns):
+        for v in e.invars:
+            if not isinstance(v, jcore.Literal):
+                last[v] = k
+    for v in jaxpr.outvars:
+        if not isinstance(v, jcore.Literal):
+            last[v] = len(jaxpr.eqns)
+    return last
+
+
+def _group_end(jaxpr, start: int, last: dict[Any, int]) -> int | None:
+    """If eqn ``start`` opens a primitive object's group (its input marks, the body, its output marks, as
+    ``annotate_call`` traces them), the index after the group; None where the group is not self-contained:
+    no out_strategy (its redistribution stays a mark of its own), every input marked before the body, the body
+    reading only the group's values and the jaxpr's constants, nothing but the output marks read after it."""
+    eqns = jaxpr.eqns
+    first = eqns[start]
+    note = first.params["note"]
+    if note.in_dims is None or first.params["role"] != "in" or any(note.out_strategy or ()):
+        return None
+    n_in, n_out = len(note.in_dims), len(note.out_dims)
+    seen_in: set[int] = set()
+    seen_out: set[int] = set()
+    inside: set[Any] = set()
+    allowed = set(jaxpr.constvars)
+    for k in range(start, len(eqns)):
+        e = eqns[k]
+        is_mark = e.primitive.name == "mshard_mark"
+        if is_mark and e.params["note"] is note:
+            role, idx = e.params["role"], e.params["index"]
+            if role == "in" and idx not in seen_in and not seen_out and len(inside) == len(seen_in):
+                seen_in.add(idx)
+            elif role == "out" and len(seen_in) == n_in and idx not in seen_out:
+                if e.invars[0] not in inside:
+                    return None
+                seen_out.add(idx)
+            else:
+                return None
+        elif is_mark or len(seen_in) < n_in or seen_out:
+            return None                    # another annotated op inside, a body before every input is marked
+        elif any(not isinstance(v, jcore.Literal) and v not in inside and v not in allowed for v in e.invars):
+            return None
+        if not (is_mark and e.params["role"] == "out"):
+            inside.update(e.outvars)
+        if len(seen_out) == n_out:
+            marks_out = {v for q in eqns[start:k + 1] if q.primitive.name == "mshard_mark"
+                         and q.params["role"] == "out" for v in q.outvars}
+            if any(last.get(v, -1) > k for v in inside if v not in marks_out):
+                return None                # a body value read after the group
+            return k + 1
+    return None
+
+
 class _Tracer:
-    def __init__(self, mesh: DeviceMesh) -> None:
+    def __init__(self, mesh: DeviceMesh, primitives: bool = False) -> None:
+        self.primitives = primitives       # trace each primitive object as one op (see group)
         self.graph = Graph(mesh)
         self.names = _Namer()
         self.var_tensor: dict[Any, int] = {}
@@ -166,13 +233,73 @@ class _Tracer:
 
     # -- equations ----------------------------------------------------------------------------
     def walk(self, jaxpr, env: dict, scope: str, path: tuple) -> None:
-        for eqn in jaxpr.eqns:
+        eqns = jaxpr.eqns
+        last = _last_uses(jaxpr) if self.primitives else {}
+        k = 0
+        while k < len(eqns):
+            eqn = eqns[k]
             eqn_scope = _join(scope, str(eqn.source_info.name_stack))
+            end = _group_end(jaxpr, k, last) if self.primitives and eqn.primitive.name == "mshard_mark" else None
+            if end is not None and self.group(eqns[k:end], env, eqn_scope, path):
+                k = end
+                continue
             sub = self.inlinable(eqn)
             if sub is not None:
                 self.inline(eqn, sub, env, eqn_scope, path)
             else:
                 self.op(eqn, env, eqn_scope, path)
+            k += 1
+
+    def group(self, eqns, env: dict, scope: str, path: tuple) -> bool:
+        """A primitive object as one op (MindSpore's operator): its iteration space is the object's own (the
+        note's loop dims, with the dims it cannot split unsplittable), its operands the tensors its input marks
+        receive and its results its output marks'; the body between them is left to XLA. A mark batched over
+        data-parallel replicas has the replica dim as loop dim ``_r`` at its ``bdim``."""
+        note = eqns[0].params["note"]
+        marks = {(e.params["role"], e.params["index"]): e for e in eqns if e.primitive.name == "mshard_mark"}
+        ins = [marks[("in", i)] for i in range(len(note.in_dims))]
+        outs = [marks[("out", j)] for j in range(len(note.out_dims))]
+        dims: dict[str, int] = {}
+        limit: dict[str, int] = {}
+
+        def labels(e, letters, is_input):
+            lab = list(letters)
+            if e.params.get("bdim") is not None:
+                lab.insert(e.params["bdim"], REPLICA)
+            shape = _shape(e.invars[0].aval)
+            if len(lab) != len(shape):
+                raise _NotAGroup         # batched by a vmap that did not say where (not a replica split)
+            for letter, n in zip(lab, shape):
+                if letter is None or n == 1 or dims.setdefault(letter, n) == n:
+                    continue
+                if is_input:
+                    raise _NotAGroup     # inputs disagree on a loop dim's size: trace the body op by op
+                limit[letter] = math.gcd(limit.get(letter, dims[letter]), n)   # an output dim sized unlike it
+            return tuple(None if n == 1 else letter for letter, n in zip(lab, shape))
+        try:
+            in_dims = [labels(e, d, True) for e, d in zip(ins, note.in_dims)]
+            out_dims = [labels(e, d, False) for e, d in zip(outs, note.out_dims)]
+        except _NotAGroup:
+            return False
+        used = {d for t in in_dims + out_dims for d in t if d is not None}
+        dims = {d: n for d, n in dims.items() if d in used}
+        name = self.names(_join(scope, note.kind))
+        inputs = [self.read(e.invars[0], env, name, i) for i, e in enumerate(ins)]
+        reduce = next((REDUCE_OF[e.primitive.name] for e in eqns if e.primitive.name in REDUCE_OF), "sum")
+        itemsizes = [_itemsize(e.outvars[0].aval) for e in outs]
+        res = self.graph.add_op(name, note.kind, dims, inputs, in_dims, out_dims, [_shape(e.outvars[0].aval) for e in outs],
+                                itemsize=itemsizes[0], reduce=reduce, unsplittable=frozenset(note.fixed) & set(dims),
+                                split_limit=limit or None)
+        for tid, size in zip(res, itemsizes):
+            self.graph.tensors[tid].itemsize = size
+        for e, tid in zip(outs, res):
+            env[e.outvars[0]] = tid
+            self.var_tensor[e.outvars[0]] = tid
+        op = self.graph.ops[-1]
+        for e in eqns:
+            self.by_eqn.setdefault(id(e), []).append(len(self.eqns))
+        self.eqns.append(TracedEqn(eqns[0], op.id, name, path, tuple(inputs), tuple(res), tuple(eqns)))
+        return True
 
     @staticmethod
     def inlinable(eqn):
@@ -291,7 +418,8 @@ def _tie_state(t: _Tracer, jaxpr, env: dict, state_outputs: Sequence[tuple[int, 
 
 
 def jaxpr_to_graph(closed_jaxpr, mesh: DeviceMesh, input_kinds: Sequence[str],
-                   input_names: Sequence[str], state_outputs: Sequence[tuple[int, int]] = ()) -> TraceResult:
+                   input_names: Sequence[str], state_outputs: Sequence[tuple[int, int]] = (), *,
+                   primitives: bool = False) -> TraceResult:
     """The :class:`searchers.Graph` of ``closed_jaxpr`` (e.g. from ``jax.make_jaxpr``).
 
     ``input_kinds[i]`` (``"data"``, ``"param"`` or ``"const"``) and ``input_names[i]`` describe
@@ -305,13 +433,17 @@ def jaxpr_to_graph(closed_jaxpr, mesh: DeviceMesh, input_kinds: Sequence[str],
 
     ``state_outputs``: (result index, input index) pairs of a region's updated state (parameters,
     optimizer state): each adds a ``writeback`` op tying the new value to the input's layout.
+
+    ``primitives``: trace each primitive object (``ops.MatMul()``, ...) as one op with the object's own iteration
+    space, as MindSpore sees it (its body's eqns are not ops; see ``_Tracer.group``), so a searcher's strategy
+    for it is the object's MindSpore strategy and the dims it cannot split are never split.
     """
     jaxpr = closed_jaxpr.jaxpr
     if len(input_kinds) != len(jaxpr.invars) or len(input_names) != len(jaxpr.invars):
         raise PlanError(f"jaxpr_to_graph: the jaxpr has {len(jaxpr.invars)} inputs but got "
                          f"{len(input_kinds)} input_kinds and {len(input_names)} input_names; "
                          "give one kind and one name per flattened argument")
-    t = _Tracer(mesh)
+    t = _Tracer(mesh, primitives)
     env: dict = {}
     input_ops = []
     for v, kind, name in zip(jaxpr.invars, input_kinds, input_names):

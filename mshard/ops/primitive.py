@@ -132,7 +132,7 @@ class Primitive:
                                     f"{total} devices in all, which {'exceeds' if total > device_num else 'does not divide'}"
                                     f" device_num={device_num}; the product of the op's splits must divide it.")
         return OpNote(self.kind, self.name, strategy or (None,) * len(shapes), self.out_strategy, tuple(shapes),
-                      tuple(in_dims), tuple(out_dims))
+                      tuple(in_dims), tuple(out_dims), frozenset(fixed))
 
 
 class _null:

@@ -1,0 +1,137 @@
+"""One legality (DESIGN invariant 5): the same rule decides what a searcher may choose for a primitive object and
+what a user may ask of it, swept in both directions; and every strategy a plan reports is one the user could type
+back in (invariant 3)."""
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import mshard as ms
+from mshard import annotate, nn, ops
+from mshard.errors import StrategyError
+from mshard.trace import jaxpr_to_graph
+from searchers import DeviceMesh
+from searchers.strategies import enumerate_strategies
+
+MESH = DeviceMesh.prime(8)
+
+# (primitive object factory, tensor shapes, attributes)
+CASES = {
+    "MatMul": (lambda: ops.MatMul(), [(8, 16), (16, 8)], ()),
+    "MatMul_tb": (lambda: ops.MatMul(transpose_b=True), [(8, 16), (8, 16)], ()),
+    "BatchMatMul_tb": (lambda: ops.BatchMatMul(transpose_b=True), [(2, 4, 8, 4), (2, 4, 8, 4)], ()),
+    "Softmax": (lambda: ops.Softmax(-1), [(4, 8, 16)], ()),
+    "LogSoftmax": (lambda: ops.LogSoftmax(-1), [(8, 16)], ()),
+    "LayerNorm": (lambda: ops.LayerNorm(-1, -1), [(8, 16), (16,), (16,)], ()),
+    "ReduceSum": (lambda: ops.ReduceSum(), [(8, 16)], (1,)),
+    "Add": (lambda: ops.Add(), [(8, 16), (8, 16)], ()),
+    "BiasAdd": (lambda: ops.BiasAdd(), [(8, 16), (16,)], ()),
+    "ReLU": (lambda: ops.ReLU(), [(8, 16)], ()),
+    "Transpose": (lambda: ops.Transpose(), [(8, 16)], ((1, 0),)),
+    "Reshape": (lambda: ops.Reshape(), [(8, 16)], ((8, 4, 4),)),
+    "Gather": (lambda: ops.Gather(), [(16, 8), (8,)], (0,)),
+    "Conv2D_same": (lambda: ops.Conv2D(8, 3, pad_mode="same"), [(2, 4, 8, 8), (8, 4, 3, 3)], ()),
+    "Conv2D_valid": (lambda: ops.Conv2D(8, 3, pad_mode="valid"), [(2, 4, 8, 8), (8, 4, 3, 3)], ()),
+}
+
+
+def _args(shapes, attrs):
+    return [jnp.zeros(s, jnp.int32 if i == 1 and len(s) == 1 else jnp.float32) for i, s in enumerate(shapes)], attrs
+
+
+def _searchable(make, shapes, attrs) -> set:
+    """The MindSpore strategies a searcher may give the object: every strategy of its op in a traced region."""
+    prim = make()
+    tensors, attrs = _args(shapes, attrs)
+    with annotate.tracing_region(annotate.RegionTrace(device_num=8)):
+        closed = jax.make_jaxpr(lambda *t: prim(*t, *attrs))(*tensors)
+    tr = jaxpr_to_graph(closed, MESH, ["data"] * len(tensors), [f"x{i}" for i in range(len(tensors))],
+                        primitives=True)
+    (te,) = [te for te in tr.eqns if te.group]
+    op, note = tr.graph.ops[te.op], te.eqn.params["note"]
+    out = set()
+    for s in enumerate_strategies(op, MESH):
+        where = dict(zip(op.dims, s))
+        out.add(tuple(tuple(MESH.count(where.get(letter, ())) if letter else 1 for letter in dims)
+                      for dims in note.in_dims))
+    return out
+
+
+def _accepted(make, shapes, attrs) -> set:
+    """Every strategy (split counts 1/2/4/8, each input's product <= 8) the object's .shard accepts in a region."""
+    tensors, attrs = _args(shapes, attrs)
+    per_input = [[c for c in itertools.product((1, 2, 4, 8), repeat=len(s)) if math.prod(c) <= 8] for s in shapes]
+    out = set()
+    for st in itertools.product(*per_input):
+        prim = make().shard(st)
+        try:
+            with annotate.tracing_region(annotate.RegionTrace(device_num=8)):
+                jax.eval_shape(lambda *t, prim=prim: prim(*t, *attrs), *tensors)
+        except StrategyError:
+            continue
+        out.add(st)
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_searcher_may_choose_exactly_what_a_user_may_ask(case):
+    """On main, searches split Softmax's axis (the attention net got ((1, 1, 1, 8),)) while
+    ops.Softmax(axis=-1).shard(((1, 1, 1, 8),)) was refused; a primitive object was not one op of the search."""
+    make, shapes, attrs = CASES[case]
+    searchable, accepted = _searchable(make, shapes, attrs), _accepted(make, shapes, attrs)
+    assert searchable, case
+    assert searchable - accepted == set(), f"{case}: searched but refused: {sorted(searchable - accepted)[:5]}"
+    assert accepted - searchable == set(), f"{case}: accepted but never searched: {sorted(accepted - searchable)[:5]}"
+
+
+def test_softmax_axis_is_neither_searched_nor_accepted():
+    with pytest.raises(StrategyError, match="Softmax cannot split dim 3"):
+        prim = ops.Softmax(axis=-1).shard(((1, 1, 1, 8),))
+        with annotate.tracing_region(annotate.RegionTrace(device_num=8)):
+            jax.eval_shape(prim, jnp.zeros((2, 4, 8, 8)))
+    assert all(st[0][-1] == 1 for st in _searchable(lambda: ops.Softmax(-1), [(2, 4, 8, 8)], ()))
+
+
+SEARCH_MODES = ("sharding_propagation", "recursive_programming", "dynamic_programming")
+
+
+def _objects(net) -> dict[tuple[str, str], ops.Primitive]:
+    """(module scope, kind) -> the net's primitive object of that kind in that module (plan names are scope/Kind)."""
+    out = {}
+    for path, sub in nnx.iter_graph(net):
+        if isinstance(sub, nnx.Module):
+            for v in vars(sub).values():
+                if isinstance(v, ops.Primitive):
+                    out[("/".join(map(str, path)), v.kind)] = v
+    return out
+
+
+@pytest.mark.parametrize("mode", SEARCH_MODES)
+def test_searched_attention_reports_strategies_a_user_could_type_back_in(mode):
+    """Every primitive object's reported strategy is accepted by its own .shard (one device matrix, shared dims
+    agreeing, Softmax's axis whole) and, typed back in semi_auto, runs equal to one device. On main
+    sharding_propagation gave Softmax ((1, 1, 1, 8),) and MatMuls strategies whose inputs disagreed."""
+    ms.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode=mode, device_num=8)
+    make = lambda: nn.MultiHeadAttention(32, 4, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (8, 16, 32))
+    plan = ms.jit(lambda m, x: m(x)).plan(make(), x)
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", search_mode="recursive_programming")
+    net = make()
+    objects = _objects(net)
+    typed = 0
+    for op in plan.ops:
+        prim = objects.get((op.name.rsplit("/", 1)[0] if "/" in op.name else "", op.kind))
+        if prim is None:
+            continue
+        if op.kind == "Softmax":
+            assert op.strategy[0][-1] == 1, (op.name, op.strategy)
+        prim.shard(op.strategy)              # raises StrategyError for a strategy that is not one
+        typed += 1
+    assert typed == 11                       # q, k, v, projection: MatMul + BiasAdd; qk, softmax, pv
+    y = ms.jit(lambda m, x: m(x))(net, x)    # the primitive objects' checks run while it traces
+    # float32: 32-term projections and a 16-term softmax, sums reordered by the partitioning
+    assert jnp.allclose(y, make()(x), rtol=1e-4, atol=1e-5)
