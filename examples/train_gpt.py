@@ -62,7 +62,7 @@ def train(mode: str, init: GPT, tx, data):
     step = nn.TrainOneStepCell(nn.WithLossCell(net, LOSS), tx)
     losses = [float(step(*batch)) for batch in ms.dataset.shard_batch(iter(data))]
     first = ms.dataset.shard_batch(data[0])
-    step.plan(*first).summary(max_rows=12)          # prints the table and returns it
+    print(step.plan(*first).summary(max_rows=12))
     print(ms.comm_report(step, *first))
     return losses
 

@@ -18,7 +18,7 @@ with unknown input layouts.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,42 +27,9 @@ from jax.extend import core as jcore
 from .annotate import OpNote, mark_p
 from .claims import Meetings
 from .errors import DatasetStrategyError, LayoutError, ParameterPlanError, StrategyError, StrategyIgnoredWarning
+from .jaxpr_util import as_jaxpr as _as_jaxpr
+from .jaxpr_util import call_jaxpr, iter_marks, sub_jaxprs
 from .layout import DimAxes, RegionMesh, TensorStrategy, check_fits, choose_axes, to_tensor_strategy
-
-CALL_PARAMS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-               "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-               "custom_vjp_call_jaxpr": "fun_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr"}
-
-
-def _as_jaxpr(j: Any) -> jcore.Jaxpr | None:
-    if isinstance(j, jcore.ClosedJaxpr):
-        return j.jaxpr
-    if isinstance(j, jcore.Jaxpr):
-        return j
-    return None
-
-
-def call_jaxpr(eqn) -> jcore.Jaxpr | None:
-    """The body of a call-like eqn whose invars map one to one onto the eqn's inputs."""
-    key = CALL_PARAMS.get(eqn.primitive.name)
-    return _as_jaxpr(eqn.params.get(key)) if key else None
-
-
-def sub_jaxprs(eqn) -> Iterator[jcore.Jaxpr]:
-    for v in eqn.params.values():
-        for item in (v if isinstance(v, (tuple, list)) else (v,)):
-            j = _as_jaxpr(item)
-            if j is not None:
-                yield j
-
-
-def iter_marks(jaxpr: jcore.Jaxpr) -> Iterator[Any]:
-    """Every mark eqn, in program order, including those in nested jaxprs."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is mark_p:
-            yield eqn
-        for sub in sub_jaxprs(eqn):
-            yield from iter_marks(sub)
 
 
 def notes_in(jaxpr: jcore.Jaxpr) -> list[OpNote]:

@@ -23,16 +23,13 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 
 from .annotate import mark_p
-from .assign import CALL_PARAMS, RegionLayouts, exact_mark_key, iter_marks, mark_key
-from .layout import spec_of
+from .assign import RegionLayouts, exact_mark_key, mark_key
+from .jaxpr_util import CALLS, REMAT, jaxpr_params
+from .jaxpr_util import has_marks as _has_marks
+from .layout import replica_layout, spec_of
 
-INLINE = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
-REBUILD = {"checkpoint", "remat2", "remat"}
-
-
-def _has_marks(j) -> bool:
-    jj = j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
-    return next(iter_marks(jj), None) is not None
+INLINE = frozenset(CALLS) - REMAT     # inlined where the body holds marks or planned ops
+REBUILD = REMAT                       # kept, around their re-emitted body, so the recomputation survives
 
 
 class _null:
@@ -85,14 +82,14 @@ class Emitter:
                 lay = replica_layout(lay, eqn.params["bdim"], eqn.params["replica_axes"])
             return self.wsc(invals[0], lay)
         params = eqn.params
-        has = self.planned or any(_has_marks(j) for j in _jaxpr_params(params))
+        has = self.planned or any(_has_marks(j) for j in jaxpr_params(params))
         inner = path + (id(eqn),)
         if has and prim.name in INLINE:
-            body = params[CALL_PARAMS[prim.name]]
+            body = params[CALLS[prim.name]]
             if isinstance(body, jcore.ClosedJaxpr):
                 return self.eval(body.jaxpr, body.consts, *invals, path=inner)
             return self.eval(body, (), *invals, path=inner)
-        if has and (prim.name in REBUILD or any(_has_marks(j) for j in _jaxpr_params(params))):
+        if has and (prim.name in REBUILD or any(_has_marks(j) for j in jaxpr_params(params))):
             params = {k: self.rewrite(v, inner) for k, v in params.items()}
         key = (path, id(eqn))
         ins = self.eqn_in.get(key)
@@ -125,26 +122,6 @@ class Emitter:
                 raise NotImplementedError("mshard: a re-emitted open jaxpr gained constants")
             return closed.jaxpr
         return v
-
-
-def replica_layout(lay, bdim: int, axes: tuple[str, ...]):
-    """A per-replica layout for a tensor batched over replicas at ``bdim``: the replica dim takes the
-    replica ``axes`` and every other dim drops them (the planner split the per-replica batch over them).
-
-    >>> replica_layout((("d0",), ("d1", "d2")), 0, ("d0",))
-    (('d0',), (), ('d1', 'd2'))
-    """
-    rest = [tuple(a for a in d if a not in axes) for d in lay]
-    return tuple(rest[:bdim]) + (tuple(axes),) + tuple(rest[bdim:])
-
-
-def _jaxpr_params(params) -> list:
-    out = []
-    for v in params.values():
-        for item in (v if isinstance(v, (tuple, list)) else (v,)):
-            if isinstance(item, (jcore.ClosedJaxpr, jcore.Jaxpr)):
-                out.append(item)
-    return out
 
 
 def emit(closed: jcore.ClosedJaxpr, layouts: RegionLayouts, eqn_out: dict | None = None,

@@ -278,3 +278,14 @@ def choose_axes(count: int, free: Sequence[str], mesh: RegionMesh,
             best = tuple(shared) + tuple(a for a in best if a not in shared)
             break
     return best
+
+
+def replica_layout(lay, bdim: int, axes: tuple[str, ...]):
+    """A per-replica layout for a tensor batched over replicas at ``bdim``: the replica dim takes the
+    replica ``axes`` and every other dim drops them (the planner split the per-replica batch over them).
+
+    >>> replica_layout((("d0",), ("d1", "d2")), 0, ("d0",))
+    (('d0',), (), ('d1', 'd2'))
+    """
+    rest = [tuple(a for a in d if a not in axes) for d in lay]
+    return tuple(rest[:bdim]) + (tuple(axes),) + tuple(rest[bdim:])

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -46,9 +47,9 @@ class PlanCost:
                         cost.comm_time, cost.total)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlanOp:
-    """One op of the plan (a primitive object counts once, under its own name)."""
+    """One op of the plan (a primitive object counts once, under its own name): its compute strategy."""
 
     name: str
     kind: str
@@ -58,19 +59,53 @@ class PlanOp:
     op_ids: tuple[int, ...] = ()                    # graph ops it covers
 
 
-@dataclass
+@dataclass(frozen=True)
+class Redistribution:
+    """An operand that arrives in another layout than its op computes in: from -> to, and what it costs."""
+
+    op: str                                         # the plan entry whose operand it is
+    operand: int
+    shape: tuple[int, ...]
+    src: tuple[int, ...]                            # split counts per dim as it arrives
+    dst: tuple[int, ...]                            # ... and as the op computes
+    src_axes: tuple[tuple[str, ...], ...]
+    dst_axes: tuple[tuple[str, ...], ...]
+    communication: dict = field(default_factory=dict)   # predicted {collective kind: bytes per device}
+
+    def __str__(self) -> str:
+        kinds = ", ".join(f"{k} {v:,.0f} B" for k, v in self.communication.items()) or "local slicing"
+        return f"{self.op} operand {self.operand} {self.shape}: {self.src} -> {self.dst} ({kinds})"
+
+
+class PlanSummary(str):
+    """``plan.summary()``: the plan as text (``print`` it), a rich renderable in a terminal and HTML in Jupyter."""
+
+    _html: str = ""
+    _renderables: tuple = ()
+
+    def __rich__(self):
+        from rich.console import Group
+        return Group(*self._renderables)
+
+    def _repr_html_(self) -> str:
+        return self._html
+
+
+@dataclass(frozen=True)
 class Plan:
-    """A region's plan. Built by ``f.plan(*args)`` or when ``f`` first runs; ``ms.load_plan`` reads one back."""
+    """A region's plan. Built by ``f.plan(*args)`` or when ``f`` first runs; ``ms.load_plan`` reads one back.
+    A value: nothing in it changes after it is made."""
 
     mesh: RegionMesh
-    ops: list[PlanOp]
+    ops: tuple[PlanOp, ...]
     param_specs: dict[str, PartitionSpec]
     cost: PlanCost
     algorithm: str
     seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
     graph_axes: dict[str, list[list[str]]] = field(default_factory=dict)   # trace op name -> axes per loop dim
-    _explainer: Any = field(default=None, repr=False)
+    redistributions: tuple[Redistribution, ...] = ()
+    _explainer: Any = field(default=None, repr=False, compare=False)
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -110,21 +145,32 @@ class Plan:
             t.add_row(f"... {len(self.ops) - max_rows} more", "", "", "", "", "")
         return t
 
-    def summary(self, max_rows: int = 60) -> str:
-        """A readable table of every op's strategy and predicted cost (rich in a terminal; HTML in Jupyter)."""
+    def summary(self, max_rows: int = 60) -> PlanSummary:
+        """Every op's strategy and predicted cost, the redistributions between them, the parameters' layouts and
+        the notes. Prints nothing: ``print(plan.summary())`` in a script; a notebook shows it as HTML.
+
+        >>> import mshard as ms
+        >>> "mshard plan (user)" in Plan(ms.layout.RegionMesh.prime(8), (), {}, PlanCost(), "user").summary()
+        True
+        """
         from rich.console import Console
-        console = Console(width=140, record=True)
+        lines = [f"params: { {k: str(v) for k, v in list(self.param_specs.items())[:12]} }",
+                 f"predicted: compute {self.cost.compute:.3e} s, communication "
+                 f"{ {k: f'{v:,.0f}' for k, v in self.cost.communication.items()} } B/device, "
+                 f"memory {self.cost.memory:,.0f} B/device, total {self.cost.total:.4g}"]
+        lines += [f"redistribution: {r}" for r in self.redistributions[:max_rows]]
+        if len(self.redistributions) > max_rows:
+            lines.append(f"... {len(self.redistributions) - max_rows} more redistributions")
+        lines += [f"note: {n}" for n in self.notes]
+        renderables = (self.table(max_rows), *lines)
+        console = Console(width=140, record=True, force_terminal=False, color_system=None)
         with console.capture() as cap:
-            console.print(self.table(max_rows))
-            console.print(f"params: { {k: str(v) for k, v in list(self.param_specs.items())[:12]} }")
-            console.print(f"predicted: compute {self.cost.compute:.3e} s, communication "
-                          f"{ {k: f'{v:,.0f}' for k, v in self.cost.communication.items()} } B/device, "
-                          f"memory {self.cost.memory:,.0f} B/device, total {self.cost.total:.4g}")
-            for n in self.notes:
-                console.print(f"note: {n}")
-        text = cap.get()
-        print(text)
-        return text
+            for r in renderables:
+                console.print(r)
+        out = PlanSummary(cap.get())
+        out._renderables = renderables
+        out._html = self._repr_html_() + "".join(f"<div>{html.escape(x)}</div>" for x in lines)
+        return out
 
     def _repr_html_(self) -> str:
         rows = "".join(f"<tr><td>{o.name}</td><td>{o.kind}</td><td>{o.strategy}</td><td>{'user' if o.fixed else ''}"
@@ -134,15 +180,13 @@ class Plan:
                 f"{rows}</table>")
 
     def explain(self, pattern: str, alternatives: int = 3) -> str:
-        """Why the first op matching ``pattern`` got its strategy: its cost terms and the best alternatives."""
+        """Why the first op matching ``pattern`` got its strategy: its cost terms and the best alternatives
+        (returned, not printed)."""
         op = self.op(pattern)
         if self._explainer is None:
-            text = f"{op.name}: strategy {op.strategy} ({'user' if op.fixed else self.algorithm}); loaded plan: " \
+            return f"{op.name}: strategy {op.strategy} ({'user' if op.fixed else self.algorithm}); loaded plan: " \
                    f"no graph to compare alternatives."
-        else:
-            text = self._explainer(op, alternatives)
-        print(text)
-        return text
+        return self._explainer(op, alternatives)
 
     # -- the strategy file --------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -180,7 +224,7 @@ def load_plan(path: str | os.PathLike) -> Plan:
         raise PlanError(f"load_plan: {os.fspath(path)!r} has version {data.get('version')!r}; this mshard reads "
                         f"version {VERSION}.")
     mesh = RegionMesh(tuple(data["mesh"]["names"]), tuple(data["mesh"]["shape"]))
-    ops = [PlanOp(o["name"], o["kind"], tuple(tuple(s) for s in o["strategy"]), o["fixed"]) for o in data["ops"]]
+    ops = tuple(PlanOp(o["name"], o["kind"], tuple(tuple(s) for s in o["strategy"]), o["fixed"]) for o in data["ops"])
     params = {k: spec_of(tuple(tuple(d) if isinstance(d, list) else ((d,) if d else ()) for d in v))
               for k, v in data["params"].items()}
     c = data.get("cost", {})

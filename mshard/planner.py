@@ -45,9 +45,9 @@ from searchers.strategies import data_parallel_strategy, enumerate_strategies
 from . import context as ctxmod
 from .annotate import OpNote, mark_p
 from .assign import InputInfo, RegionLayouts, exact_mark_key, mark_key, plan_region
-from .execute import replica_layout
-from .layout import DimAxes, RegionMesh, spec_of
-from .plan import Plan, PlanCost, PlanOp, load_plan
+from .errors import PlanError
+from .layout import DimAxes, RegionMesh, dims_of, replica_layout, spec_of
+from .plan import Plan, PlanCost, PlanOp, Redistribution, load_plan
 from .trace import REPLICA, TraceResult, jaxpr_to_graph
 
 EqnKey = tuple[tuple[int, ...], int]
@@ -257,7 +257,17 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
                 if axes is not None and len(axes) == len(op.dims) and op.fixed is None:
                     op.fixed = tuple(tuple(mesh.names.index(a) for a in ax) for ax in axes)
                     applied += 1
-            notes.append(f"strategy file {load}: {applied} op strategies loaded")
+            stored = 0
+            for i, info in enumerate(inputs):     # the parameters are stored as the file says
+                spec = loaded.param_specs.get(info.name) if info.kind == "param" else None
+                op = graph.ops[trace.input_ops[i]]
+                if spec is not None and op.fixed is None:
+                    op.fixed = _strategy_from_layout(op, dims_of(spec, len(info.shape)), mesh)
+                    stored += 1
+                axes = loaded.graph_axes.get(op.name) if info.kind == "data" and info.strategy is None else None
+                if axes is not None and len(axes) == len(op.dims):   # data laid out as the saved region's was
+                    op.fixed = tuple(tuple(mesh.names.index(a) for a in ax) for ax in axes)
+            notes.append(f"strategy file {load}: {applied} op strategies and {stored} parameter layouts loaded")
     searcher = SEARCHERS.get(algorithm)
     if searcher is None:
         notes.append(f"search_mode {algorithm!r} is not available yet; used sharding_propagation")
@@ -318,59 +328,84 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
 
 def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh: RegionMesh,
                inputs: Sequence[InputInfo], base: RegionLayouts, notes: list[str], algorithm: str) -> Plan:
+    from searchers.cost import Cost
     graph = trace.graph
     groups = _groups(trace)
     costs = {op.id: op_cost(op, strategies[op.id], graph, params) for op in graph.ops}
-    for op in graph.ops:   # redistribution into each op is charged to it
-        for i, tid in enumerate(op.inputs):
-            prod = graph.producer(tid)
-            t = graph.tensors[tid]
-            costs[op.id] = costs[op.id] + redistribution_cost(
-                result_layout(prod, strategies[prod.id], prod.outputs.index(tid)),
-                operand_layout(op, strategies[op.id], i), t.shape, t.itemsize, graph.mesh, params)
-    plan_ops: list[PlanOp] = []
-    seen_notes: dict[int, PlanOp] = {}
+    owner: dict[int, str] = {}          # graph op id -> the plan entry it belongs to
+    entries: dict[str, dict] = {}       # plan entry name -> its fields, in program order
     for te in trace.eqns:
         op = graph.ops[te.op]
         if te.group:
             note = te.eqn.params["note"]
-            plan_ops.append(PlanOp(base.op_names.get(note.uid, note.kind), note.kind,
-                                   _group_strategy(te, op, strategies[op.id], mesh), op.fixed is not None,
-                                   PlanCost.of(costs[op.id]), (op.id,)))
-            continue
-        note = groups.get(op.id)
-        if note is not None:
-            entry = seen_notes.get(note.uid)
-            if entry is None:
-                entry = PlanOp(base.op_names.get(note.uid, note.kind), note.kind, (), False, PlanCost(), ())
-                seen_notes[note.uid] = entry
-                plan_ops.append(entry)
-            entry.op_ids += (op.id,)
+            name = base.op_names.get(note.uid, note.kind)
+            entries[name] = dict(kind=note.kind, strategy=_group_strategy(te, op, strategies[op.id], mesh),
+                                 fixed=op.fixed is not None, ids=[op.id])
+        elif (note := groups.get(op.id)) is not None:   # a primitive object traced op by op (not self-contained)
+            name = base.op_names.get(note.uid, note.kind)
+            e = entries.setdefault(name, dict(kind=note.kind, strategy=[], fixed=False, ids=[]))
+            e["ids"].append(op.id)
             if te.eqn.primitive is mark_p and te.eqn.params["role"] == "in":
                 idx = te.eqn.params["index"]
                 counts = tuple(mesh.count(a) for a in _names(result_layout(op, strategies[op.id], 0), mesh))
-                st = list(entry.strategy) + [()] * (idx + 1 - len(entry.strategy))
-                st[idx] = counts
-                entry.strategy = tuple(st)
-                entry.fixed = entry.fixed or note.in_strategy[idx] is not None
+                e["strategy"] += [()] * (idx + 1 - len(e["strategy"]))
+                e["strategy"][idx] = counts
+                e["fixed"] = e["fixed"] or note.in_strategy[idx] is not None
+        elif te.eqn.primitive is mark_p:
             continue
-        if te.eqn.primitive is mark_p:
-            continue
-        plan_ops.append(PlanOp(te.name, op.kind, ms_strategy(op, strategies[op.id], graph.mesh), op.fixed is not None,
-                               PlanCost.of(costs[op.id]), (op.id,)))
-    from searchers.cost import Cost
-    for entry in seen_notes.values():
-        entry.cost = PlanCost.of(Cost.sum([costs[i] for i in entry.op_ids]))
+        else:
+            name = te.name
+            entries[name] = dict(kind=op.kind, strategy=ms_strategy(op, strategies[op.id], graph.mesh),
+                                 fixed=op.fixed is not None, ids=[op.id])
+        owner[op.id] = name
+    redistributions = []
+    for op in graph.ops:   # redistribution into each op is charged to it, and listed on its own line
+        for i, tid in enumerate(op.inputs):
+            prod, t = graph.producer(tid), graph.tensors[tid]
+            have = result_layout(prod, strategies[prod.id], prod.outputs.index(tid))
+            want = operand_layout(op, strategies[op.id], i)
+            c = redistribution_cost(have, want, t.shape, t.itemsize, graph.mesh, params)
+            costs[op.id] = costs[op.id] + c
+            if have != want and prod.kind != "const" and op.id in owner:
+                redistributions.append(Redistribution(
+                    owner[op.id], i, t.shape, tuple(graph.mesh.count(a) for a in have),
+                    tuple(graph.mesh.count(a) for a in want), _names(have, mesh), _names(want, mesh),
+                    {k: float(v) for k, v in c.comm_bytes.items() if v}))
+    plan_ops = tuple(PlanOp(name, e["kind"], tuple(tuple(x) for x in e["strategy"]), e["fixed"],
+                            PlanCost.of(Cost.sum([costs[i] for i in e["ids"]])), tuple(e["ids"]))
+                     for name, e in entries.items())
+    _check_reported(trace, plan_ops, mesh)
     param_specs = {}
     for i, info in enumerate(inputs):
         if info.kind == "param":
             op = graph.ops[trace.input_ops[i]]
             param_specs[info.name] = spec_of(_names(result_layout(op, strategies[op.id], 0), mesh))
     graph_axes = {op.name: [[mesh.names[a] for a in ax] for ax in strategies[op.id]] for op in graph.ops
-                  if not op.is_source}
-    plan = Plan(mesh, plan_ops, param_specs, PlanCost.of(result.cost), algorithm, result.seconds, notes, graph_axes)
-    plan._explainer = _Explainer(graph, strategies, params, mesh)
-    return plan
+                  if not op.is_source or op.kind == "data"}
+    return Plan(mesh, plan_ops, param_specs, PlanCost.of(result.cost), algorithm, result.seconds, tuple(notes),
+                graph_axes, tuple(redistributions), _Explainer(graph, strategies, params, mesh))
+
+
+def _check_reported(trace: TraceResult, plan_ops, mesh: RegionMesh) -> None:
+    """Invariant 3: every primitive object's reported strategy passes the check a user's strategy passes
+    (:func:`mshard.ops.primitive.check_strategy`); anything else is a planner bug, never a silent report."""
+    from .errors import StrategyError
+    from .layout import TensorStrategy
+    from .ops.primitive import check_strategy
+    by_name = {p.name: p for p in plan_ops}
+    for te in trace.eqns:
+        if not te.group:
+            continue
+        note: OpNote = te.eqn.params["note"]
+        entry = next((p for p in plan_ops if te.op in p.op_ids), None)
+        if entry is None or entry.name not in by_name:
+            continue
+        try:
+            check_strategy(entry.name, note.kind, note.in_shapes, note.in_dims, note.fixed,
+                           [TensorStrategy(tuple(c)) for c in entry.strategy], mesh.size)
+        except StrategyError as e:
+            raise PlanError(f"mshard planner: the plan would report {entry.name} with {entry.strategy}, which is "
+                            f"not a valid strategy ({e}); please report this.") from e
 
 
 class _Explainer:

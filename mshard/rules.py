@@ -39,6 +39,8 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .jaxpr_util import CALLS
+
 Shape = tuple[int, ...]
 Labels = tuple["str | None", ...]
 
@@ -128,11 +130,7 @@ Rule = Callable[..., IterSpace]
 RULES: dict[str, Rule] = {}
 
 # primitive name -> the param holding the sub-jaxpr the tracer inlines (see the module docstring)
-INLINE: dict[str, str] = {
-    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "remat2": "jaxpr", "checkpoint": "jaxpr",
-}
+INLINE: dict[str, str] = dict(CALLS)     # the one call table (mshard.jaxpr_util)
 
 
 def register(*names: str) -> Callable[[Rule], Rule]:

@@ -135,3 +135,68 @@ def test_searched_attention_reports_strategies_a_user_could_type_back_in(mode):
     y = ms.jit(lambda m, x: m(x))(net, x)    # the primitive objects' checks run while it traces
     # float32: 32-term projections and a 16-term softmax, sums reordered by the partitioning
     assert jnp.allclose(y, make()(x), rtol=1e-4, atol=1e-5)
+
+
+class ThreeOps(nn.Cell):
+    """The issue's 2-layer MLP: mm1 column parallel, relu1 and mm2 left to the search."""
+
+    def __init__(self, rngs):
+        self.w1 = nnx.Param(jax.random.normal(rngs.params(), (32, 128)))
+        self.w2 = nnx.Param(jax.random.normal(rngs.params(), (128, 16)))
+        self.mm1, self.relu, self.mm2 = ops.MatMul(name="mm1"), ops.ReLU(name="relu1"), ops.MatMul(name="mm2")
+
+    def __call__(self, x):
+        return self.mm2(self.relu(self.mm1(x, self.w1[...])), self.w2[...])
+
+
+def _hlo_collectives(region, *args):
+    from mshard.comm_report import CommReport
+    return sorted((c.kind, c.nbytes) for c in CommReport.from_hlo(region.lower(*args).compile().as_text()).collectives)
+
+
+@pytest.mark.parametrize("mode", SEARCH_MODES)
+def test_plan_strategies_replay_to_the_same_collectives(mode, tmp_path):
+    """plan.strategy_of('mm2/') was ((2, 4), (8, 1)) on main (sharding_propagation): not a strategy, refused by
+    MatMul.shard. Now each entry is typed back in semi_auto (primitive .shard, and the strategy file) and
+    compiles to the searched program's collectives."""
+    x = jax.random.normal(jax.random.key(1), (64, 32))
+    ms.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode=mode, device_num=8)
+    net = ThreeOps(nnx.Rngs(0))
+    net.mm1.shard(((2, 1), (1, 4)))
+    searched = ms.jit(lambda n, x: n(x))
+    plan = searched.plan(net, x)
+    want = _hlo_collectives(searched, net, x)
+    plan.save(tmp_path / "plan.json")
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
+    typed = ThreeOps(nnx.Rngs(0))
+    for attr, name in (("mm1", "mm1/"), ("relu", "relu1/"), ("mm2", "mm2/")):
+        getattr(typed, attr).shard(plan.strategy_of(name))
+    replay = ms.jit(lambda n, x: n(x))
+    assert _hlo_collectives(replay, typed, x) == want
+    # float32: 32- and 128-term sums reordered by the partitioning
+    assert jnp.allclose(replay(typed, x), ThreeOps(nnx.Rngs(0))(x), rtol=1e-4, atol=1e-4)
+    ms.set_auto_parallel_context(strategy_ckpt_config={"load_file": str(tmp_path / "plan.json")})
+    loaded = ms.jit(lambda n, x: n(x))
+    assert _hlo_collectives(loaded, ThreeOps(nnx.Rngs(0)), x) == want
+    assert "redistribution" not in plan.summary() or plan.redistributions
+
+
+def test_an_operand_arriving_in_another_layout_is_listed_as_a_redistribution(capsys):
+    """mm2 asks for its weight split over the model axes while the dataset strategy delivers it split 8 ways: the
+    plan lists that move on its own line (from -> to, collective, bytes), the summary shows it, prints nothing."""
+    ms.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode="sharding_propagation", device_num=8,
+                                 dataset_strategy=((2, 1), (1, 1), (8, 1)))
+    x = jax.random.normal(jax.random.key(1), (64, 32))
+    mm1, mm2 = ops.MatMul(name="mm1").shard(((2, 1), (1, 4))), ops.MatMul(name="mm2").shard(((2, 4), (4, 1)))
+    f = ms.jit(lambda x, w1, w2: mm2(mm1(x, w1), w2))
+    plan = f.plan(x, jnp.ones((32, 128)), jnp.ones((128, 16)))
+    moves = [r for r in plan.redistributions if r.op == "mm2/MatMul" and r.operand == 1]
+    assert len(moves) == 1 and moves[0].src == (8, 1) and moves[0].dst == (4, 1)
+    assert moves[0].communication.get("all-gather", 0) > 0
+    text = plan.summary()
+    assert "redistribution: mm2/MatMul operand 1 (128, 16): (8, 1) -> (4, 1)" in text
+    assert "<table>" in text._repr_html_()
+    assert "mm2/MatMul" in plan.explain("mm2/")
+    assert capsys.readouterr().out == ""                  # summary and explain return, they do not print
+    with pytest.raises(AttributeError):
+        plan.ops[0].strategy = ((1, 1), (1, 1))           # a frozen value: the plan cannot drift from the program

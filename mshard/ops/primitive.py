@@ -99,40 +99,47 @@ class Primitive:
         return f"{self.kind}{' ' + repr(self.name) if self.name else ''}"
 
     def _note(self, shapes, in_dims, out_dims, fixed, device_num) -> OpNote:
-        where = self._where()
         strategy = self.in_strategy
         if strategy is not None:
-            if len(strategy) != len(shapes):
-                raise StrategyError(f"{where}: strategy has {len(strategy)} entries but the op takes {len(shapes)} "
-                                    f"tensor input(s); give one split tuple per input.")
-            counts: dict[str, tuple[int, int, int]] = {}
-            for i, (st, shape, dims) in enumerate(zip(strategy, shapes, in_dims)):
-                if st is None:
-                    continue
-                check_fits(st, shape, device_num, f"{where} input {i}")
-                for d, (letter, c) in enumerate(zip(dims, st.counts)):
-                    if c < 0:          # PartitionSpec: counts known once the mesh is
-                        continue
-                    if letter is None and c != 1:
-                        raise StrategyError(f"{where} input {i}: dim {d} (size {shape[d]}) is broadcast, so its split "
-                                            f"must be 1, got {c} in {st.counts}.")
-                    if letter in fixed and c != 1:
-                        raise StrategyError(f"{where} input {i}: {self.kind} cannot split dim {d} (split {c} in "
-                                            f"{st.counts}); MindSpore's {self.kind} needs 1 there.")
-                    if letter is not None:
-                        if letter in counts and counts[letter][0] != c:
-                            c0, i0, d0 = counts[letter]
-                            raise StrategyError(f"{where}: inputs disagree on a shared dim: input {i0} dim {d0} is split "
-                                                f"{c0} but input {i} dim {d} is split {c} in {st.counts}; the shared "
-                                                f"dim needs the same split in both.")
-                        counts.setdefault(letter, (c, i, d))
-            total = math.prod(c for c, _, _ in counts.values())
-            if all(st is None or st.mesh is None for st in strategy) and device_num % total:
-                raise StrategyError(f"{where}: strategy {tuple(s.counts if s else None for s in strategy)} uses "
-                                    f"{total} devices in all, which {'exceeds' if total > device_num else 'does not divide'}"
-                                    f" device_num={device_num}; the product of the op's splits must divide it.")
+            check_strategy(self._where(), self.kind, shapes, in_dims, fixed, strategy, device_num)
         return OpNote(self.kind, self.name, strategy or (None,) * len(shapes), self.out_strategy, tuple(shapes),
                       tuple(in_dims), tuple(out_dims), frozenset(fixed))
+
+
+def check_strategy(where: str, kind: str, shapes: Sequence[tuple[int, ...]], in_dims: Sequence[Dims],
+                   fixed: frozenset[str], strategy: Sequence[TensorStrategy | None], device_num: int) -> None:
+    """The one legality of a primitive object's strategy, for what a user asks (``.shard``) and for what a plan
+    reports (:func:`mshard.planner.build_plan`): one split tuple per input that fits its shape, broadcast dims
+    and the dims the op cannot split whole, shared dims split alike, the op's splits dividing device_num."""
+    if len(strategy) != len(shapes):
+        raise StrategyError(f"{where}: strategy has {len(strategy)} entries but the op takes {len(shapes)} "
+                            f"tensor input(s); give one split tuple per input.")
+    counts: dict[str, tuple[int, int, int]] = {}
+    for i, (st, shape, dims) in enumerate(zip(strategy, shapes, in_dims)):
+        if st is None:
+            continue
+        check_fits(st, shape, device_num, f"{where} input {i}")
+        for d, (letter, c) in enumerate(zip(dims, st.counts)):
+            if c < 0:          # PartitionSpec: counts known once the mesh is
+                continue
+            if letter is None and c != 1:
+                raise StrategyError(f"{where} input {i}: dim {d} (size {shape[d]}) is broadcast, so its split "
+                                    f"must be 1, got {c} in {st.counts}.")
+            if letter in fixed and c != 1:
+                raise StrategyError(f"{where} input {i}: {kind} cannot split dim {d} (split {c} in "
+                                    f"{st.counts}); MindSpore's {kind} needs 1 there.")
+            if letter is not None:
+                if letter in counts and counts[letter][0] != c:
+                    c0, i0, d0 = counts[letter]
+                    raise StrategyError(f"{where}: inputs disagree on a shared dim: input {i0} dim {d0} is split "
+                                        f"{c0} but input {i} dim {d} is split {c} in {st.counts}; the shared "
+                                        f"dim needs the same split in both.")
+                counts.setdefault(letter, (c, i, d))
+    total = math.prod(c for c, _, _ in counts.values())
+    if all(st is None or st.mesh is None for st in strategy) and device_num % total:
+        raise StrategyError(f"{where}: strategy {tuple(s.counts if s else None for s in strategy)} uses "
+                            f"{total} devices in all, which {'exceeds' if total > device_num else 'does not divide'}"
+                            f" device_num={device_num}; the product of the op's splits must divide it.")
 
 
 class _null:
