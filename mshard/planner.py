@@ -387,21 +387,31 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
 
 
 def _check_reported(trace: TraceResult, plan_ops, mesh: RegionMesh) -> None:
-    """Invariant 3: every primitive object's reported strategy passes the check a user's strategy passes
-    (:func:`mshard.ops.primitive.check_strategy`); anything else is a planner bug, never a silent report."""
+    """Invariant 3: every reported strategy passes the check a user's strategy passes
+    (:func:`mshard.ops.primitive.check_strategy`): a primitive object's over its own dims, any other op's over its
+    iteration space. A failure is a planner bug, raised, never a silent report."""
     from .errors import StrategyError
     from .layout import TensorStrategy
     from .ops.primitive import check_strategy
-    by_name = {p.name: p for p in plan_ops}
+    graph = trace.graph
+    entry_of = {i: p for p in plan_ops for i in p.op_ids}
+    groups = _groups(trace)
+    seen: set[str] = set()
     for te in trace.eqns:
-        if not te.group:
+        entry = entry_of.get(te.op)
+        if entry is None or entry.name in seen:
             continue
-        note: OpNote = te.eqn.params["note"]
-        entry = next((p for p in plan_ops if te.op in p.op_ids), None)
-        if entry is None or entry.name not in by_name:
-            continue
+        seen.add(entry.name)
+        op = graph.ops[te.op]
+        note = te.eqn.params["note"] if te.group else groups.get(op.id)
+        if note is not None:
+            shapes, dims, fixed = note.in_shapes, note.in_dims, note.fixed
+        else:
+            shapes, dims, fixed = [graph.tensors[t].shape for t in op.inputs], op.in_dims, op.unsplittable
+        if len(entry.strategy) != len(shapes):
+            continue                  # a primitive object traced op by op whose marks were not all searched
         try:
-            check_strategy(entry.name, note.kind, note.in_shapes, note.in_dims, note.fixed,
+            check_strategy(entry.name, entry.kind, shapes, dims, frozenset(fixed),
                            [TensorStrategy(tuple(c)) for c in entry.strategy], mesh.size)
         except StrategyError as e:
             raise PlanError(f"mshard planner: the plan would report {entry.name} with {entry.strategy}, which is "

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_close
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as hst
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -158,7 +158,15 @@ def test_a_layout_names_the_axes_and_is_taken_as_given():
 
 
 # -- the property: any prefix before a Megatron pair --------------------------------------------------------
-PREFIX = ("embed", "conv", "reshape", "layer_norm", "elementwise", "scan")
+PREFIX = ("embed", "conv", "reshape", "layer_norm", "elementwise", "scan", "remat", "custom_vjp")
+
+
+@jax.custom_vjp
+def _scaled_tanh(h):
+    return jnp.tanh(h) * 2.0
+
+
+_scaled_tanh.defvjp(lambda h: (_scaled_tanh(h), h), lambda h, g: (g * 2.0 * (1.0 - jnp.tanh(h) ** 2),))
 
 
 class Prefixed(nnx.Module):
@@ -188,12 +196,21 @@ class Prefixed(nnx.Module):
                 h = jnp.tanh(h) * 2.0
             elif s == "scan":                 # a scan over stacked layers
                 h, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), h, self.ws[...])
+            elif s == "remat":
+                h = jax.checkpoint(lambda h, w: jnp.tanh(h @ w))(h, self.ws[...][0])
+            elif s == "custom_vjp":
+                h = _scaled_tanh(h)
         h = h.reshape(h.shape[0], -1)
         return self.l2(jax.nn.relu(self.l1(h)))
 
 
-@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(steps=hst.lists(hst.sampled_from(PREFIX), min_size=1, max_size=3))
+@example(steps=["embed"])
+@example(steps=["scan"])
+@example(steps=["remat"])
+@example(steps=["custom_vjp"])
+@example(steps=["conv", "layer_norm", "reshape"])
 def test_any_prefix_before_a_megatron_pair_compiles_like_the_handwritten_program(steps):
     ms.reset_auto_parallel_context()
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
