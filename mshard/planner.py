@@ -1,11 +1,14 @@
-"""Search a region: jaxpr -> searchers.Graph -> a searcher -> Plan + the layouts to emit.
+"""Plan a region: jaxpr -> searchers.Graph -> user strategies fixed -> searcher or semi_auto default -> Plan
++ the layouts to emit. The one planning path (DESIGN's invariant 1) of semi_auto_parallel, auto_parallel and a
+loaded strategy file.
 
-Used in auto_parallel, and in semi_auto_parallel when ``search_mode="sharding_propagation"`` was set
-explicitly or a strategy file is loaded. The user's strategies are fixed first (the same axis
-assignment as semi_auto: :mod:`mshard.assign`), the data inputs are fixed by dataset_strategy, the
-parameters with a parameter_plan by it; the searcher decides the rest. Every traced op then has a
-layout for each result; the executor constrains op results to them, and an op's operands where the
-plan redistributes them.
+The user's strategies are fixed first (the axis assignment of :mod:`mshard.assign`), the data inputs by
+dataset_strategy, the parameters with a parameter_plan by it. Then auto_parallel's searcher decides the rest;
+semi_auto_parallel's default (:func:`searchers.follow.follow_operands`) gives every other op the layout its
+operands arrive in (nothing new split: the batch stays data parallel, a user's model split flows on), or
+sharding_propagation where ``search_mode="sharding_propagation"`` was set explicitly. Every traced op then has
+a layout for each result; the executor constrains op results to them, and an op's operands where the plan
+redistributes them, so the Plan is the program.
 
 Updated state (parameters, optimizer state, counters) is stored back in its input's layout, which the
 graph shows as a ``writeback`` op per updated input (:func:`mshard.trace.jaxpr_to_graph`). Where the
@@ -34,9 +37,10 @@ from typing import Any
 from jax.extend import core as jcore
 
 from searchers import DeviceMesh, Graph
-from searchers.cost import CostParams, op_cost, redistribution_cost
+from searchers.cost import CostParams, graph_cost, op_cost, redistribution_cost
 from searchers.dynamic_programming import dynamic_programming
-from searchers.graph import ms_strategy, operand_layout, result_layout, strategy_of_layout
+from searchers.follow import follow_operands
+from searchers.graph import ms_strategy, operand_layout, operand_tied_strategy, result_layout, strategy_of_layout
 from searchers.ilp import ilp
 from searchers.propagation import sharding_propagation
 from searchers.recursive_programming import recursive_programming
@@ -54,7 +58,8 @@ EqnKey = tuple[tuple[int, ...], int]
 
 
 def _user_search(graph: Graph, params: CostParams, *, fully_use_devices: bool = False):
-    """Not a search: user strategies where given, the data-parallel strategy elsewhere (describes semi_auto)."""
+    """Not a search: user strategies where given, the data-parallel strategy elsewhere (MindSpore's default; kept
+    for comparison, no mode uses it)."""
     from searchers.cost import graph_cost
     from searchers.result import SearchResult
     t0 = time.perf_counter()
@@ -67,6 +72,7 @@ def _user_search(graph: Graph, params: CostParams, *, fully_use_devices: bool = 
 
 # search_mode -> searcher(graph, params, *, fully_use_devices) -> SearchResult
 SEARCHERS: dict[str, Callable] = {"sharding_propagation": sharding_propagation, "user": _user_search,
+                                  "semi_auto": follow_operands,
                                   "dynamic_programming": dynamic_programming,
                                   "recursive_programming": recursive_programming,
                                   "ilp": ilp}
@@ -124,6 +130,21 @@ def _fix_group(te, op, base: RegionLayouts, mesh: RegionMesh) -> None:
             where[REPLICA] = rep
     if where:
         op.fixed = tuple(tuple(mesh.names.index(a) for a in where.get(d, ())) for d in op.dims)
+
+
+def _merged_strategy(note: OpNote, layouts: dict[int, DimAxes], mesh: RegionMesh) -> tuple[tuple[int, ...], ...]:
+    """The strategy of a primitive object traced op by op (its body's values are read elsewhere, so it is not one
+    op of the search): each of its loop dims takes the axes the first input carrying it arrives with (an axis once
+    only), so the report is one device matrix even where its inputs arrive in layouts that disagree (the body
+    redistributes them)."""
+    where: dict[str, tuple[str, ...]] = {}
+    used: set[str] = set()
+    for i in sorted(layouts):
+        for letter, axes in zip(note.in_dims[i], layouts[i]):
+            if letter is not None and letter not in where and letter not in note.fixed and not set(axes) & used:
+                where[letter] = axes
+                used.update(axes)
+    return tuple(tuple(mesh.count(where.get(letter, ())) if letter else 1 for letter in dims) for dims in note.in_dims)
 
 
 def _group_strategy(te, op, strategy, mesh) -> tuple[tuple[int, ...], ...]:
@@ -233,7 +254,8 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     _free_derived(graph, n_user)
     # fixed: user inputs (data, parameter_plan), annotated marks, a loaded strategy file
     for i in range(len(inputs)):
-        if i in base.user_inputs:
+        sliced = algorithm == "semi_auto" and inputs[i].kind == "param" and any(base.inputs[i])
+        if i in base.user_inputs or sliced:      # semi_auto: a parameter sliced as its first annotated use asks
             op = graph.ops[trace.input_ops[i]]
             op.fixed = _strategy_from_layout(op, base.inputs[i], mesh)
     for te in trace.eqns:
@@ -280,7 +302,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
         if any(op.kind == "writeback" for op in graph.ops):
             notes.append("updated state is stored in its input's layout: every write-back was tied to its input "
                          "in the search")
-    elif searcher is not sharding_propagation and _hold_state(graph, result.strategies):
+    elif searcher not in (sharding_propagation, follow_operands) and _hold_state(graph, result.strategies):
         # updated state is stored in its input's layout: a greedy searcher applies the writeback ties only after
         # its search, so a second search with every state input held at the layout the first one gave it prices
         # the update's layout against that (the writeback ops)
@@ -289,6 +311,12 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
         result = dataclasses.replace(result, seconds=result.seconds + first, notes=list(result.notes) + [
             "updated state is stored in its input's layout: searched again with every updated input held at the "
             "layout the first search gave it"])
+    if graph.operand_ties:      # marked operands read again keep the layout their op computed them in
+        tied = dict(result.strategies)
+        for oid in sorted(graph.operand_ties):
+            tied[oid] = operand_tied_strategy(graph, graph.ops[oid], tied) or tied[oid]
+        if tied != result.strategies:
+            result = dataclasses.replace(result, strategies=tied, cost=graph_cost(graph, tied, params))
     notes.extend(result.notes)
     strategies = result.strategies
 
@@ -333,6 +361,7 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
     groups = _groups(trace)
     costs = {op.id: op_cost(op, strategies[op.id], graph, params) for op in graph.ops}
     owner: dict[int, str] = {}          # graph op id -> the plan entry it belongs to
+    groups_by_name: dict[str, OpNote] = {}
     entries: dict[str, dict] = {}       # plan entry name -> its fields, in program order
     for te in trace.eqns:
         op = graph.ops[te.op]
@@ -343,13 +372,19 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
                                  fixed=op.fixed is not None, ids=[op.id])
         elif (note := groups.get(op.id)) is not None:   # a primitive object traced op by op (not self-contained)
             name = base.op_names.get(note.uid, note.kind)
+            groups_by_name[name] = note
             e = entries.setdefault(name, dict(kind=note.kind, strategy=[], fixed=False, ids=[]))
             e["ids"].append(op.id)
             if te.eqn.primitive is mark_p and te.eqn.params["role"] == "in":
                 idx = te.eqn.params["index"]
-                counts = tuple(mesh.count(a) for a in _names(result_layout(op, strategies[op.id], 0), mesh))
-                e["strategy"] += [()] * (idx + 1 - len(e["strategy"]))
-                e["strategy"][idx] = counts
+                lay = list(_names(result_layout(op, strategies[op.id], 0), mesh))
+                extra = len(lay) - len(note.in_dims[idx])
+                if te.eqn.params.get("bdim") is not None and extra == 1:
+                    del lay[te.eqn.params["bdim"]]         # the replica dim is not the op's
+                elif extra > 0:
+                    del lay[:extra]                        # batched by a vmap that did not say where: jax.vmap's
+                                                           # default puts the batch dims first
+                e["layouts"] = e.get("layouts", {}) | {idx: tuple(lay)}
                 e["fixed"] = e["fixed"] or note.in_strategy[idx] is not None
         elif te.eqn.primitive is mark_p:
             continue
@@ -371,6 +406,9 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
                     owner[op.id], i, t.shape, tuple(graph.mesh.count(a) for a in have),
                     tuple(graph.mesh.count(a) for a in want), _names(have, mesh), _names(want, mesh),
                     {k: float(v) for k, v in c.comm_bytes.items() if v}))
+    for name, e in entries.items():       # traced op by op: its inputs' layouts merged into one strategy
+        if "layouts" in e:
+            e["strategy"] = _merged_strategy(groups_by_name[name], e["layouts"], mesh)
     plan_ops = tuple(PlanOp(name, e["kind"], tuple(tuple(x) for x in e["strategy"]), e["fixed"],
                             PlanCost.of(Cost.sum([costs[i] for i in e["ids"]])), tuple(e["ids"]))
                      for name, e in entries.items())

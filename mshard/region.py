@@ -208,7 +208,7 @@ class Region:
         save = ctx.strategy_ckpt_config.get("save_file")
         if save and ctx.parallel_mode in ("semi_auto_parallel", "auto_parallel"):
             from .planner import search_region
-            plan = planned.plan if planned else search_region(closed, infos, ctx=ctx, algorithm="user",
+            plan = planned.plan if planned else search_region(closed, infos, ctx=ctx, algorithm="semi_auto",
                                                               param_plans=trace.param_plans).plan
             plan.save(save)
         if self.input_layout_hook is not None:
@@ -296,13 +296,14 @@ class Region:
         return self._prepare(args, {})[0].layouts
 
     def plan(self, *args):
-        """The Plan for these arguments: searched in auto modes (without executing), else the user's strategies
-        with the data-parallel default for the rest (what semi_auto_parallel means)."""
+        """The Plan for these arguments (without executing): the plan the region runs in semi_auto and auto modes;
+        in data_parallel and stand_alone, which run unplanned, the layouts their data-parallel inputs give every op
+        (each op in the layout its operands arrive in)."""
         comp = self._prepare(args, {})[0]
         if comp.plan is None:
             from .planner import search_region
             ctx = ctxmod.current()
-            comp.plan = search_region(comp.closed, comp.infos, ctx=ctx, algorithm="user",
+            comp.plan = search_region(comp.closed, comp.infos, ctx=ctx, algorithm="semi_auto",
                                       param_plans=comp.param_plans).plan
         return comp.plan
 
@@ -330,10 +331,10 @@ def search_algorithm(ctx) -> str | None:
     """The searcher a region uses under ``ctx``, or None for the user-strategy path (DESIGN §3)."""
     if ctx.parallel_mode == "auto_parallel":
         return ctx.search_mode
-    if ctx.parallel_mode == "semi_auto_parallel" and (
-            (ctx.search_mode_explicit and ctx.search_mode == "sharding_propagation")
-            or ctx.strategy_ckpt_config.get("load_file")):
-        return "sharding_propagation"
+    if ctx.parallel_mode == "semi_auto_parallel":
+        if ctx.search_mode_explicit and ctx.search_mode == "sharding_propagation":
+            return "sharding_propagation"
+        return "semi_auto"      # the user's strategies, and every other op in the layout its operands arrive in
     return None
 
 

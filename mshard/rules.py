@@ -762,3 +762,27 @@ register("scan", "while", "cond", "shard_map", "custom_linear_solve", "pure_call
          "lu", "qr", "eigh", "svd", "linear_call", "run_state")(replicated_rule)
 # fallbacks for the inlined primitives, used only if a caller asks for them directly
 register(*INLINE)(replicated_rule)
+
+
+@register("scan")
+def scan_carry_rule(in_shapes, out_shapes, *, num_consts=0, num_carry=0, **_) -> IterSpace:
+    """A scan's carry keeps its layout from step to step: carry k's input and result share free loop dims, and
+    XLA partitions the body around them (a split carry is always computed right; the body's own collectives are
+    not priced). Constants, the scanned inputs and the stacked results stay replicated, as in
+    :func:`replicated_rule`.
+
+    >>> s = scan_carry_rule([(4, 4), (8, 4), (3, 8, 4)], [(8, 4), (3, 8, 4)], num_consts=1, num_carry=1)
+    >>> s.in_dims, s.out_dims[0], sorted(s.unsplittable)[:1]
+    (((None, None), ('c0_0', 'c0_1'), (None, None, None)), ('c0_0', 'c0_1'), ['y1_0'])
+    """
+    ins: list[tuple[str | None, ...]] = [(None,) * len(s) for s in in_shapes]
+    outs = [tuple(f"y{j}_{d}" for d in range(len(s))) for j, s in enumerate(out_shapes)]
+    carried = set()
+    for k in range(min(num_carry, len(out_shapes))):
+        i = num_consts + k
+        if i < len(in_shapes) and tuple(in_shapes[i]) == tuple(out_shapes[k]):
+            lab = tuple(f"c{k}_{d}" for d in range(len(out_shapes[k])))
+            ins[i], outs[k] = lab, lab
+            carried.add(k)
+    unsplit = [d for j, o in enumerate(outs) if j not in carried for d in o]
+    return space(ins, outs, in_shapes, out_shapes, unsplittable=unsplit, flops=_out_size(out_shapes))

@@ -168,7 +168,7 @@ def _group_end(jaxpr, start: int, last: dict[Any, int]) -> int | None:
     """If eqn ``start`` opens a primitive object's group (its input marks, the body, its output marks, as
     ``annotate_call`` traces them), the index after the group; None where the group is not self-contained:
     no out_strategy (its redistribution stays a mark of its own), every input marked before the body, the body
-    reading only the group's values and the jaxpr's constants, nothing but the output marks read after it."""
+    reading only the group's values and the jaxpr's constants, nothing but its marks read after it."""
     eqns = jaxpr.eqns
     first = eqns[start]
     note = first.params["note"]
@@ -199,10 +199,9 @@ def _group_end(jaxpr, start: int, last: dict[Any, int]) -> int | None:
         if not (is_mark and e.params["role"] == "out"):
             inside.update(e.outvars)
         if len(seen_out) == n_out:
-            marks_out = {v for q in eqns[start:k + 1] if q.primitive.name == "mshard_mark"
-                         and q.params["role"] == "out" for v in q.outvars}
-            if any(last.get(v, -1) > k for v in inside if v not in marks_out):
-                return None                # a body value read after the group
+            marks = {v for q in eqns[start:k + 1] if q.primitive.name == "mshard_mark" for v in q.outvars}
+            if any(last.get(v, -1) > k for v in inside if v not in marks):
+                return None                # a body value read after the group (marked operands may be: residuals)
             return k + 1
     return None
 
@@ -240,7 +239,8 @@ class _Tracer:
             eqn = eqns[k]
             eqn_scope = _join(scope, str(eqn.source_info.name_stack))
             end = _group_end(jaxpr, k, last) if self.primitives and eqn.primitive.name == "mshard_mark" else None
-            if end is not None and self.group(eqns[k:end], env, eqn_scope, path):
+            if end is not None and self.group(eqns[k:end], env, eqn_scope, path,
+                                              lambda v, end=end: last.get(v, -1) >= end):
                 k = end
                 continue
             sub = self.inlinable(eqn)
@@ -250,7 +250,7 @@ class _Tracer:
                 self.op(eqn, env, eqn_scope, path)
             k += 1
 
-    def group(self, eqns, env: dict, scope: str, path: tuple) -> bool:
+    def group(self, eqns, env: dict, scope: str, path: tuple, later=lambda v: True) -> bool:
         """A primitive object as one op (MindSpore's operator): its iteration space is the object's own (the
         note's loop dims, with the dims it cannot split unsplittable), its operands the tensors its input marks
         receive and its results its output marks'; the body between them is left to XLA. A mark batched over
@@ -290,12 +290,21 @@ class _Tracer:
         res = self.graph.add_op(name, note.kind, dims, inputs, in_dims, out_dims, [_shape(e.outvars[0].aval) for e in outs],
                                 itemsize=itemsizes[0], reduce=reduce, unsplittable=frozenset(note.fixed) & set(dims),
                                 split_limit=limit or None)
+        op = self.graph.ops[-1]
         for tid, size in zip(res, itemsizes):
             self.graph.tensors[tid].itemsize = size
         for e, tid in zip(outs, res):
             env[e.outvars[0]] = tid
             self.var_tensor[e.outvars[0]] = tid
-        op = self.graph.ops[-1]
+        for k, (e, tid) in enumerate(zip(ins, inputs)):
+            if later(e.outvars[0]):          # a marked operand read again (a backward residual): an identity that
+                self.identity(f"{name}/operand{k}", "residual", [tid])   # keeps the layout the op computed it in
+                res_op = self.graph.ops[-1]
+                self.graph.operand_ties[res_op.id] = (op.id, k)
+                self.graph.tensors[res_op.outputs[0]].itemsize = self.graph.tensors[tid].itemsize
+                tid = res_op.outputs[0]
+            env[e.outvars[0]] = tid
+            self.var_tensor[e.outvars[0]] = tid
         for e in eqns:
             self.by_eqn.setdefault(id(e), []).append(len(self.eqns))
         self.eqns.append(TracedEqn(eqns[0], op.id, name, path, tuple(inputs), tuple(res), tuple(eqns)))

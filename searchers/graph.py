@@ -170,6 +170,10 @@ class Graph:
     ops: list[Op] = field(default_factory=list)
     tensors: list[Tensor] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)   # tensor ids returned by the region
+    # op id -> (op, operand): the op (an identity) gives its result the layout that op computes that operand in (a
+    # marked operand read again after its op, e.g. a backward residual); applied after a search, exactly in
+    # searchers.follow (see operand_tied_strategy)
+    operand_ties: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     # -- building -----------------------------------------------------------------------------
     def _tensor(self, shape: Sequence[int], itemsize: int, name: str, producer: int) -> int:
@@ -255,6 +259,28 @@ def strategy_of_layout(op: Op, layout: TensorLayout, operand: int | None = None)
     dims = op.out_dims[0] if operand is None else op.in_dims[operand]
     where = {d: tuple(axes) for d, axes in zip(dims, layout) if d is not None}
     return tuple(where.get(d, ()) for d in op.dims)
+
+
+def operand_tied_strategy(graph: Graph, op: Op, strategies: Sequence[Strategy | None] | dict) -> Strategy | None:
+    """For an op in ``graph.operand_ties``: the strategy that gives its result the layout its tied op computes
+    the tied operand in under ``strategies``; None for any other op or while that op is undecided.
+
+    >>> g = Graph(DeviceMesh((2,)))
+    >>> w = g.source("w", (4, 6))
+    >>> _ = g.add_op("mm", "dot_general", {"k": 4, "n": 6}, [w], [("k", "n")], [("n",)])
+    >>> _ = g.add_op("res", "residual", {"i": 4, "j": 6}, [w], [("i", "j")], [("i", "j")])
+    >>> g.operand_ties[2] = (1, 0)
+    >>> operand_tied_strategy(g, g.ops[2], {0: ((), ()), 1: ((), (0,))})
+    ((), (0,))
+    """
+    tie = graph.operand_ties.get(op.id)
+    if tie is None:
+        return None
+    other, k = graph.ops[tie[0]], tie[1]
+    s = strategies[other.id]
+    if s is None:
+        return None
+    return strategy_of_layout(op, operand_layout(other, s, k))
 
 
 def tied_strategy(graph: Graph, op: Op, strategies: Sequence[Strategy | None]) -> Strategy | None:

@@ -200,3 +200,33 @@ def test_an_operand_arriving_in_another_layout_is_listed_as_a_redistribution(cap
     assert capsys.readouterr().out == ""                  # summary and explain return, they do not print
     with pytest.raises(AttributeError):
         plan.ops[0].strategy = ((1, 1), (1, 1))           # a frozen value: the plan cannot drift from the program
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["forward", "train"])
+def test_semi_auto_plan_is_the_program_it_runs(train):
+    """On main, semi_auto's plan said relu1 (8, 1) (a data-parallel default) while the program let XLA propagate
+    (a 16 KB all-reduce) and replaying the plan compiled to an 8 KB all-to-all. Now semi_auto plans through the
+    same path as auto (user strategies fixed, every other op in the layout its operands arrive in), pins every op,
+    and its plan replays to its own collectives; its predicted bytes per collective kind match the HLO's."""
+    from mshard.comm_report import CommReport
+    x = jax.random.normal(jax.random.key(1), (64, 32))
+    fn = (lambda n, x: nnx.value_and_grad(lambda n: jnp.sum(n(x) ** 2))(n)) if train else (lambda n, x: n(x))
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    net = ThreeOps(nnx.Rngs(0))
+    net.mm1.shard(((2, 1), (1, 4)))
+    f = ms.jit(fn)
+    plan = f.plan(net, x)
+    assert plan.algorithm == "semi_auto"
+    assert plan.strategy_of("relu1") == ((2, 4),)          # the column-parallel split flows on, as it runs
+    report = CommReport.from_hlo(f.lower(net, x).compile().as_text())
+    for kind in set(plan.cost.communication) | set(report.by_kind):
+        pred, real = plan.cost.communication.get(kind, 0.0), report.moved(kind)
+        assert abs(pred - real) <= 0.10 * max(pred, real), (kind, pred, real)
+    typed = ThreeOps(nnx.Rngs(0))
+    for attr, name in (("mm1", "mm1"), ("relu", "relu1"), ("mm2", "mm2")):
+        getattr(typed, attr).shard(plan.strategy_of(name))
+    g = ms.jit(fn)
+    assert _hlo_collectives(g, typed, x) == _hlo_collectives(f, net, x)
+    # float32: 32- and 128-term sums reordered by the partitioning (the loss sums 1024 squares of order 1e2)
+    for a, b in zip(jax.tree.leaves(f(net, x)), jax.tree.leaves(fn(ThreeOps(nnx.Rngs(0)), x))):
+        assert jnp.allclose(a, b, rtol=1e-4, atol=1e-3)

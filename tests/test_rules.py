@@ -292,6 +292,9 @@ KNOWN_COMM = {
     ("sharding_constraint", "i0"): ("the constraint moves the split to its own axis d1 (a "
                                     "collective-permute); the rule sees an identity, fixing the "
                                     "layout is the caller's job"),
+    ("scan", "c0_0"): ("a split carry keeps its layout across steps, but the body meets the replicated "
+                       "scanned input and XLA gathers inside it; the rule does not price the body "
+                       "(mshard.rules.scan_carry_rule), only the layout the carry leaves in"),
 }
 # case ids whose sharded program does not compile on the CPU backend: only the space is checked
 KNOWN_NO_RUN = {

@@ -303,11 +303,15 @@ def test_mshard_mark_is_elementwise_identity():
     assert r.op_of(m.eqn) == m.op and r.graph.ops[m.op + 1].inputs[0] == op.outputs[0]
 
 
-def test_scan_is_one_replicated_op():
+def test_scan_is_one_op_whose_carry_keeps_its_layout():
+    """One op (its body is not traced); the carry's input and result share free loop dims (scan_carry_rule), the
+    scanned input and the stacked result stay replicated."""
     fn = lambda x: lax.scan(lambda c, a: (c + jnp.tanh(a), c * a), jnp.zeros(6), x)
     r = trace(fn, (f32(4, 6),), ["data"], ["x"])
     (sc,) = [r.graph.ops[t.op] for t in r.eqns if t.primitive == "scan"]
-    assert sc.unsplittable == set(sc.dims) and len(sc.inputs) == 2 and len(sc.outputs) == 2
+    assert len(sc.inputs) == 2 and len(sc.outputs) == 2
+    assert sc.in_dims[0] == sc.out_dims[0] == ("c0_0",) and "c0_0" not in sc.unsplittable
+    assert sc.in_dims[1] == (None, None) and set(sc.out_dims[1]) <= sc.unsplittable
     assert not any(t.primitive == "tanh" for t in r.eqns)
 
 

@@ -1,0 +1,64 @@
+"""semi_auto's default (searchers.follow): every op not fixed computes in the layout its operands arrive in."""
+
+from searchers.cost import CostParams, graph_cost
+from searchers.follow import follow_operands
+from searchers.graph import DeviceMesh, Graph, operand_layout, result_layout
+
+P = CostParams()
+
+
+def _mlp(fix_w1=None):
+    g = Graph(DeviceMesh((2, 2, 2)))
+    x = g.source("x", (16, 8), fixed=((0, 1, 2), ()))                      # the batch, data parallel
+    w1 = g.source("w1", (8, 32), kind="param", fixed=fix_w1)
+    w2 = g.source("w2", (32, 4), kind="param")
+    (h,) = g.add_op("mm1", "dot_general", {"m": 16, "k": 8, "n": 32}, [x, w1], [("m", "k"), ("k", "n")], [("m", "n")])
+    (r,) = g.add_op("relu", "max", {"i": 16, "j": 32}, [h], [("i", "j")], [("i", "j")])
+    (y,) = g.add_op("mm2", "dot_general", {"m": 16, "k": 32, "n": 4}, [r, w2], [("m", "k"), ("k", "n")], [("m", "n")])
+    (s,) = g.add_op("softmax_max", "reduce_max", {"i": 16, "j": 4}, [y], [("i", "j")], [("i",)],
+                    reduce="max", unsplittable=frozenset({"j"}))
+    return g
+
+
+def test_the_batch_flows_on_and_nothing_new_is_split():
+    g = _mlp()
+    r = follow_operands(g, P)
+    assert r.strategies[1] == ((), ()) and r.strategies[2] == ((), ())          # unfixed weights stay whole
+    for op in g.ops[3:]:
+        assert result_layout(op, r.strategies[op.id], 0)[0] == (0, 1, 2), op.name
+        assert all(not axes for d, axes in zip(op.dims, r.strategies[op.id]) if d != "m" and d != "i")
+    assert r.cost.total == graph_cost(g, r.strategies, P).total
+
+
+def test_a_user_split_flows_on_and_axes_are_never_taken_twice():
+    g = Graph(DeviceMesh((2, 2, 2)))
+    x = g.source("x", (16, 8), fixed=((0,), ()))
+    w1 = g.source("w1", (8, 32), kind="param", fixed=((), (1, 2)))               # column parallel, 4 ways
+    (h,) = g.add_op("mm1", "dot_general", {"m": 16, "k": 8, "n": 32}, [x, w1], [("m", "k"), ("k", "n")], [("m", "n")])
+    (r,) = g.add_op("relu", "max", {"i": 16, "j": 32}, [h], [("i", "j")], [("i", "j")])
+    # an op reading the split tensor twice takes each of its axes once
+    (t,) = g.add_op("odd", "add", {"a": 16, "b": 32}, [r, r], [("a", "b"), ("a", "b")], [("a", "b")])
+    res = follow_operands(g, P)
+    assert res.strategies[2] == ((0,), (), (1, 2))
+    assert result_layout(g.ops[3], res.strategies[3], 0) == ((0,), (1, 2))
+    assert res.strategies[4] == ((0,), (1, 2))
+
+
+def test_an_unsplittable_dim_stays_whole_and_a_parameter_follows_its_first_fixed_consumer():
+    g = _mlp()
+    g.ops[5].fixed = ((0,), (1, 2), ())                                         # mm2 row parallel, fixed
+    r = follow_operands(g, P)
+    assert operand_layout(g.ops[5], r.strategies[5], 1) == ((1, 2), ())
+    assert r.strategies[2] == ((1, 2), ())                                       # w2 stored as mm2 computes with it
+    assert r.strategies[6][1] == ()                                              # reduce_max's j is unsplittable
+
+
+def test_an_operand_tie_keeps_the_layout_its_op_computed_it_in():
+    g = Graph(DeviceMesh((2, 2)))
+    w = g.source("w", (4, 6), kind="param")
+    (y,) = g.add_op("mm", "dot_general", {"k": 4, "n": 6}, [w], [("k", "n")], [("n",)])
+    g.ops[-1].fixed = ((), (0, 1))
+    (res,) = g.add_op("mm/operand0", "residual", {"i": 4, "j": 6}, [w], [("i", "j")], [("i", "j")])
+    g.operand_ties[g.ops[-1].id] = (1, 0)
+    r = follow_operands(g, P)
+    assert result_layout(g.ops[2], r.strategies[2], 0) == ((), (0, 1))
