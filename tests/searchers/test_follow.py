@@ -15,7 +15,7 @@ def _mlp(fix_w1=None):
     (h,) = g.add_op("mm1", "dot_general", {"m": 16, "k": 8, "n": 32}, [x, w1], [("m", "k"), ("k", "n")], [("m", "n")])
     (r,) = g.add_op("relu", "max", {"i": 16, "j": 32}, [h], [("i", "j")], [("i", "j")])
     (y,) = g.add_op("mm2", "dot_general", {"m": 16, "k": 32, "n": 4}, [r, w2], [("m", "k"), ("k", "n")], [("m", "n")])
-    (s,) = g.add_op("softmax_max", "reduce_max", {"i": 16, "j": 4}, [y], [("i", "j")], [("i",)],
+    g.add_op("softmax_max", "reduce_max", {"i": 16, "j": 4}, [y], [("i", "j")], [("i",)],
                     reduce="max", unsplittable=frozenset({"j"}))
     return g
 
@@ -37,7 +37,7 @@ def test_a_user_split_flows_on_and_axes_are_never_taken_twice():
     (h,) = g.add_op("mm1", "dot_general", {"m": 16, "k": 8, "n": 32}, [x, w1], [("m", "k"), ("k", "n")], [("m", "n")])
     (r,) = g.add_op("relu", "max", {"i": 16, "j": 32}, [h], [("i", "j")], [("i", "j")])
     # an op reading the split tensor twice takes each of its axes once
-    (t,) = g.add_op("odd", "add", {"a": 16, "b": 32}, [r, r], [("a", "b"), ("a", "b")], [("a", "b")])
+    g.add_op("odd", "add", {"a": 16, "b": 32}, [r, r], [("a", "b"), ("a", "b")], [("a", "b")])
     res = follow_operands(g, P)
     assert res.strategies[2] == ((0,), (), (1, 2))
     assert result_layout(g.ops[3], res.strategies[3], 0) == ((0,), (1, 2))
@@ -56,9 +56,9 @@ def test_an_unsplittable_dim_stays_whole_and_a_parameter_follows_its_first_fixed
 def test_an_operand_tie_keeps_the_layout_its_op_computed_it_in():
     g = Graph(DeviceMesh((2, 2)))
     w = g.source("w", (4, 6), kind="param")
-    (y,) = g.add_op("mm", "dot_general", {"k": 4, "n": 6}, [w], [("k", "n")], [("n",)])
+    g.add_op("mm", "dot_general", {"k": 4, "n": 6}, [w], [("k", "n")], [("n",)])
     g.ops[-1].fixed = ((), (0, 1))
-    (res,) = g.add_op("mm/operand0", "residual", {"i": 4, "j": 6}, [w], [("i", "j")], [("i", "j")])
+    g.add_op("mm/operand0", "residual", {"i": 4, "j": 6}, [w], [("i", "j")], [("i", "j")])
     g.operand_ties[g.ops[-1].id] = (1, 0)
     r = follow_operands(g, P)
     assert result_layout(g.ops[2], r.strategies[2], 0) == ((), (0, 1))
