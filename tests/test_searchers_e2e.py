@@ -42,6 +42,9 @@ def test_plan_executes_and_matches_one_device(mode, model):
         f = ms.jit(loss_and_grad)
         (l, g) = f(m, *args)
         plan = f.plan(m, *args)
+    # float32, reordered by the plan's partitioning: 64- and 256-term dot products (MLP) or 32/64-term ones with layer
+    # norm and softmax (block), ~n * 2**-24 <= 1.5e-5 relative each; the loss sums 2048 outputs (|l| ~ 15-60, ||y|| ~ 35-55):
+    # random-signed roundings ~sqrt(2048) * 2**-24 * ||y|| ~ 1e-4 absolute, hence atol=1e-4 on l and its gradients
     assert_close(y, ref_y, rtol=1e-4, atol=1e-5)
     assert_close(l, ref_l, rtol=1e-4, atol=1e-4)
     assert_close(g, ref_g, rtol=1e-4, atol=1e-4)
@@ -54,6 +57,8 @@ def test_conv_net_plan_matches_one_device(mode):
     m, args = ConvNet(), inputs("conv")
     with auto(mode):
         y = ms.jit(lambda m, x: m(x))(m, *args)
+    # float32: 36-term conv sums (4 channels x 3 x 3), batch statistics over 256 values and a 256-term head reordered by
+    # the partitioning (<= 256 * 2**-24 = 1.5e-5 relative), rsqrt(var) passing the statistics' error on; atol: outputs ~ 0
     assert_close(y, m(*args), rtol=1e-4, atol=1e-4)
 
 
@@ -92,6 +97,7 @@ def test_cost_model_context_takes_effect(mode):
     ms.set_cost_model_context(costmodel_alpha=10.0)
     with auto(mode):
         heavy = ms.jit(fn).plan(m, *args)
+    # float64 cost model: an unchanged plan's compute is the same terms re-summed (~n * 2**-53), far below rel=1e-6
     assert heavy.cost.compute == pytest.approx(base.cost.compute, rel=1e-6) or heavy.cost.total != base.cost.total
     assert heavy.cost.total > base.cost.total
 
@@ -122,6 +128,7 @@ def test_a_sharding_constraint_inside_a_searched_region_is_a_fixed_strategy(mode
         plan = fn.plan(x, w)
     (op,) = [o for o in plan.ops if o.kind == "sharding_constraint"]
     assert op.fixed and op.strategy == ((1, 8),)
+    # float32: a 32-term dot product, then 64 positive squares (< 1) summed across the 8-way split: <= 64 * 2**-24 = 4e-6
     assert_close(y, f(x, w), rtol=1e-5, atol=1e-5)
 
 

@@ -34,6 +34,8 @@ def test_every_mode_matches_one_device_adam(mode):
     net = MLP(nnx.Rngs(0))
     ref, ref_opt, ref_losses = reference_train(net, optax.adam(1e-2), data, mse)
     step, losses = run(net, optax.adam(1e-2), data)
+    # float32: the MLP's 16/64-term dot products and 256-term MSE mean reordered by the partitioning, random-signed
+    # roundings ~sqrt(n) * 2**-24 <= 1e-6 relative per op, over 2-3 steps (the parameters' own drift: PARAM_RTOL)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params_close(net, ref)
     assert_trees_close(step.opt_state, ref_opt)
@@ -75,6 +77,8 @@ def test_semi_auto_megatron_with_dropout_matches_one_device():
     net = MLP(nnx.Rngs(3), dropout=0.25).megatron(2, 4)
     ref, ref_opt, ref_losses = reference_train(net, optax.adamw(1e-2), data, mse)
     step, losses = run(net, optax.adamw(1e-2), data)
+    # float32: the MLP's 16/64-term dot products and 256-term MSE mean reordered by the partitioning, random-signed
+    # roundings ~sqrt(n) * 2**-24 <= 1e-6 relative per op, over 2-3 steps (the parameters' own drift: PARAM_RTOL)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params_close(net, ref)
     assert_trees_close(step.opt_state, ref_opt)
@@ -96,12 +100,16 @@ def test_data_parallel_dropout_draws_the_one_device_mask():
     ref, ref_opt, ref_losses = reference_train(net, optax.adam(1e-2), data, mse)
     step, losses = run(net, optax.adam(1e-2), data)
     assert step._rt.last.pure_dp
+    # float32: the MLP's 16/64-term dot products and 256-term MSE mean reordered by the partitioning, random-signed
+    # roundings ~sqrt(n) * 2**-24 <= 1e-6 relative per op, over 2-3 steps (the parameters' own drift: PARAM_RTOL)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params_close(net, ref)
     assert_trees_close(step.opt_state, ref_opt)
     assert int(net.drop.rngs.count[...]) == int(ref.drop.rngs.count[...]) == STEPS
     # and the mask matters: without dropout the parameters differ
     plain, _, _ = reference_train(MLP(nnx.Rngs(13)), optax.adam(1e-2), data, mse)
+    # a real difference: the mask changes the gradients by O(1) and 3 Adam steps move each weight by ~lr = 1e-2, while
+    # float32 reordering moves it by < PARAM_ATOL = 2e-6; atol=1e-4 sits between the two
     assert not np.allclose(np.asarray(plain.fc3.weight[...]), np.asarray(net.fc3.weight[...]), atol=1e-4)
 
 
@@ -133,6 +141,8 @@ def test_micro_batch_wrappers_equal_the_full_batch(mode, wrapper):
         net.megatron(2, 4)
     ref, ref_opt, ref_losses = reference_train(net, optax.adam(1e-2), data, mse)
     step, losses = run(net, optax.adam(1e-2), data, wrap=wrap)
+    # float32: the MLP's 16/64-term dot products and 256/512-term MSE mean, reordered by the partitioning and the
+    # micro-batches, ~sqrt(n) * 2**-24 <= 1.4e-6 relative per op, over the 3 steps
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params_close(net, ref)
     assert_trees_close(step.opt_state, ref_opt)
@@ -142,6 +152,8 @@ def test_micro_batch_wrappers_called_directly_give_the_full_batch_loss():
     x, y = batches(1, [(32, 16), (32, 8)], seed=7)[0]
     net = MLP(nnx.Rngs(7))
     full = float(mse(net(x), y))
+    # float32: the same per-row forward; only the 256-term mean of positive squares is regrouped into 4 x 64 (no
+    # cancellation): random-signed roundings, ~sqrt(256) * 2**-24 = 1e-6 relative
     np.testing.assert_allclose(float(nn.GradAccumulationCell(nn.WithLossCell(net, mse), 4)(x, y)), full, rtol=1e-6)
     np.testing.assert_allclose(float(nn.MicroBatchInterleaved(nn.WithLossCell(net, mse), 4)(x, y)), full, rtol=1e-6)
     with pytest.raises(CellError, match="not divisible by 5"):
@@ -159,6 +171,8 @@ def test_recompute_transformer_matches_one_device(policy):
         blk.recompute(policy=policy)
     ref, _, ref_losses = reference_train(net, optax.sgd(0.1, momentum=0.9), data, token_loss)
     _, losses = run(net, optax.sgd(0.1, momentum=0.9), data, loss_fn=token_loss)
+    # float32: TinyGPT's 32/64-term dot products, 8-key softmax and 32-class log-softmax, mean over the tokens,
+    # reordered by the partitioning: ~sqrt(n) * 2**-24 <= 5e-7 relative per op, over ~10 ops and 2 SGD steps
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params_close(net, ref)
 
@@ -177,6 +191,8 @@ def test_megatron_gpt_semi_auto_matches_one_device(mode, fusion):
         blk.shard_megatron(2, 4)
     ref, _, ref_losses = reference_train(net, optax.sgd(0.1, momentum=0.9), data, token_loss)
     _, losses = run(net, optax.sgd(0.1, momentum=0.9), data, loss_fn=token_loss)
+    # float32: TinyGPT's 32/64-term dot products, 8-key softmax and 32-class log-softmax, mean over the tokens,
+    # reordered by the partitioning: ~sqrt(n) * 2**-24 <= 5e-7 relative per op, over ~10 ops and 2 SGD steps
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params_close(net, ref)
     rep = ms.comm_report(ms.jit(lambda m, x: m(x)), net, data[0][0])
@@ -324,6 +340,8 @@ def test_searched_megatron_step_communicates_no_more_than_its_strategies_alone()
     assert any("updated state" in n for n in searched.plan(*data[0]).notes)
     ref, _, ref_losses = reference_train(net, optax.sgd(0.1), data, token_loss)
     losses = [float(searched(*b)) for b in data]
+    # float32: TinyGPT's 32/64-term dot products, 8-key softmax and 32-class log-softmax, mean over the tokens,
+    # reordered by the partitioning: ~sqrt(n) * 2**-24 <= 5e-7 relative per op, over ~10 ops and 2 SGD steps
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params_close(net, ref)
 

@@ -11,6 +11,7 @@ import mshard as ms
 from mshard import nn
 from mshard.errors import CellError
 
+# float32: a gather is exact and the one-hot path's matmul adds 9 exact zeros (0 * x), so only a wrong row fails
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -31,6 +32,7 @@ def test_layernorm_matches_the_formula():
     x = np.asarray(rand(0, 3, 5, 6))
     mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
     want = (x - mean) / np.sqrt(var + 1e-7) * np.arange(1.0, 7.0) + 0.5
+    # float32: 6-term mean and variance (~6 * 2**-24 = 4e-7) and rsqrt vs numpy's formula (a few ulps), scaled by gamma <= 6
     np.testing.assert_allclose(np.asarray(ln(x)), want, rtol=1e-5, atol=1e-5)
 
 
@@ -39,6 +41,8 @@ def test_dropout_rate_scale_and_train_mode():
     assert d.p == 0.25
     y = np.asarray(d(jnp.ones((200, 200))))
     kept = y != 0
+    # 40000 Bernoulli(0.75) draws: std sqrt(0.75 * 0.25 / 40000) = 0.0022, so 0.01 is 4.6 sigma; np.allclose's default
+    # rtol=1e-5 bounds the float32 rounding of 1 / 0.75 (2**-24)
     assert abs(kept.mean() - 0.75) < 0.01 and np.allclose(y[kept], 1 / 0.75)
     d.set_train(False)
     np.testing.assert_array_equal(np.asarray(d(jnp.ones((3, 3)))), np.ones((3, 3)))
@@ -63,6 +67,8 @@ def test_conv2d_same_and_valid_and_maxpool():
     x = np.asarray(rand(1, 2, 3, 8, 8))
     w = np.asarray(conv.weight[...])
     want = _conv_numpy(x, w, (1, 1)) + np.arange(4.0)[None, :, None, None]
+    # float32: 27-term sums (3 channels x 3 x 3) in XLA's order vs numpy einsum's, <= 27 * 2**-24 = 1.6e-6 relative to
+    # sum |terms|; atol for outputs that cancel near 0
     np.testing.assert_allclose(np.asarray(conv(x)), want, rtol=1e-4, atol=1e-4)
     valid = nn.Conv2d(3, 4, 3, pad_mode="valid", rngs=nnx.Rngs(0))
     np.testing.assert_allclose(np.asarray(valid(x)), _conv_numpy(x, w, (0, 0)), rtol=1e-4, atol=1e-4)
@@ -89,10 +95,13 @@ def test_multi_head_attention_matches_numpy_and_megatron_sharding():
     att = nn.MultiHeadAttention(16, 4, rngs=nnx.Rngs(0))
     x = np.asarray(rand(2, 8, 8, 16))
     want = _attention_numpy(att, x)
+    # float32: 16-term projections, 4-term head dots and an 8-key softmax vs numpy (scores in float64): <= 16 * 2**-24
+    # = 1e-6 relative per dot over 4 ops, exp turning the scores' error into a relative one; atol for outputs near 0
     np.testing.assert_allclose(np.asarray(att(x)), want, rtol=1e-4, atol=1e-5)
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
     att.shard_megatron(2, 4)
     f = ms.jit(lambda m, x: m(x))
+    # the same bound; the row-parallel projection adds 4 partial sums of 4 terms in another order
     assert_close(f(att, x), want, rtol=1e-4, atol=1e-5)
     rep = ms.comm_report(f, att, x)
     assert rep.count("all-reduce") >= 1       # the row-parallel projection's partial sums
@@ -104,6 +113,8 @@ def test_transformer_block_sharded_equals_one_device():
     want = jax.jit(lambda x: blk(x))(x)
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
     blk.shard_megatron(2, 4)
+    # float32: TransformerBlock(16, 4, 32): 16/32-term dot products, 2 layer norms and an 8-key softmax, Megatron's
+    # partial sums reordered (<= 32 * 2**-24 = 2e-6 relative per op, ~8 ops); atol for outputs near 0
     assert_close(ms.jit(lambda m, x: m(x))(blk, x), want, rtol=1e-4, atol=1e-5)
 
 
@@ -112,6 +123,8 @@ def test_losses():
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     want = -logp[np.arange(6), labels]
     sparse = nn.SoftmaxCrossEntropyWithLogits(sparse=True)
+    # float32 log-softmax over 5 classes vs numpy's float32 formula: exp, a 5-term sum and log (below: a 6-term mean),
+    # a few roundings, ~5 * 2**-24 = 3e-7 relative
     np.testing.assert_allclose(np.asarray(sparse(logits, labels)), want, rtol=1e-5)
     dense = nn.SoftmaxCrossEntropyWithLogits(reduction="mean")
     np.testing.assert_allclose(float(dense(logits, np.eye(5)[labels])), want.mean(), rtol=1e-5)

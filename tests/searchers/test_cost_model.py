@@ -26,6 +26,8 @@ LAT, BW = 5e-6, 100e9
 
 def assert_cost(c, *, compute=0.0, bytes_=None, time=0.0, memory=0.0, params=P):
     bytes_ = bytes_ or {}
+    # float64: the model and the hand formula do the same <= 10 operations, maybe in another order (~10 * 2**-53 =
+    # 1e-15 relative); abs=1e-30 lets an expected 0.0 match only (near-)exact zeros (every nonzero cost is >= 1e-12)
     assert c.compute == pytest.approx(compute, rel=1e-12, abs=1e-30)
     for k in KINDS:
         assert c.comm_bytes[k] == pytest.approx(bytes_.get(k, 0.0), rel=1e-12, abs=1e-30), k
@@ -82,6 +84,8 @@ def test_per_axis_bandwidth_and_latency():
     mesh = DeviceMesh((2, 2), bandwidth=(1e9, 1e11), latency=(1e-5, 1e-6))
     slow = redistribution_cost(((0,), ()), ((), ()), SHAPE, ITEM, mesh, P)
     fast = redistribution_cost(((1,), ()), ((), ()), SHAPE, ITEM, mesh, P)
+    # pytest.approx defaults (rel=1e-6, abs=1e-12): latency + bytes / bandwidth, two float64 roundings (~2**-52);
+    # the axes differ 10x in latency and 100x in bandwidth, far beyond rel=1e-6
     assert slow.comm_time == pytest.approx(1e-5 + 4096 / 1e9)
     assert fast.comm_time == pytest.approx(1e-6 + 4096 / 1e11)
     assert slow.comm_bytes == fast.comm_bytes
@@ -133,6 +137,8 @@ def test_all_reduce_runs_at_the_slowest_axis():
     g.add_op("sum", "reduce_sum", {"i": 8, "j": 8}, [x], [("i", "j")], [("i",)])
     c = op_cost(g.ops[1], ((), (0, 1)), g, P)
     ar = 2 * 32 * 3 / 4                              # result 32 B, replicated, k = 4
+    # pytest.approx defaults (rel=1e-6): float64, exact products and one division; the slow axis' term 48 / 1e9 is
+    # 5e-3 of comm_time, so pricing the faster axis would fail
     assert c.comm_bytes["all-reduce"] == pytest.approx(ar)
     assert c.comm_time == pytest.approx(2 * LAT + ar / 1e9)
 
@@ -149,6 +155,7 @@ def test_op_cost_vector_matches_op_cost():
         cands = enumerate_strategies(op, g.mesh)
         v = op_cost_vector(op, cands, g, P)
         assert v.shape == (len(cands),)
+        # float64: the vectorised costs and op_cost do the same few operations per strategy, maybe reordered (~1e-15)
         np.testing.assert_allclose(v, [op_cost(op, s, g, P).total for s in cands], rtol=1e-12)
 
 
@@ -160,6 +167,7 @@ def test_edge_cost_matrix_matches_redistribution_cost():
     assert R.shape == (len(pc), len(cc))
     for i, j in itertools.product(range(len(pc)), range(len(cc))):
         want = redistribution_cost(result_layout(mm, pc[i]), operand_layout(relu, cc[j], 0), (64, 128), 4, g.mesh, P)
+        # float64, as above; abs=0.0: an expected 0 (the same layout) must be exactly 0
         assert R[i, j] == pytest.approx(want.total, rel=1e-12, abs=0.0)
     same = [(i, j) for i, j in itertools.product(range(len(pc)), range(len(cc)))
             if result_layout(mm, pc[i]) == operand_layout(relu, cc[j], 0)]
@@ -173,6 +181,8 @@ def test_graph_cost_sums_ops_and_edges():
     got = graph_cost(g, strat, P)
     # the mm result is m-split over axis 0; relu wants it replicated: all-gather 16384 B
     expected = sum((op_cost(op, strat[op.id], g, P) for op in g.ops), Cost())
+    # pytest.approx defaults (rel=1e-6, abs=1e-12): float64 sums of 4 ops' costs in another order (~4 * 2**-53);
+    # abs=1e-12 is below the smallest term (relu's compute, 8e-11 s), so a missing op would fail
     assert got.compute == pytest.approx(expected.compute)
     assert got.memory == pytest.approx(expected.memory)
     assert got.comm_bytes["all-gather"] == pytest.approx(16384.0)
@@ -200,5 +210,8 @@ def test_memory_unit_scales_only_the_memory_term():
     g = mlp_graph()
     literal = CostParams(memory_unit=1.0)
     c = op_cost(g.ops[3], ((), ()), g, literal)
+    # pytest.approx default rel=1e-6 of 262.144: float64 rounding only; the memory term (262) is what this checks,
+    # the compute term (8e-11) is below the tolerance
     assert c.total == pytest.approx(64 * 128 / 100e12 + 0.001 * 2 * 64 * 128 * 4)
+    # math.isclose default rel_tol=1e-9: the same float64 byte count computed twice (memory ignores memory_unit)
     assert math.isclose(op_cost(g.ops[3], ((), ()), g, P).memory, c.memory)

@@ -22,6 +22,7 @@ def test_problem_total_is_graph_cost_for_any_choice():
     rng = np.random.default_rng(0)
     for _ in range(20):
         choice = {v: int(rng.integers(len(c))) for v, c in enumerate(prob.cands)}
+        # float64: the problem's table entries vs graph_cost, the same terms in another order (~n * 2**-53 ~ 1e-15)
         assert prob.total(choice) == pytest.approx(graph_cost(g, prob.strategies(choice), P).total, rel=1e-12)
 
 
@@ -33,6 +34,7 @@ def test_absorbing_fixed_ops_keeps_totals():
     assert small.absorb_single() >= 1 and 0 in small.decided
     choice = {v: 0 for v in small.live()}
     dropped = sum(float(full.unary[v][c]) for v, c in small.decided.items())   # a constant
+    # float64: the absorbed constant plus the rest, the same terms in another order (~n * 2**-53 ~ 1e-15)
     assert small.total(choice) + dropped == pytest.approx(full.total(small.expand(choice)), rel=1e-12)
 
 
@@ -42,6 +44,7 @@ def test_op_elimination_is_a_min_plus_product():
     best, arg = _series(mh, c, mj)
     for a, b in itertools.product(range(3), range(4)):
         vals = mh[:, a] + c + mj[:, b]
+        # pytest.approx default rel=1e-6: the same three float64 numbers added in _series' order (2 roundings, ~2**-52)
         assert best[a, b] == pytest.approx(vals.min()) and arg[a, b] == int(np.argmin(vals))
 
 
@@ -58,6 +61,7 @@ def test_follow_is_exact_under_its_constraint():
     g = mlp_chain(2, 8, 4, DeviceMesh((2,)))
     free = dynamic_programming(g, P, cache=False)
     tied = dynamic_programming(g, P, elementwise_op_strategy_follow=True, cache=False)
+    # 1e-12: possibly the same plan, its float64 total summed in two orders (~n * 2**-53); rel=1e-9: the ILP's mip_rel_gap
     assert tied.cost.total >= free.cost.total * (1 - 1e-12)
     assert tied.cost.total == pytest.approx(ilp(g, P, elementwise_op_strategy_follow=True, cache=False).cost.total,
                                             rel=1e-9)
@@ -79,4 +83,5 @@ def test_training_graph_through_the_fallback_beats_propagation():
     res = dynamic_programming(g, P, core_time_limit=0, cache=False)
     assert any("star elimination" in n for n in res.notes)
     assert res.cost.total <= sharding_propagation(g, P).cost.total
+    # float64: the plan's cost is graph_cost of the same strategies, at most re-summed (~n * 2**-53, far below 1e-9)
     assert res.cost.total == pytest.approx(graph_cost(g, res.strategies, P).total, rel=1e-9)

@@ -36,6 +36,8 @@ def test_solve_pairwise_equals_enumeration(seed):
     unary[3][0] = np.inf
     want, _ = enumerate_pairwise(unary, pairs)
     sol = solve_pairwise(unary, pairs)
+    # rel=1e-9: solve_pairwise's mip_rel_gap; the enumeration and the recomputed total sum the same 12 float64 terms in
+    # another order (~12 * 2**-53)
     assert sol.optimal and sol.objective == pytest.approx(want, rel=1e-9)
     got = sum(u[c] for u, c in zip(unary, sol.choice)) + sum(m[sol.choice[a], sol.choice[b]] for a, b, m in pairs)
     assert got == pytest.approx(want, rel=1e-9)
@@ -43,6 +45,7 @@ def test_solve_pairwise_equals_enumeration(seed):
 
 def test_one_sided_matrices_become_vectors():
     sol = solve_pairwise([np.zeros(3), np.zeros(2)], [(0, 1, np.array([[1.0, 5.0]] * 3))])
+    # pytest.approx default rel=1e-6: HiGHS's float64 objective, scaled by 1000 / scale_ref and back (a few roundings)
     assert sol.size["e"] == 0 and sol.choice[1] == 0 and sol.objective == pytest.approx(1.0)
 
 
@@ -75,6 +78,8 @@ def test_memory_limit_changes_the_plan():
     peak_free, _ = peak_memory(g, free.strategies)
     cap = peak_free * 0.6
     tight = ilp(g, CostParams(device_memory_capacity=cap), cache=False)
+    # 1e-9: byte sums recomputed in float64 in another order than the ILP's rows (~n * 2**-53), and HiGHS's feasibility
+    # tolerance (1e-7 absolute on rows of ~1e5 bytes, ~1e-12 relative)
     assert peak_memory(g, tight.strategies)[0] <= cap * (1 + 1e-9)
     assert max(memory_profile(g, tight.strategies)) <= cap * (1 + 1e-9)
     assert tight.strategies[1] != ((), ()) and tight.cost.communication > 0
@@ -91,6 +96,7 @@ def test_memory_limit_no_plan_can_meet_is_a_clear_error():
 def test_memory_rows_can_be_switched_off():
     g = big_activation_graph()
     res = ilp(g, CostParams(device_memory_capacity=1000.0), memory_limit=False, cache=False)
+    # float64: the plan's cost is graph_cost of the same strategies, at most re-summed (~n * 2**-53, far below 1e-9)
     assert res.cost.total == pytest.approx(graph_cost(g, res.strategies, P).total, rel=1e-9)
 
 
@@ -116,4 +122,5 @@ def test_mlp_training_graph_is_solved_to_optimality():
     res = ilp(g, P, cache=False)
     assert not any("time_limit" in n for n in res.notes)
     from searchers.dynamic_programming import dynamic_programming
+    # rel=1e-9: the ILP's mip_rel_gap; dynamic_programming is exact on this chain
     assert res.cost.total == pytest.approx(dynamic_programming(g, P, cache=False).cost.total, rel=1e-9)

@@ -47,6 +47,7 @@ def test_result_is_a_valid_plan_with_its_graph_cost(name, graph):
     assert isinstance(res, SearchResult) and res.algorithm == name and res.seconds >= 0
     valid(g, res.strategies)
     ref = graph_cost(g, res.strategies, P)
+    # float64: the plan's cost is graph_cost of the same strategies, at most re-summed (~n * 2**-53, far below 1e-9)
     assert res.cost.total == pytest.approx(ref.total, rel=1e-9)
     assert res.cost.memory == pytest.approx(ref.memory, rel=1e-9)
 
@@ -102,6 +103,7 @@ def test_fully_use_devices_uses_every_axis(name):
             used = sorted(a for axes in res.strategies[op.id] for a in axes)
             assert used == [0, 1, 2], (op.name, res.strategies[op.id])
     free = SEARCHERS[name](g, P, cache=False)
+    # 1e-9: the ILP's mip_rel_gap (and float64 re-summation, ~1e-15): a constrained plan cannot beat the free optimum
     assert res.cost.total >= free.cost.total * (1 - 1e-9) or name == "recursive_programming"
 
 
@@ -113,6 +115,7 @@ def test_device_counts_that_are_not_powers_of_two(name, devices):
     g = mlp_chain(2, 24, 12, mesh, backward=True)
     res = SEARCHERS[name](g, P, cache=False)
     valid(g, res.strategies)
+    # float64: the plan's cost is graph_cost of the same strategies, at most re-summed (~n * 2**-53, far below 1e-9)
     assert res.cost.total == pytest.approx(graph_cost(g, res.strategies, P).total, rel=1e-9)
     # the 24-row batch splits over every device in the data-parallel way somewhere
     assert any(res.strategies[op.id] and any(len(a) for a in res.strategies[op.id]) for op in g.ops)
@@ -182,6 +185,7 @@ def test_sharding_propagation_keeps_its_own_contract():
     g.ops[0].fixed = ((0, 1), ())
     res = sharding_propagation(g, P)
     valid(g, res.strategies)
+    # 1e-9: the mip_rel_gap of the exact core solver dynamic_programming may call, and float64 re-summation
     assert dynamic_programming(g, P, cache=False).cost.total <= res.cost.total * (1 + 1e-9)
 
 

@@ -79,6 +79,8 @@ def test_dynamic_programming_and_ilp_equal_brute_force(g, params):
     best = optimum(g, params)
     for searcher in (dynamic_programming, ilp):
         res = searcher(g, params, cache=False)
+        # float64 costs: an optimal plan's terms re-summed (~n * 2**-53 ~ 1e-15 for <= 8 ops) and the ILP's mip_rel_gap
+        # (1e-9); abs=1e-18 only admits an optimum of 0 (the smallest cost term here, ~1e-12 s, is 1e6 times larger)
         assert res.cost.total == pytest.approx(best, rel=1e-9, abs=1e-18), searcher.__name__
         assert not any("not guaranteed optimal" in n for n in res.notes)
 
@@ -90,6 +92,7 @@ def test_equal_brute_force_with_fully_use_devices_and_a_fixed_op(g):
     best = optimum(g, P, fully=True)
     for searcher in (dynamic_programming, ilp):
         res = searcher(g, P, fully_use_devices=True, cache=False)
+        # float64 re-summation (~1e-15) within the ILP's mip_rel_gap=1e-9
         assert res.cost.total == pytest.approx(best, rel=1e-9), searcher.__name__
         assert res.strategies[0] == g.ops[0].fixed
 
@@ -99,6 +102,7 @@ def test_the_star_fallback_is_no_worse_than_its_starting_plans():
     g = k4(DeviceMesh((2, 2)))
     res = dynamic_programming(g, P, exact_limit=1, core_time_limit=0, cache=False)
     assert any("star elimination" in n for n in res.notes)
+    # 1e-12: a plan equal to the optimum may sum its float64 terms in another order (~n * 2**-53 ~ 1e-15)
     assert res.cost.total >= optimum(g, P) * (1 - 1e-12)
     from searchers.propagation import sharding_propagation
     assert res.cost.total <= sharding_propagation(g, P).cost.total * (1 + 1e-12)
@@ -115,6 +119,7 @@ RANDOM = [c for c in CASES if not c.id.startswith(("mlp", "conv"))]
 @pytest.mark.parametrize("g", STRUCTURED)
 def test_recursive_programming_within_its_bound_on_structured_graphs(g):
     best = optimum(g, P)
+    # 1.10: the stated bound; 1e-12: float64 re-summation of a plan at exactly the bound (~n * 2**-53)
     assert recursive_programming(g, P, cache=False).cost.total <= 1.10 * best * (1 + 1e-12)
 
 
@@ -124,6 +129,7 @@ def test_recursive_programming_on_small_random_graphs():
         g = c.values[0]
         ratios.append(recursive_programming(g, P, cache=False).cost.total / optimum(g, P))
     assert max(ratios) <= 1.25
+    # 1e-9: an optimal plan's float64 total, re-summed (~1e-15), divided by the optimum
     assert sorted(ratios)[len(ratios) // 2] <= 1.0 + 1e-9     # the median case is optimal
 
 
@@ -132,6 +138,7 @@ def test_block_polish_only_lowers_the_cost():
     for c in CASES:
         g = c.values[0]
         plain = recursive_programming(g, P, cache=False, polish=0).cost.total
+        # 1e-12: an unchanged plan's float64 total re-summed (~n * 2**-53)
         assert recursive_programming(g, P, cache=False, polish=2).cost.total <= plain * (1 + 1e-12)
 
 
@@ -168,6 +175,7 @@ def test_exact_searchers_equal_brute_force_under_a_follow_operand_tie(kw, params
     for searcher in (dynamic_programming, ilp):
         res = searcher(g, params, cache=False)
         assert _keeps_tie(g, res.strategies), searcher.__name__
+        # float64 re-summation (~1e-15) within the ILP's mip_rel_gap=1e-9
         assert res.cost.total == pytest.approx(opt, rel=1e-9), searcher.__name__
 
 
@@ -179,6 +187,7 @@ def test_greedy_searchers_keep_a_follow_operand_tie(name):
         g = sgd_step(DeviceMesh((2, 2)), **kw)
         res = fn(g, P, cache=False)
         assert _keeps_tie(g, res.strategies)
+        # float64: the plan's cost is graph_cost of the same strategies, at most re-summed (~n * 2**-53, far below 1e-9)
         assert res.cost.total == pytest.approx(graph_cost(g, res.strategies, P).total, rel=1e-9)
 
 

@@ -42,6 +42,8 @@ def test_megatron_mlp_becomes_column_then_row_parallel():
     # exactly one collective: mm2's all-reduce of its [64,32] result, m-split in 2 (4096 B local)
     # over k's 4 devices: 2 * 4096 * 3/4 bytes
     c = res.cost
+    # pytest.approx defaults (rel=1e-6): the bytes are exact float64 products; comm_time has two roundings (~2**-52);
+    # total is the same plan's graph_cost, re-summed (~n * 2**-53)
     assert c.comm_bytes["all-reduce"] == pytest.approx(6144.0)
     assert c.comm_bytes["all-gather"] == c.comm_bytes["all-to-all"] == c.comm_bytes["reduce-scatter"] == 0.0
     assert c.comm_time == pytest.approx(2 * 5e-6 + 6144 / 100e9)
@@ -85,6 +87,7 @@ def test_a_shared_parameter_keeps_the_first_decided_layout():
     # mmB: m-split would gather w (2048 B), n-split gathers z (1024 B), k-split needs two
     # all-to-alls (512 + 1024 B, two latencies), replicated gathers both: n-split wins
     assert res.strategies[4] == ((), (), (0,))
+    # pytest.approx default rel=1e-6: byte counts are exact in float64
     assert res.cost.comm_bytes["all-gather"] == pytest.approx(1024.0)
     assert res.cost.comm_bytes["all-to-all"] == 0.0
 
@@ -126,6 +129,7 @@ def test_never_beats_the_oracle_on_small_graphs():
     g.add_op("exp", "exp", {"i": 8, "j": 8}, [y], [("i", "j")], [("i", "j")])
     prop = graph_cost(g, sharding_propagation(g, P).strategies, P).total
     best = graph_cost(g, brute_force(g, P), P).total
+    # 1e-12: the same plan's float64 total, re-summed (~n * 2**-53)
     assert best <= prop * (1 + 1e-12)
 
 
@@ -133,6 +137,7 @@ def test_result_cost_equals_graph_cost_on_a_training_graph():
     g = graph_of_size(2000, "transformer", DeviceMesh((2, 2, 2)), fix_data=True)
     res = sharding_propagation(g, P)
     ref = graph_cost(g, res.strategies, P)
+    # float64 sums over ~2000 ops in another order: <= 2000 * 2**-53 = 2e-13 relative, far below 1e-9
     assert res.cost.total == pytest.approx(ref.total, rel=1e-9)
     assert res.cost.memory == pytest.approx(ref.memory, rel=1e-9)
     for k, v in ref.comm_bytes.items():
@@ -147,4 +152,5 @@ def test_100k_ops_propagate_to_every_op():
     res = sharding_propagation(g, P)
     assert len(res.strategies) == len(g)
     assert res.notes == []                            # the data source reaches every op
+    # float64 sums over ~1e5 ops in another order: <= 1e5 * 2**-53 = 1.1e-11 relative, 1e-9 leaves 100x
     assert res.cost.total == pytest.approx(graph_cost(g, res.strategies, P).total, rel=1e-9)
