@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +43,7 @@ from searchers.graph import ms_strategy, operand_layout, operand_tied_strategy, 
 from searchers.ilp import ilp
 from searchers.propagation import sharding_propagation
 from searchers.recursive_programming import recursive_programming
-from searchers.strategies import data_parallel_strategy, enumerate_strategies
+from searchers.strategies import enumerate_strategies
 
 from . import context as ctxmod
 from .annotate import OpNote, mark_p
@@ -57,21 +56,8 @@ from .trace import REPLICA, TraceResult, jaxpr_to_graph
 EqnKey = tuple[tuple[int, ...], int]
 
 
-def _user_search(graph: Graph, params: CostParams, *, fully_use_devices: bool = False):
-    """Not a search: user strategies where given, the data-parallel strategy elsewhere (MindSpore's default; kept
-    for comparison, no mode uses it)."""
-    from searchers.cost import graph_cost
-    from searchers.result import SearchResult
-    t0 = time.perf_counter()
-    strategies = {op.id: (tuple(tuple(a) for a in op.fixed) if op.fixed is not None
-                          else data_parallel_strategy(op, graph.mesh)) for op in graph.ops}
-    return SearchResult(strategies, graph_cost(graph, strategies, params), "user", time.perf_counter() - t0,
-                        ["unannotated ops: the data-parallel strategy (MindSpore's default); at run time XLA "
-                         "propagates from the data-parallel inputs"])
-
-
 # search_mode -> searcher(graph, params, *, fully_use_devices) -> SearchResult
-SEARCHERS: dict[str, Callable] = {"sharding_propagation": sharding_propagation, "user": _user_search,
+SEARCHERS: dict[str, Callable] = {"sharding_propagation": sharding_propagation,
                                   "semi_auto": follow_operands,
                                   "dynamic_programming": dynamic_programming,
                                   "recursive_programming": recursive_programming,
@@ -147,19 +133,12 @@ def _merged_strategy(note: OpNote, layouts: dict[int, DimAxes], mesh: RegionMesh
     return tuple(tuple(mesh.count(where.get(letter, ())) if letter else 1 for letter in dims) for dims in note.in_dims)
 
 
-def _group_strategy(te, op, strategy, mesh) -> tuple[tuple[int, ...], ...]:
+def _group_strategy(te, op, strategy, mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
     """A primitive object's MindSpore strategy (one split tuple per input, its own dims: no replica dim)."""
     note: OpNote = te.eqn.params["note"]
     where = dict(zip(op.dims, strategy))
-    return tuple(tuple(graph_mesh_count(mesh, where.get(letter, ())) if letter else 1 for letter in dims)
+    return tuple(tuple(mesh.count(where.get(letter, ())) if letter else 1 for letter in dims)
                  for dims in note.in_dims)
-
-
-def graph_mesh_count(mesh: RegionMesh, axes) -> int:
-    n = 1
-    for a in axes:
-        n *= mesh.shape[a]
-    return n
 
 
 def _groups(trace: TraceResult) -> dict[int, Any]:
@@ -368,7 +347,7 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
         if te.group:
             note = te.eqn.params["note"]
             name = base.op_names.get(note.uid, note.kind)
-            entries[name] = dict(kind=note.kind, strategy=_group_strategy(te, op, strategies[op.id], mesh),
+            entries[name] = dict(kind=note.kind, strategy=_group_strategy(te, op, strategies[op.id], graph.mesh),
                                  fixed=op.fixed is not None, ids=[op.id])
         elif (note := groups.get(op.id)) is not None:   # a primitive object traced op by op (not self-contained)
             name = base.op_names.get(note.uid, note.kind)
