@@ -39,7 +39,14 @@ from searchers import DeviceMesh, Graph
 from searchers.cost import CostParams, graph_cost, op_cost, redistribution_cost
 from searchers.dynamic_programming import dynamic_programming
 from searchers.follow import follow_operands
-from searchers.graph import ms_strategy, operand_layout, operand_tied_strategy, result_layout, strategy_of_layout
+from searchers.graph import (
+    constant_tensors,
+    ms_strategy,
+    operand_layout,
+    operand_tied_strategy,
+    result_layout,
+    strategy_of_layout,
+)
 from searchers.ilp import ilp
 from searchers.propagation import sharding_propagation
 from searchers.recursive_programming import recursive_programming
@@ -373,11 +380,17 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
                                  fixed=op.fixed is not None, ids=[op.id])
         owner[op.id] = name
     redistributions = []
+    done: set = set()
+    free = constant_tensors(graph)
     for op in graph.ops:   # redistribution into each op is charged to it, and listed on its own line
         for i, tid in enumerate(op.inputs):
             prod, t = graph.producer(tid), graph.tensors[tid]
             have = result_layout(prod, strategies[prod.id], prod.outputs.index(tid))
             want = operand_layout(op, strategies[op.id], i)
+            if (tid, want) in done or tid in free:
+                continue           # XLA reshards a value once per layout (the first reader is charged), and
+                                   # re-broadcasts a tensor computed from constants alone where it is read
+            done.add((tid, want))
             c = redistribution_cost(have, want, t.shape, t.itemsize, graph.mesh, params)
             costs[op.id] = costs[op.id] + c
             if have != want and prod.kind != "const" and op.id in owner:
@@ -399,7 +412,8 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
             param_specs[info.name] = spec_of(_names(result_layout(op, strategies[op.id], 0), mesh))
     graph_axes = {op.name: [[mesh.names[a] for a in ax] for ax in strategies[op.id]] for op in graph.ops
                   if not op.is_source or op.kind == "data"}
-    return Plan(mesh, plan_ops, param_specs, PlanCost.of(result.cost), algorithm, result.seconds, tuple(notes),
+    program = graph_cost(graph, strategies, params, shared=True)     # what the compiled program runs
+    return Plan(mesh, plan_ops, param_specs, PlanCost.of(program), algorithm, result.seconds, tuple(notes),
                 graph_axes, tuple(redistributions), _Explainer(graph, strategies, params, mesh))
 
 

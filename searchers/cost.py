@@ -37,10 +37,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from types import MappingProxyType
 
-from .graph import DeviceMesh, Graph, Op, Strategy, TensorLayout
+from .graph import DeviceMesh, Graph, Op, Strategy, TensorLayout, constant_tensors
 from .spec import OpSpec, layout_of, op_spec
+from .xla_reshard import reshard
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 @dataclass(frozen=True)
@@ -180,11 +181,11 @@ def redistribution_cost(src: TensorLayout, dst: TensorLayout, shape: Sequence[in
                         mesh: DeviceMesh, params: CostParams) -> Cost:
     """Cost of converting a tensor of global ``shape`` from layout ``src`` to ``dst``.
 
-    Per mesh axis (ALGORITHMS §2): same place -> free; replicated -> split: a local slice, free;
-    split on dim a -> dim b: all-to-all, ``S_local * (k-1) / k``; split -> replicated:
-    all-gather, ``S_local * (k-1)``. The steps run in the cheapest valid order: slices first
-    (they shrink the local tensor), then all-to-alls, then all-gathers (each grows it by k);
-    ``S_local`` is the local size at that step. Axis order inside one tensor dim is ignored.
+    The collectives are the ones XLA's SPMD partitioner emits for this pair
+    (:mod:`searchers.xla_reshard`), priced with ring formulas: an all-gather sends
+    ``S_result * (k-1) / k``, an all-to-all ``S_local * (k-1) / k``, a collective-permute its whole
+    ``S_local``. Axis order inside one tensor dim matters: ``(0, 1)`` and ``(1, 0)`` put the devices
+    in different tiles, and going from one to the other is a permute.
 
     >>> m = DeviceMesh((2, 2))
     >>> redistribution_cost(((0,), (1,)), ((0,), (1,)), (8, 8), 4, m, CostParams()).total
@@ -204,37 +205,24 @@ def redistribution_cost(src: TensorLayout, dst: TensorLayout, shape: Sequence[in
 
 @lru_cache(maxsize=1 << 16)
 def redistribution_steps(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> tuple[tuple[str, int, float], ...]:
-    """The collectives converting ``src`` to ``dst``: ``(kind, mesh axis, bytes per device per
-    global byte)``, in execution order; empty when only local slicing (or nothing) is needed.
+    """The collectives XLA compiles to convert ``src`` to ``dst`` (:func:`searchers.xla_reshard.reshard`):
+    ``(kind, mesh axis, bytes per device per global byte)`` in execution order, the axis being the
+    slowest one the collective's groups span; empty when only local slicing (or nothing) is needed.
 
     >>> redistribution_steps(((0,), ()), ((), (1,)), DeviceMesh((2, 2)))   # slice dim 1, gather dim 0
     (('all-gather', 0, 0.25),)
+    >>> redistribution_steps(((0,), ()), ((1,), ()), DeviceMesh((2, 2)))   # same counts: a permute
+    (('collective-permute', 0, 0.5),)
+    >>> redistribution_steps(((0,), ()), ((), ()), DeviceMesh((2, 2)))     # gather dim 0
+    (('all-gather', 0, 0.5),)
     """
     if src == dst:
         return ()
-    where_src = {a: d for d, axes in enumerate(src) for a in axes}
-    where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
-    shape = mesh.shape
-    local = 1.0 / _count(src, shape)          # local bytes per global byte
-    a2a, gather = [], []
-    for a in range(len(shape)):
-        s, d = where_src.get(a), where_dst.get(a)
-        if s == d or shape[a] == 1:
-            continue
-        if s is None:
-            local /= shape[a]                 # slice: free, shrinks the local tensor
-        elif d is None:
-            gather.append(a)
-        else:
-            a2a.append(a)
     steps = []
-    for a in a2a:
-        k = shape[a]
-        steps.append(("all-to-all", a, local * (k - 1) / k))
-    for a in gather:
-        k = shape[a]
-        steps.append(("all-gather", a, local * (k - 1)))
-        local *= k
+    for st in reshard(src, dst, mesh.shape):
+        axes = st.axes or tuple(range(len(mesh.shape)))
+        axis = min(axes, key=lambda a: (mesh.bandwidth[a], -mesh.latency[a]))
+        steps.append((st.kind, axis, st.moved))
     return tuple(steps)
 
 
@@ -260,10 +248,14 @@ def redistribution_total(src: TensorLayout, dst: TensorLayout, nbytes: int, mesh
 
 # -- a whole graph ---------------------------------------------------------------------------
 def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostParams, *,
-               specs: Sequence[OpSpec] | None = None) -> Cost:
+               specs: Sequence[OpSpec] | None = None, shared: bool = False) -> Cost:
     """Sum of every op's cost and of the redistribution on every edge (producer result layout ->
     consumer operand layout). ``strategies`` needs an entry for every op id; ``specs`` (one
-    :class:`OpSpec` per op, optional) saves recomputing them.
+    :class:`OpSpec` per op, optional) saves recomputing them. ``shared=True`` counts a tensor
+    redistributed to one layout once however many ops read it there, as the compiled program does
+    (XLA reshards a value once per target sharding and shares the result), and a tensor computed from
+    constants alone not at all (it is re-broadcast locally); the default charges every edge, the
+    searchers' objective.
 
     >>> from searchers.graph import DeviceMesh, Graph
     >>> g = Graph(DeviceMesh((2,)))
@@ -289,10 +281,13 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
         for tid, maps in zip(op.outputs, spec.out_maps):
             out_lay[tid] = layout_of(maps, s)
     red_count: Counter = Counter()
+    seen: set[tuple[int, TensorLayout]] = set()
+    free = constant_tensors(graph) if shared else frozenset()
     for op, spec, s in zip(graph.ops, specs, chosen):
         for tid, maps, nbytes in zip(op.inputs, spec.in_maps, spec.in_bytes):
             want, have = layout_of(maps, s), out_lay[tid]
-            if have != want:
+            if have != want and tid not in free and not (shared and (tid, want) in seen):
+                seen.add((tid, want))
                 red_count[have, want, nbytes] += 1
     return counted_cost(op_count, red_count, mesh, params)
 

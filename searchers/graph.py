@@ -305,6 +305,25 @@ def tied_strategy(graph: Graph, op: Op, strategies: Sequence[Strategy | None]) -
     return strategy_of_layout(op, result_layout(p, s, p.outputs.index(tid)), k)
 
 
+def constant_tensors(graph: Graph) -> frozenset[int]:
+    """Tensors computed from constants alone (no data, no parameter upstream), e.g. the ones a
+    ``sum``'s gradient broadcasts. Every device can compute them in any layout, so moving one
+    between layouts costs nothing: XLA re-broadcasts it locally.
+
+    >>> g = Graph(DeviceMesh((2,)))
+    >>> c, x = g.source("one", (4,), kind="const"), g.source("x", (4,))
+    >>> _ = g.add_op("neg", "neg", {"i": 4}, [c], [("i",)], [("i",)])
+    >>> _ = g.add_op("mul", "mul", {"i": 4}, [x, g.ops[2].outputs[0]], [("i",), ("i",)], [("i",)])
+    >>> sorted(constant_tensors(g))
+    [0, 2]
+    """
+    out: set[int] = set()
+    for op in graph.ops:
+        if op.kind == "const" or (not op.is_source and op.inputs and all(t in out for t in op.inputs)):
+            out.update(op.outputs)
+    return frozenset(out)
+
+
 def partial_axes(op: Op, strategy: Strategy) -> Axes:
     """Mesh axes over which the results are partial (axes of split reduction dims)."""
     where = dict(zip(op.dims, strategy))
