@@ -435,7 +435,9 @@ def data_layout(info: InputInfo, dataset: Any, index: int, mesh: RegionMesh, ass
                 f"but its size is {info.shape[0]} (shape {info.shape}); use a batch size divisible by {mesh.size}, "
                 f"or dataset_strategy='full_batch'.")
         return (tuple(mesh.names),) + ((),) * (rank - 1)
-    raise AssertionError(dataset)
+    raise DatasetStrategyError(
+        f"data input {info.name}: dataset_strategy {dataset!r} gives it no layout; give one strategy tuple per data "
+        f"input, or use 'data_parallel' / 'full_batch'.")
 
 
 def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode: str, device_num: int,

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from . import annotate
 from . import context as ctxmod
 from .assign import InputInfo, RegionLayouts, plan_region
-from .errors import RegionTypeError
+from .errors import DatasetStrategyError, RegionTypeError
 from .execute import emit
 from .layout import TensorStrategy, spec_of
 
@@ -157,7 +157,9 @@ class Region:
                 state_leaves.append(leaf)
         n_state = len(state_leaves)
         counts = [len(jax.tree.leaves(s)) for s in states]
-        trace = annotate.RegionTrace(device_num=n)
+        # strategies are checked against the configured device_num in every mode (stand_alone ignores them, on one
+        # device, as data_parallel does; a strategy valid for device_num is not an error there)
+        trace = annotate.RegionTrace(device_num=ctx.devices)
         fn = self.fn
 
         def pure(*flat):
@@ -193,8 +195,16 @@ class Region:
             st = None
             if self.data_strategy is not None and pos < len(self.data_strategy):
                 st = self.data_strategy[pos]
-            elif isinstance(ctx.dataset_strategy, tuple) and pos < len(ctx.dataset_strategy):
-                st = TensorStrategy(ctx.dataset_strategy[pos])
+            elif isinstance(ctx.dataset_strategy, tuple):
+                # MindSpore's dataset_strategy has one entry per dataset column: the region's data arguments,
+                # counted without the Cells and modules passed beside them
+                k = pos - sum(m < pos for m in self._mod_pos)
+                if k >= len(ctx.dataset_strategy):
+                    raise DatasetStrategyError(
+                        f"ms.jit region {self.name!r}: dataset_strategy {ctx.dataset_strategy} has "
+                        f"{len(ctx.dataset_strategy)} entries but data input {nm} is data argument {k}; give one "
+                        f"entry per data argument (modules not counted), or use 'data_parallel' / 'full_batch'.")
+                st = TensorStrategy(ctx.dataset_strategy[k])
             infos.append(InputInfo("data", tuple(x.shape), nm, st))
         algorithm = search_algorithm(ctx)
         planned = None

@@ -8,11 +8,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from ..errors import StrategyError
 from .primitive import LETTERS, Primitive, broadcast_spec
 
 _NONE: frozenset[str] = frozenset()
@@ -227,9 +229,16 @@ class Reshape(Primitive):
         return jnp.reshape(x, shape)
 
     def spec(self, shapes, attrs):
-        src = shapes[0]
-        dst = tuple(jax.numpy.empty(src, dtype=jnp.int8).reshape(attrs[0]).shape) if -1 in tuple(attrs[0]) \
-            else tuple(attrs[0])
+        src = tuple(shapes[0])
+        want = tuple(attrs[0])
+        size = math.prod(src)
+        if want.count(-1) > 1 or any(d < -1 for d in want) or (
+                -1 in want and (math.prod(d for d in want if d != -1) in (0,) or
+                                size % math.prod(d for d in want if d != -1))) or (
+                -1 not in want and math.prod(want) != size):
+            raise StrategyError(f"Reshape: cannot reshape an array of shape {src} ({size} elements) to {want}; "
+                                f"the new shape must have the same number of elements.")
+        dst = tuple(size // math.prod(d for d in want if d != -1) if d == -1 else d for d in want)
         ins, outs, fixed = [], [], set()
         i = j = 0
         n = 0
@@ -248,13 +257,14 @@ class Reshape(Primitive):
                     pb *= dst[j]
             letter = f"r{n}"
             n += 1
-            lead_ok = src[a[0]] % dst[b[0]] == 0 or dst[b[0]] % src[a[0]] == 0 if a[0] < len(src) and b[0] < len(dst) else False
-            for k, ai in enumerate(a):
-                if ai < len(src):
-                    ins.append(letter if k == 0 else None)
-            for k, bj in enumerate(b):
-                if bj < len(dst):
-                    outs.append(letter if k == 0 else None)
+            a = [x for x in a if x < len(src)]
+            b = [x for x in b if x < len(dst)]
+            # the run's leading dim is its first of size > 1: a size-1 dim dropped or added is no dim to split
+            la = next((x for x in a if src[x] != 1), a[0] if a else None)
+            lb = next((x for x in b if dst[x] != 1), b[0] if b else None)
+            lead_ok = la is not None and lb is not None and (src[la] % dst[lb] == 0 or dst[lb] % src[la] == 0)
+            ins += [letter if x == la else None for x in a]
+            outs += [letter if x == lb else None for x in b]
             if not lead_ok:
                 fixed.add(letter)
             i += 1

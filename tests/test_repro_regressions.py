@@ -1,0 +1,53 @@
+"""Regression tests for the mshard bugs the differential fuzzer found (issue 13, ../shared/repro/): each failed on
+main (be1613b) with a bare Python error or a refusal of valid input."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import assert_close
+
+import mshard as ms
+from mshard import nn, ops
+from mshard.errors import DatasetStrategyError, StrategyError, StrategyIgnoredWarning
+
+
+def test_r4_stand_alone_ignores_a_strategy_valid_for_device_num():
+    """Was StrategyError 'splits over 2 devices, which exceeds device_num=1'."""
+    ms.set_auto_parallel_context(parallel_mode="stand_alone", device_num=8)
+    mm = ops.MatMul().shard(((2, 1), (1, 4)))
+    x, w = jnp.arange(32.0).reshape(8, 4), jnp.arange(32.0).reshape(4, 8) / 7
+    with pytest.warns(StrategyIgnoredWarning, match="stand_alone"):
+        y = ms.jit(lambda a, b: mm(a, b))(x, w)
+    assert_close(y, x @ w)
+
+
+@pytest.mark.parametrize("st, src, dst", [((1, 1, 4), (2, 1, 12), (2, 12)), ((1, 4), (2, 12), (2, 1, 12))])
+def test_r5_reshape_dropping_or_adding_a_size1_dim_keeps_the_split(st, src, dst):
+    """Was StrategyError: the size-1 dim led its run of the reshape, so the 12-dim counted as 'broadcast'."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    x = jnp.arange(float(np.prod(src))).reshape(src)
+    y = ms.jit(lambda a: ops.Reshape().shard((st,))(a, dst))(x)
+    assert y.shape == dst and jnp.array_equal(y, x.reshape(dst))     # a reshape moves values, no arithmetic
+    assert y.sharding.shard_shape(y.shape)[-1] == 3                  # the 12-dim split 4 ways, as asked
+
+
+def test_r6_tuple_dataset_strategy_counts_data_arguments_not_cells():
+    """Was a bare AssertionError((2, 1),) when the Cell came first: the region indexed dataset_strategy by argument
+    position, counting the Cell."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, dataset_strategy=((2, 1),))
+    net = nn.Dense(6, 8, rngs=nnx.Rngs(0))
+    x = jnp.arange(48.0).reshape(8, 6) / 10
+    a = ms.jit(lambda a, n: n(a))(x, net)
+    b = ms.jit(lambda n, a: n(a))(net, x)
+    assert_close(a, b)
+    assert b.sharding.shard_shape(b.shape)[0] == 4                    # (2, 1): the batch cut in 2
+    with pytest.raises(DatasetStrategyError, match="data argument 1"):
+        ms.jit(lambda n, a, c: n(a) + c)(net, x, jnp.ones((8, 8)))     # two data arguments, one entry
+
+
+def test_r12_impossible_reshape_is_a_strategy_error():
+    """Was IndexError from Reshape.spec."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    with pytest.raises(StrategyError, match=r"Reshape: cannot reshape an array of shape \(1, 6\)"):
+        ms.jit(lambda a: ops.Reshape()(a, (8, 3, 2)))(jnp.ones((1, 6)))
