@@ -271,6 +271,13 @@ class Region:
 
     def __call__(self, *args, **kwargs):
         comp, modules, states, flat_data = self._prepare(args, kwargs)
+        leaves = [x for s in states for x in jax.tree.leaves(s)]
+        if any(isinstance(x, jax.core.Tracer) for x in leaves + list(flat_data)):
+            # inside jax.jit / jax.grad / jax.vmap: the values are not placed (a tracer has no buffer), they are
+            # constrained to the planned layouts, and the region's jitted program is traced into the caller's
+            wsc = jax.lax.with_sharding_constraint
+            flat = [wsc(x, sh) for x, sh in zip(leaves + list(flat_data), comp.in_shardings)]
+            return self._finish(comp, modules, states, comp.jitted(*flat))
         flat_state = self._place(comp, modules, states)
         flat_data = _follow_plan(flat_data, comp.in_shardings[len(flat_state):])
         outs = comp.jitted(*flat_state, *flat_data)

@@ -51,3 +51,23 @@ def test_r12_impossible_reshape_is_a_strategy_error():
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
     with pytest.raises(StrategyError, match=r"Reshape: cannot reshape an array of shape \(1, 6\)"):
         ms.jit(lambda a: ops.Reshape()(a, (8, 3, 2)))(jnp.ones((1, 6)))
+
+
+def test_r14_a_region_composes_with_jit_grad_and_vmap():
+    """Was ConcretizationTypeError (placing inputs read ``.committed`` on a tracer). Inside a JAX transform the
+    region constrains its inputs to the planned layouts and traces its program into the caller's."""
+    import jax
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    f = ms.jit(ms.shard(lambda x, w: jnp.tanh(x @ w), in_strategy=((8, 1), (1, 1))))
+    x = jnp.arange(64.0).reshape(16, 4) / 64
+    w = jnp.arange(16.0).reshape(4, 4) / 16 - 0.5
+
+    def plain(x, w):
+        return jnp.tanh(x @ w)
+    assert_close(jax.jit(f)(x, w), plain(x, w))
+    g = jax.grad(lambda x, w: f(x, w).sum(), argnums=(0, 1))(x, w)
+    g0 = jax.grad(lambda x, w: plain(x, w).sum(), argnums=(0, 1))(x, w)
+    assert_close(g[0], g0[0])
+    assert_close(g[1], g0[1])
+    xs = jnp.stack([x, 2 * x])
+    assert_close(jax.vmap(f, in_axes=(0, None))(xs, w), jax.vmap(plain, in_axes=(0, None))(xs, w))
