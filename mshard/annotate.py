@@ -121,9 +121,9 @@ def current_region() -> RegionTrace | None:
 
 
 class tracing_region:
-    """Context manager: mark annotations while a region is traced."""
+    """Context manager: mark annotations while a region is traced (``None``: primitives run plainly inside it)."""
 
-    def __init__(self, trace: RegionTrace):
+    def __init__(self, trace: RegionTrace | None):
         self.trace = trace
 
     def __enter__(self) -> RegionTrace:

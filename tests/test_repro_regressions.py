@@ -71,3 +71,30 @@ def test_r14_a_region_composes_with_jit_grad_and_vmap():
     assert_close(g[1], g0[1])
     xs = jnp.stack([x, 2 * x])
     assert_close(jax.vmap(f, in_axes=(0, None))(xs, w), jax.vmap(plain, in_axes=(0, None))(xs, w))
+
+
+def test_r8_data_parallel_training_ignores_strategies_written_for_the_global_batch():
+    """Was StrategyError: the per-replica run checked (8, 1) against one replica's 2 rows."""
+    import jax
+    import optax
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8)
+
+    class Net(nn.Cell):
+        def __init__(self, strategy):
+            self.w = nnx.Param(jnp.arange(8.0).reshape(4, 2) / 8)
+            self.mm = ops.MatMul().shard(strategy) if strategy else ops.MatMul()
+
+        def __call__(self, x):
+            return self.mm(x, self.w[...])
+    x = jnp.arange(64.0).reshape(16, 4) / 64
+    y = jnp.arange(32.0).reshape(16, 2) / 32
+    net = Net(((8, 1), (1, 1)))
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), optax.sgd(0.1))
+    with pytest.warns(StrategyIgnoredWarning):
+        loss = step(x, y)
+    w0 = jnp.arange(8.0).reshape(4, 2) / 8
+    ref_loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w0)
+    # float32: a 16x2 mean of squares and a 16-row gradient sum, reordered over the 8 replicas
+    assert_close(loss, ref_loss)
+    # gradients_mean=False (MindSpore's default): the 8 replicas' gradients of their own mean loss are summed
+    assert_close(net.w[...], w0 - 0.1 * 8 * g)

@@ -391,7 +391,10 @@ class _Runtime:
         """MindSpore's data-parallel gradient: each replica's gradient of its own loss, summed in fusion buckets."""
         mesh = plan.mesh.jax_mesh()
         dp = plan.dp
-        losses, stacked = _run_replicas(net, data, plan.dp_axes, dp, mesh)
+        # data_parallel ignores strategies (the forward region warned): a replica runs its slice of the batch
+        # without them, so a strategy written for the global batch is not checked against a replica's slice
+        with annotate.tracing_region(None):
+            losses, stacked = _run_replicas(net, data, plan.dp_axes, dp, mesh)
         nb = [int(np.prod(x.shape[1:])) * x.dtype.itemsize for x in stacked]
 
         def collective(kind, key, buckets, token):
