@@ -118,3 +118,30 @@ def test_r9_grouped_conv_with_out_channels_split_matches_one_device():
     # float32: a 288-term sum of squares and 2-term convolutions, reordered by the partitioning
     assert_close(ms.jit(f)(x, w), f0(x, w))
     assert_close(ms.jit(jax.grad(f, argnums=1))(x, w), jax.grad(f0, argnums=1)(x, w))
+
+
+def test_r7_data_parallel_step_with_a_1x1_conv_matches_one_device():
+    """Was INVALID_ARGUMENT from XLA: the per-replica jax.vmap turned the 1x1 conv's weight gradient into a grouped
+    conv (feature_group_count=8) that the partitioner split wrongly. A pure data-parallel step now runs each
+    replica on its own devices (shard_map over the data-parallel axes)."""
+    import jax
+    import optax
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True)
+
+    class Net(nn.Cell):
+        def __init__(self, rngs):
+            self.conv = nn.Conv2d(3, 4, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.mean(self.conv(x), axis=(1, 2, 3))
+    x = jnp.arange(16 * 3 * 8 * 8, dtype=jnp.float32).reshape(16, 3, 8, 8) / 3000
+    y = jnp.arange(16.0) / 16
+    net, ref = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), optax.sgd(0.1))
+    loss = step(x, y)
+    ref_loss, g = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(ref)
+    # float32: 192-term means per sample and a 16-term loss, reordered over the replicas
+    assert_close(loss, ref_loss)
+    for a, b, gb in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param)),
+                        jax.tree.leaves(g)):
+        assert_close(a, b - 0.1 * gb)

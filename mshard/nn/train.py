@@ -80,6 +80,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .. import annotate, fusion
 from .. import context as ctxmod
@@ -394,7 +395,7 @@ class _Runtime:
         # data_parallel ignores strategies (the forward region warned): a replica runs its slice of the batch
         # without them, so a strategy written for the global batch is not checked against a replica's slice
         with annotate.tracing_region(None):
-            losses, stacked = _run_replicas(net, data, plan.dp_axes, dp, mesh)
+            losses, stacked = _run_replicas(net, data, plan.dp_axes, dp, mesh, manual=True)
         nb = [int(np.prod(x.shape[1:])) * x.dtype.itemsize for x in stacked]
 
         def collective(kind, key, buckets, token):
@@ -560,7 +561,7 @@ def _reduce_in_buckets(stacked: list, names: list[str], nbytes: list[int], plan:
     return reduced, token
 
 
-def _run_replicas(net, data: tuple, dp_axes: tuple[str, ...], dp: int, mesh):
+def _run_replicas(net, data: tuple, dp_axes: tuple[str, ...], dp: int, mesh, manual: bool = False):
     """Every replica's loss and gradient of its own ``1/dp`` of the batch, side by side (``jax.vmap``; dim 0
     of the data is cut into ``dp`` slices over ``dp_axes``): -> (losses ``[dp]``, stacked gradients ``[dp, ...]``
     in parameter order). Other state (RNG counts, statistics) is written back combined over the replicas."""
@@ -576,6 +577,24 @@ def _run_replicas(net, data: tuple, dp_axes: tuple[str, ...], dp: int, mesh):
             loss, g = _value_and_grad(m, d, "network")
         return loss, g, nnx.as_pure(nnx.state(m, nnx.Not(nnx.Param)))
 
+    if manual:
+        # each device runs its own replica on its slice (MindSpore's data parallel): a shard_map over the
+        # data-parallel axes rather than a vmap, whose batching rules can turn a weight gradient into a grouped
+        # conv that XLA's partitioner splits wrongly (repro r7: a 1x1 conv in a data-parallel step)
+        rep, ax = P(tuple(dp_axes)), tuple(dp_axes)
+
+        def local(p, r, d):
+            d = jax.tree.map(lambda x: x[0] if hasattr(x, "ndim") and x.ndim > 0 else x, d)
+            loss, g, st = replica(p, r, d, jax.lax.axis_index(ax))
+            # other state, combined as _combine_rest does: float statistics averaged over the replicas, RNG
+            # keys and counts (equal on every replica) kept
+            st = jax.tree.map(lambda x: jax.lax.pmean(x, ax) if jnp.issubdtype(x.dtype, jnp.floating) else x, st)
+            return loss[None], jax.tree.map(lambda x: x[None], g), st
+        specs = jax.tree.map(lambda a: rep if a == 0 else P(), axes, is_leaf=lambda a: a is None)
+        losses, g_st, rest_c = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), specs),
+                                             out_specs=(rep, rep, P()), check_vma=False)(pst, rest, xs)
+        nnx.update(net, rest_c)
+        return losses, jax.tree.leaves(g_st)
     losses, g_st, rest_r = jax.vmap(replica, in_axes=(None, None, axes, 0))(pst, rest, xs, jnp.arange(dp))
     nnx.update(net, jax.tree.map(_combine_rest, rest_r))
     return losses, jax.tree.leaves(g_st)
