@@ -8,6 +8,7 @@ after the call (a region may change its modules' state). Other array arguments a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from . import context as ctxmod
 from .assign import InputInfo, RegionLayouts, plan_region
 from .errors import DatasetStrategyError, RegionTypeError
 from .execute import emit
+from .guards import apply_guards
 from .layout import TensorStrategy, spec_of
 
 
@@ -223,6 +225,10 @@ class Region:
             plan.save(save)
         if self.input_layout_hook is not None:
             layouts.inputs = list(self.input_layout_hook(infos, layouts))
+        guarded = apply_guards(closed.jaxpr, layouts)     # layouts XLA miscompiles are realised safely
+        if guarded and planned is not None:
+            planned = dataclasses.replace(planned, plan=dataclasses.replace(
+                planned.plan, notes=tuple(planned.plan.notes) + tuple(guarded)))
         mesh = layouts.mesh.jax_mesh()
         in_sh = [NamedSharding(mesh, spec_of(lay)) for lay in layouts.inputs]
         run = emit(closed, layouts, planned.eqn_out if planned else None, planned.eqn_in if planned else None)
