@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -407,9 +408,12 @@ class Conv2D(Primitive):
     def compute(self, x, w):
         pad = self.pad_mode.upper() if self.pad_mode in ("same", "valid") else [( _pair(self.pad)[0],) * 2,
                                                                                 (_pair(self.pad)[1],) * 2]
-        return jax.lax.conv_general_dilated(x, w, self.stride, pad, rhs_dilation=self.dilation,
-                                            feature_group_count=self.group,
-                                            dimension_numbers=("NCHW", "OIHW", "NCHW"))
+        if self.stride == (1, 1):
+            return _conv(x, w, self.stride, pad, self.dilation, self.group)
+        window = [(k - 1) * d + 1 for k, d in zip(w.shape[2:], self.dilation)]
+        pads = tuple(jax.lax.padtype_to_pads(x.shape[2:], window, self.stride, pad)) if isinstance(pad, str) \
+            else tuple(tuple(p) for p in pad)
+        return _strided_conv(x, w, self.stride, pads, self.dilation, self.group)
 
     def spec(self, shapes, attrs):
         halo = self.pad_mode == "same" and self.stride == (1, 1)
@@ -417,6 +421,38 @@ class Conv2D(Primitive):
         ho, wo = ("h", "w") if halo else ("ho", "wo")
         fixed = frozenset({"kh", "kw"} | (set() if halo else {"hi", "wi", "ho", "wo"}))
         return (("n", "c", h, w), ("o", "c", "kh", "kw")), (("n", "o", ho, wo),), fixed
+
+
+_DN = ("NCHW", "OIHW", "NCHW")
+
+
+def _conv(x, w, stride, pad, dilation, group):
+    return jax.lax.conv_general_dilated(x, w, stride, pad, rhs_dilation=dilation, feature_group_count=group,
+                                        dimension_numbers=_DN)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _strided_conv(x, w, stride, pads, dilation, group):
+    """A strided convolution whose input gradient is the transpose of a stride-1 convolution followed by a strided
+    slice (interior padding, then a plain convolution) instead of XLA's base-dilated convolution: XLA's CPU
+    algebraic simplifier aborts the process on the latter for some small kernels (a CHECK failure, e.g. a (2, 3)
+    kernel, stride 2, pad 1 on a width-4 input; ../shared/repro/r2_conv_stride_grad_abort.py, plain jax.jit on one
+    device too). Same values, same weight gradient."""
+    return _conv(x, w, stride, pads, dilation, group)
+
+
+def _strided_conv_fwd(x, w, stride, pads, dilation, group):
+    return _conv(x, w, stride, pads, dilation, group), (x, w)
+
+
+def _strided_conv_bwd(stride, pads, dilation, group, res, dy):
+    x, w = res
+    _, vx = jax.vjp(lambda x: _conv(x, w, (1, 1), pads, dilation, group)[:, :, ::stride[0], ::stride[1]], x)
+    _, vw = jax.vjp(lambda w: _conv(x, w, stride, pads, dilation, group), w)
+    return vx(dy)[0], vw(dy)[0]
+
+
+_strided_conv.defvjp(_strided_conv_fwd, _strided_conv_bwd)
 
 
 class _Pool(Primitive):
