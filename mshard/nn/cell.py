@@ -40,6 +40,10 @@ def _wrap_call(call: Callable) -> Callable:
         if trace is None:
             if cfg is not None and not kwargs and not annotate.traced(args):
                 return _cell_region(self)(self, *args)
+            policy = getattr(self, "_mshard_recompute", None)
+            if policy is not None and annotate.traced(args):
+                # traced outside a region (a data-parallel replica, the user's own jax.jit/grad): still recomputed
+                return _remat(self, call, "", None, policy or None)(*args, **kwargs)
             return call(self, *args, **kwargs)
         path = trace.module_paths.get(id(self), "")
         scope = path.rsplit(".", 1)[-1] if path else None
@@ -89,7 +93,8 @@ def _remat(cell: Cell, call: Callable, path: str, trace, policy) -> Callable:
 
         def pure(flat, *a):
             m = nnx.merge(graphdef, jax.tree.unflatten(tree, list(flat)))
-            register_paths(trace, m, path)
+            if trace is not None:
+                register_paths(trace, m, path)
             out = call(m, *a, **kwargs)
             new = jax.tree.leaves(nnx.state(m))
             changed[:] = [i for i, (x, y) in enumerate(zip(new, flat)) if x is not y]
@@ -199,8 +204,9 @@ class Cell(nnx.Module):
         """Recompute this Cell's activations in the backward pass (``jax.checkpoint`` around ``__call__``).
 
         ``policy``: a ``jax.checkpoint_policies`` policy or its name, e.g. ``"dots_saveable"`` (keep the
-        matmul outputs, recompute the rest); ``None`` saves nothing but the Cell's inputs. Applies when the
-        Cell runs inside a region (``ms.jit``, ``TrainOneStepCell``). MindSpore's ``mp_comm_recompute``,
+        matmul outputs, recompute the rest); ``None`` saves nothing but the Cell's inputs. Applies whenever the
+        Cell's call is traced: inside a region (``ms.jit``, ``TrainOneStepCell``) or the user's own
+        ``jax.jit``/``jax.grad``; an eager call runs plainly. MindSpore's ``mp_comm_recompute``,
         ``parallel_optimizer_comm_recompute`` and ``recompute_slice_activation`` are accepted and have no
         effect (XLA decides which collectives to redo).
         """
