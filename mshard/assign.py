@@ -557,6 +557,11 @@ def user_meetings(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], mesh: 
             continue
         key = mark_key(e)
         stops.add(te.op)
+        if role not in ("in", "out"):
+            # a transposed mark (its primal's cotangent) lays out what the primal's claim decides; spreading it too
+            # would carry the claim backwards into the forward values its cotangent is multiplied with (a tanh's
+            # residual, say), where it would meet claims that never meet in the program the user wrote
+            continue
         bdim = e.params.get("bdim")    # batched over replicas: the tensor has the replica dim at bdim
         sources.setdefault(key, []).append(
             (g.ops[te.op].outputs[0], {d: d + (bdim is not None and d >= bdim) for d in split}))

@@ -244,3 +244,33 @@ def test_examples_gpt_with_megatron_parameter_plans_compiles_like_the_handwritte
     assert specs["blocks.1.output.projection.weight"] == ((), ("d1", "d2"))
     # float32: two blocks of layer norm, softmax and 32- to 64-term sums reordered by the partitioning
     assert_close(region(net, ids), fn(TinyGPT(nnx.Rngs(0)), ids), rtol=1e-4, atol=1e-5)
+
+
+def _case(seed, mode, search, shape, steps):
+    """A differential-fuzzer case (tests/fuzz_programs.py) written out, so the regression does not depend on the
+    generator's random draws."""
+    from fuzz_programs import _operands
+    out, cur = [], shape
+    for kind, strategy in steps:
+        shapes, attrs, cur = _operands(kind, cur, 8)
+        out.append({"kind": kind, "shapes": shapes, "attrs": attrs, "strategy": strategy, "invalid": None})
+    return {"seed": seed, "mode": mode, "search_mode": search, "dataset": "full_batch", "input": shape,
+            "steps": out, "invalid": False}
+
+
+@pytest.mark.parametrize("case", [
+    # a claim on gelu's output met a claim on BiasAdd's input only through tanh's backward residual: refused
+    _case(23, "auto_parallel", "recursive_programming", (8, 8),
+          [("gelu", ((1, 8),)), ("tanh", None), ("bias", ((2, 1), (1,)))]),
+    _case(45, "auto_parallel", "recursive_programming", (16, 4, 8),
+          [("relu", ((1, 4, 1),)), ("gelu", None), ("batch_matmul", ((4, 1, 1), (4, 1, 1)))]),
+    _case(54, "auto_parallel", "sharding_propagation", (16, 32),
+          [("mul_param", ((4, 2), (4, 2))), ("square", ((4, 1),)), ("matmul", None), ("sigmoid", ((2, 4),))]),
+], ids=["gelu-tanh-bias", "relu-gelu-bmm", "mul-square-matmul-sigmoid"])
+def test_claims_meet_only_where_the_forward_program_meets_them(case):
+    """User claims spread along the forward program only: a transposed mark (a primal's cotangent) is laid out by
+    its primal and does not carry the claim back into residuals, where it met claims that never meet in the
+    program the user wrote (found by the differential fuzzer: valid strategies refused with a LayoutError only
+    when the gradient was taken). The forward and every gradient equal one device."""
+    from fuzz_programs import run_case
+    assert run_case(case) is None
