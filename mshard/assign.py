@@ -17,6 +17,7 @@ with unknown input layouts.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -144,13 +145,18 @@ class Assigner:
             shared = set(ax) & set(axes)
             if shared:
                 mine = claims[0]
-                raise LayoutError(
+                sizes = dict(zip(self.mesh.names, self.mesh.shape))
+                err = LayoutError(
                     f"{self._who(mine)} (a {count}-way split over mesh axes {axes}) and {self._who(other)} (over "
                     f"{ax}) meet in op {op!r} and need disjoint mesh axes, but mesh "
                     f"{dict(zip(self.mesh.names, self.mesh.shape))} has no free axes for both (shared: "
                     f"{sorted(shared)}). Give both a Layout with disjoint axes, e.g. Layout((2, 4), ('dp', 'mp')) "
                     f"with layout('dp', 'None') for the data and layout('None', 'mp') for the weight, or use "
                     f"splits whose product divides device_num={self.mesh.size}.")
+                # what met, as data: the two splits and the devices they must share
+                err.meeting = {"op": op, "splits": (count, math.prod(sizes[a] for a in ax)),
+                               "device_num": self.mesh.size}
+                raise err
         for c in claims:
             self.claimed[c] = axes
 
@@ -246,6 +252,12 @@ class Assigner:
         letter_claims = {l: [((note.uid, "in", i), pos) for i, dims in enumerate(note.in_dims)
                              if note.in_strategy[i] is not None for pos, x in enumerate(dims) if x == l]
                          for l in {x for dims in note.in_dims for x in dims if x is not None}}
+        for j, dims in enumerate(note.out_dims):
+            # an output laid out by the loop dims claims them too: a letter's axes avoid what the output meets
+            if (note.out_strategy or (None,) * len(note.out_dims))[j] is None:
+                for pos, x in enumerate(dims):
+                    if x is not None:
+                        letter_claims.setdefault(x, []).append(((note.uid, "out", j), pos))
         for letter, axes in loop.items():
             self._claim(letter_claims.get(letter, []), axes, self.mesh.count(axes))
         counts = note.loop_counts

@@ -1,12 +1,17 @@
 """Random small programs for the differential fuzzer (tests/test_fuzz.py, bench/fuzz.py).
 
-A *case* is plain data (JSON-able, so a failure replays as a standalone script): a batch and a width, a chain
-of steps over primitive objects of ``mshard.ops`` with random strategies (valid ones drawn from each primitive's
-own iteration space, or deliberately invalid ones), a parallel mode and a search mode, and a dataset strategy.
+A *case* is plain data (a dict of tuples and numbers, so a failure replays as a standalone script): an input
+shape, a chain of steps over the primitive objects of ``mshard.ops`` (every one but the collectives) with random
+strategies (valid ones drawn from each primitive's own iteration space, or deliberately invalid ones), a parallel
+mode and search mode, a dataset strategy, and whether the chain runs under ``jax.checkpoint``.
 :func:`run_case` runs it through ``ms.jit`` (forward, and the gradient w.r.t. the input and every ``nnx.Param``)
-and compares with the same Cell called outside any region, on one device. Tolerances are derived from float32:
-each step's result sums at most ``n`` products, so a partitioned run that reorders those sums differs by at most
-about ``n * 2**-24`` relative per step; the chain compounds that over its steps (see :func:`tolerance`).
+and compares with the same Cell called outside any region, on one device. Tolerances are derived from float32
+(see :func:`tolerance`).
+
+Each op is one entry of :data:`OPS`: a generator ``(rnd, shape) -> step | None`` (None: the op does not apply to an
+activation of that shape) giving the constructor arguments, the tensor operands in call order with their roles
+(``x``: the activation; ``param``/``pos_param``: an ``nnx.Param``, positive for divisors and variances;
+``int:N``: constant indices below N; ``labels``: a constant one-hot), the attributes and the result shape.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import math
 import random
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,51 +28,188 @@ import numpy as np
 from flax import nnx
 
 import mshard as ms
-from mshard import nn, ops
+from mshard import ops
 from mshard.errors import MshardError
 
-KINDS = ("relu", "tanh", "gelu", "square", "sigmoid", "add_param", "mul_param", "bias", "matmul", "softmax",
-         "transpose", "reduce_sum", "reshape", "batch_matmul")
 MODES = (("semi_auto_parallel", None), ("auto_parallel", "sharding_propagation"),
          ("auto_parallel", "recursive_programming"), ("auto_parallel", "dynamic_programming"),
          ("data_parallel", None))
 SPLITS = (1, 2, 4, 8)
 
-
-def _prim(kind: str):
-    return {"relu": ops.ReLU, "tanh": ops.Tanh, "gelu": ops.GeLU, "square": ops.Square, "sigmoid": ops.Sigmoid,
-            "add_param": ops.Add, "mul_param": ops.Mul, "bias": ops.BiasAdd, "matmul": ops.MatMul,
-            "softmax": ops.Softmax, "transpose": ops.Transpose, "reduce_sum": lambda: ops.ReduceSum(keep_dims=True),
-            "reshape": ops.Reshape, "batch_matmul": ops.BatchMatMul}[kind]()
+Shape = tuple[int, ...]
 
 
-def _operands(kind: str, shape: tuple[int, ...], width: int) -> tuple[list[tuple[int, ...]], tuple, tuple[int, ...]]:
-    """(operand shapes: the activation first, then parameters; attrs; result shape)."""
-    if kind in ("add_param", "mul_param"):
-        return [shape, shape], (), shape
-    if kind == "bias":
-        return [shape, shape[-1:]], (), shape
-    if kind == "matmul":
-        return [shape, (shape[-1], width)], (), shape[:-1] + (width,)
-    if kind == "batch_matmul":
-        return [shape, (shape[0], shape[-1], width)], (), shape[:-1] + (width,)
-    if kind == "transpose":
-        perm = tuple(reversed(range(len(shape))))
-        return [shape], (perm,), tuple(shape[p] for p in perm)
-    if kind == "reduce_sum":
-        return [shape], ((len(shape) - 1,),), shape[:-1] + (1,)
-    if kind == "reshape":
-        new = (shape[0] * 2, shape[1] // 2) + tuple(shape[2:]) if shape[1] % 2 == 0 else shape
-        return [shape], (new,), new
-    return [shape], (), shape
+def _step(ctor: dict, tensors: list[tuple[str, Shape]], attrs: tuple, out: Shape, **extra) -> dict[str, Any]:
+    return {"ctor": ctor, "roles": tuple(r for r, _ in tensors), "shapes": tuple(s for _, s in tensors),
+            "attrs": attrs, "out": out, **extra}
 
 
-def _valid(kind: str, shapes, attrs, rnd: random.Random, devices: int = 8):
+def _unary(rnd, s):
+    return _step({}, [("x", s)], (), s)
+
+
+def _binary(role="param"):
+    return lambda rnd, s: _step({}, [("x", s), (role, s)], (), s)
+
+
+def _matmul(rnd, s):
+    if len(s) != 2:
+        return None
+    tb = rnd.random() < 0.3
+    n = rnd.choice([8, 16, 32])
+    return _step({"transpose_b": tb}, [("x", s), ("param", (n, s[1]) if tb else (s[1], n))], (), (s[0], n))
+
+
+def _batch_matmul(rnd, s):
+    if len(s) != 3:
+        return None
+    n = rnd.choice([8, 16])
+    return _step({}, [("x", s), ("param", (s[0], s[2], n))], (), s[:-1] + (n,))
+
+
+def _reduce(rnd, s):
+    return _step({"keep_dims": True}, [("x", s)], ((len(s) - 1,),), s[:-1] + (1,))
+
+
+def _transpose(rnd, s):
+    perm = tuple(reversed(range(len(s)))) if len(s) < 4 else (0, 1, 3, 2)     # NCHW stays N and C first
+    return _step({}, [("x", s)], (perm,), tuple(s[p] for p in perm))
+
+
+def _reshape(rnd, s):
+    if len(s) == 2 and s[1] % 2 == 0:
+        new = (s[0] * 2, s[1] // 2)
+    elif len(s) >= 3:
+        new = (s[0], math.prod(s[1:]))                      # flatten
+    else:
+        return None
+    return _step({}, [("x", s)], (new,), new)
+
+
+def _expand(rnd, s):
+    return None if len(s) > 3 else _step({}, [("x", s)], (1,), s[:1] + (1,) + s[1:])
+
+
+def _squeeze(rnd, s):
+    ones = [k for k in range(1, len(s)) if s[k] == 1]
+    if not ones or len(s) < 3:
+        return None
+    k = rnd.choice(ones)
+    return _step({"axis": (k,)}, [("x", s)], (), s[:k] + s[k + 1:])
+
+
+def _concat(rnd, s):
+    return _step({"axis": -1}, [("x", s), ("param", s)], (), s[:-1] + (2 * s[-1],))
+
+
+def _strided_slice(rnd, s):
+    k = rnd.choice([d for d in range(1, len(s)) if s[d] >= 4] or [None])
+    if k is None:
+        return None
+    begin, end, strides = [0] * len(s), list(s), [1] * len(s)
+    begin[k], strides[k] = rnd.choice([0, 1]), 2
+    out = tuple(len(range(begin[d], end[d], strides[d])) for d in range(len(s)))
+    return _step({}, [("x", s)], (tuple(begin), tuple(end), tuple(strides)), out)
+
+
+def _gather(rnd, s):
+    if len(s) != 2 or s[0] % 2:
+        return None
+    return _step({}, [("x", s), (f"int:{s[0]}", (s[0] // 2, 2))], (0,), (s[0] // 2, 2, s[1]))
+
+
+def _one_hot(rnd, s):
+    # h * OneHot(indices, width): the strategy covers the (constant) indices
+    return None if len(s) != 2 else _step({}, [(f"int:{s[1]}", (s[0],))], (s[1], 1.0, 0.0), s, post="mul_x")
+
+
+def _sce(rnd, s):
+    return None if len(s) != 2 else _step({}, [("x", s), ("labels", s)], (), s, post="sce")
+
+
+def _layer_norm(rnd, s):
+    return _step({"begin_norm_axis": -1, "begin_params_axis": -1}, [("x", s), ("param", s[-1:]), ("param", s[-1:])],
+                 (), s, post="first")
+
+
+def _batch_norm(rnd, s):
+    if len(s) != 4:
+        return None
+    c = (s[1],)
+    return _step({"is_training": rnd.random() < 0.5},
+                 [("x", s), ("param", c), ("param", c), ("param", c), ("pos_param", c)], (), s)
+
+
+def _conv(rnd, s):
+    if len(s) != 4:
+        return None
+    k = rnd.choice([1, 3] if min(s[2:]) >= 3 else [1])
+    stride = rnd.choice([1, 1, 2])
+    pad = rnd.choice(["same", "valid"])
+    o = rnd.choice([4, 8])
+    if pad == "same":
+        hw = tuple(-(-n // stride) for n in s[2:])
+    else:
+        hw = tuple((n - k) // stride + 1 for n in s[2:])
+    return _step({"out_channel": o, "kernel_size": k, "pad_mode": pad, "stride": stride},
+                 [("x", s), ("param", (o, s[1], k, k))], (), (s[0], o) + hw)
+
+
+def _pool(rnd, s):
+    if len(s) != 4:
+        return None
+    k = 2 if all(n % 2 == 0 for n in s[2:]) and rnd.random() < 0.7 else 1
+    st = rnd.choice([k, 1])
+    hw = tuple((n - k) // st + 1 for n in s[2:])
+    return _step({"kernel_size": k, "strides": st}, [("x", s)], (), s[:2] + hw)
+
+
+OPS: dict[str, tuple[Callable[[], ops.Primitive], Callable]] = {
+    # kind: (the primitive's class, the step generator)
+    "ReLU": (ops.ReLU, _unary), "Tanh": (ops.Tanh, _unary), "GeLU": (ops.GeLU, _unary),
+    "Sigmoid": (ops.Sigmoid, _unary), "Square": (ops.Square, _unary),
+    "Exp": (ops.Exp, lambda r, s: {**_unary(r, s), "pre": "tanh"}),
+    "Log": (ops.Log, lambda r, s: {**_unary(r, s), "pre": "pos"}),
+    "Sqrt": (ops.Sqrt, lambda r, s: {**_unary(r, s), "pre": "pos"}),
+    "Cast": (ops.Cast, lambda r, s: _step({}, [("x", s)], ("float32",), s)),
+    "Add": (ops.Add, _binary()), "Sub": (ops.Sub, _binary()), "Mul": (ops.Mul, _binary()),
+    "RealDiv": (ops.RealDiv, _binary("pos_param")), "Maximum": (ops.Maximum, _binary()),
+    "Minimum": (ops.Minimum, _binary()),
+    "BiasAdd": (ops.BiasAdd, lambda r, s: None if len(s) == 4 else _step({}, [("x", s), ("param", s[-1:])], (), s)),
+    "MatMul": (ops.MatMul, _matmul), "BatchMatMul": (ops.BatchMatMul, _batch_matmul),
+    "ReduceSum": (ops.ReduceSum, _reduce), "ReduceMean": (ops.ReduceMean, _reduce),
+    "ReduceMax": (ops.ReduceMax, _reduce),
+    "Softmax": (ops.Softmax, _unary), "LogSoftmax": (ops.LogSoftmax, _unary),
+    "LayerNorm": (ops.LayerNorm, _layer_norm), "SoftmaxCrossEntropyWithLogits": (ops.SoftmaxCrossEntropyWithLogits, _sce),
+    "Transpose": (ops.Transpose, _transpose), "Reshape": (ops.Reshape, _reshape),
+    "ExpandDims": (ops.ExpandDims, _expand), "Squeeze": (ops.Squeeze, _squeeze), "Concat": (ops.Concat, _concat),
+    "StridedSlice": (ops.StridedSlice, _strided_slice), "Gather": (ops.Gather, _gather),
+    "OneHot": (ops.OneHot, _one_hot),
+    "Conv2D": (ops.Conv2D, _conv), "MaxPool": (ops.MaxPool, _pool), "AvgPool": (ops.AvgPool, _pool),
+    "BatchNorm": (ops.BatchNorm, _batch_norm),
+}
+
+
+def make_prim(step: dict[str, Any]) -> ops.Primitive:
+    return OPS[step["kind"]][0](**step["ctor"])
+
+
+def _out_shapes(prim: ops.Primitive, step: dict[str, Any]) -> tuple[Shape, ...]:
+    """The primitive's output shapes (a split must divide the output dims it lands on too: a pool's output)."""
+    args = [jax.ShapeDtypeStruct(s, jnp.int32 if r.startswith("int:") else jnp.float32)
+            for r, s in zip(step["roles"], step["shapes"])]
+    attrs = [jnp.float32 if a == "float32" else a for a in step["attrs"]]
+    out = jax.eval_shape(lambda *t: prim.compute(*t, *attrs), *args)
+    return tuple(tuple(o.shape) for o in jax.tree.leaves(out))
+
+
+def _valid(step: dict[str, Any], rnd: random.Random, devices: int = 8):
     """A strategy drawn from the primitive's iteration space: one split count per loop letter (fixed letters 1),
     dividing every tensor dim it splits, the letters' product dividing ``devices``."""
-    in_dims, _, fixed = _prim(kind).spec(shapes, attrs)
+    prim = make_prim(step)
+    in_dims, out_dims, fixed = prim.spec(step["shapes"], step["attrs"])
     sizes: dict[str, int] = {}
-    for dims, shape in zip(in_dims, shapes):
+    for dims, shape in zip(in_dims + out_dims, step["shapes"] + _out_shapes(prim, step)):
         for d, n in zip(dims, shape):
             if d is not None:
                 sizes[d] = math.gcd(sizes.get(d, n), n)
@@ -78,71 +221,134 @@ def _valid(kind: str, shapes, attrs, rnd: random.Random, devices: int = 8):
     return tuple(tuple(counts.get(d, 1) if d is not None else 1 for d in dims) for dims in in_dims)
 
 
-def _invalid(kind: str, shapes, attrs, rnd: random.Random):
-    """A strategy the primitive must refuse: more splits than devices, a split not dividing its dim, or (for an
-    op whose operands share a loop dim) operands that split the shared dim differently."""
-    st = [list(s) for s in _valid(kind, shapes, attrs, rnd)]
-    how = rnd.choice(["too_many", "not_dividing", "disagree"])
-    if how == "disagree" and len(st) > 1 and len(st[1]) and st[0][-1] in (1, 2):
-        st[1][0 if kind in ("matmul", "bias") else -1] = 4 if st[0][-1] != 4 else 2
-        if kind in ("matmul",) or kind == "bias" or kind.endswith("_param"):
+def _invalid(step: dict[str, Any], rnd: random.Random):
+    """A strategy the primitive must refuse: more splits than devices, a split not dividing its dim, a split of a
+    dim the op cannot split, or (where operands share a loop dim) operands that split the shared dim differently."""
+    st = [list(s) for s in _valid(step, rnd)]
+    in_dims, _, fixed = make_prim(step).spec(step["shapes"], step["attrs"])
+    how = rnd.choice(["too_many", "not_dividing", "disagree", "fixed"])
+    if how == "fixed":
+        at = [(t, k) for t, dims in enumerate(in_dims) for k, d in enumerate(dims)
+              if d in fixed and step["shapes"][t][k] % 2 == 0]
+        if at:
+            t, k = rnd.choice(at)
+            st[t][k] = 2
             return tuple(tuple(s) for s in st), how
-    if how == "not_dividing" and shapes[0][-1] % 16:
-        st[0][-1] = 16
-        return tuple(tuple(s) for s in st), how
-    st[0] = [16] + st[0][1:]
+    if how == "disagree":
+        shared = [(d, [(t, k) for t, dims in enumerate(in_dims) for k, e in enumerate(dims) if e == d])
+                  for d in {e for dims in in_dims for e in dims if e is not None}]
+        shared = [(d, at) for d, at in shared if len(at) > 1 and d not in fixed and
+                  all(step["shapes"][t][k] % 4 == 0 for t, k in at)]
+        if shared:
+            _, at = rnd.choice(sorted(shared))
+            (t0, k0), (t1, k1) = at[0], at[1]
+            st[t0][k0], st[t1][k1] = 2, 4
+            return tuple(tuple(s) for s in st), how
+    if how == "not_dividing":
+        at = [(t, k) for t, s in enumerate(step["shapes"]) for k, n in enumerate(s) if n % 8 and n > 1]
+        if at:
+            t, k = rnd.choice(at)
+            st[t][k] = next(c for c in (2, 4, 8) if step["shapes"][t][k] % c)
+            for j in range(len(st[t])):       # keep the device count in range, so only the divisibility is wrong
+                if j != k:
+                    st[t][j] = 1
+            return tuple(tuple(s) for s in st), how
+    st[0][0] = 16
     return tuple(tuple(s) for s in st), "too_many"
 
 
 def make_case(seed: int, invalid: bool = False) -> dict[str, Any]:
     rnd = random.Random(seed)
     mode, search = MODES[rnd.randrange(len(MODES))]
-    batch, width = rnd.choice([8, 16]), rnd.choice([8, 16, 32])
-    dataset = rnd.choice(["data_parallel", "full_batch"]) if batch % 8 == 0 else "full_batch"
-    three_d = rnd.random() < 0.25
-    shape: tuple[int, ...] = (batch, 4, width) if three_d else (batch, width)
-    steps = []
-    bad_at = rnd.randrange(4) if invalid else -1
-    for i in range(rnd.randint(1, 4)):
-        pool = [k for k in KINDS if (k != "batch_matmul" or len(shape) == 3) and
-                (k not in ("reshape", "matmul") or len(shape) == 2)]
-        kind = rnd.choice(pool)
-        shapes, attrs, out = _operands(kind, shape, rnd.choice([8, 16, 32]))
-        strategy, how = None, None
-        if i == bad_at:
-            strategy, how = _invalid(kind, shapes, attrs, rnd)
+    batch = rnd.choice([8, 16])
+    dataset = rnd.choice(["data_parallel", "full_batch"])
+    form = rnd.random()
+    if form < 0.2:
+        shape: Shape = (batch, rnd.choice([4, 8]), rnd.choice([4, 8]), rnd.choice([4, 8]))    # NCHW
+    elif form < 0.4:
+        shape = (batch, 4, rnd.choice([8, 16]))
+    else:
+        shape = (batch, rnd.choice([8, 16, 32]))
+    first = shape
+    steps: list[dict[str, Any]] = []
+    n = rnd.randint(1, 4)
+    bad_at = rnd.randrange(n) if invalid else -1
+    while len(steps) < n:
+        kind = rnd.choice(sorted(OPS))
+        step = OPS[kind][1](rnd, shape)
+        if step is None or math.prod(step["out"]) > 4096 or 0 in step["out"]:
+            continue
+        step["kind"] = kind
+        step["strategy"], step["invalid"] = None, None
+        if len(steps) == bad_at:
+            step["strategy"], step["invalid"] = _invalid(step, rnd)
         elif rnd.random() < 0.7:
-            strategy = _valid(kind, shapes, attrs, rnd)
-        steps.append({"kind": kind, "shapes": shapes, "attrs": attrs, "strategy": strategy, "invalid": how})
-        shape = out
-    return {"seed": seed, "mode": mode, "search_mode": search, "dataset": dataset, "input": (batch, 4, width)
-            if three_d else (batch, width), "steps": steps, "invalid": invalid and bad_at < len(steps)}
+            step["strategy"] = _valid(step, rnd)
+        steps.append(step)
+        shape = step["out"]
+    return {"seed": seed, "mode": mode, "search_mode": search, "dataset": dataset, "input": first, "steps": steps,
+            "remat": rnd.random() < 0.15, "invalid": invalid}
 
 
-class Program(nn.Cell):
+def _const(role: str, shape: Shape, rng: np.random.Generator):
+    if role.startswith("int:"):
+        return jnp.asarray(rng.integers(0, int(role[4:]), shape), jnp.int32)
+    if role == "labels":
+        return jax.nn.one_hot(rng.integers(0, shape[-1], shape[:-1]), shape[-1], dtype=jnp.float32)
+    raise ValueError(role)
+
+
+class Program(nnx.Module):
+    """The case's chain; parameters are ``nnx.Param`` (scaled 1/sqrt(fan-in): values stay O(1) along the chain)."""
+
     def __init__(self, case: dict[str, Any]):
         rng = np.random.default_rng(case["seed"])
-        self.prims = []
-        self.params = nnx.List() if hasattr(nnx, "List") else []
+        self.remat = case["remat"]
+        prims, params = [], []
         for step in case["steps"]:
-            p = _prim(step["kind"])
+            p = make_prim(step)
             if step["strategy"] is not None:
                 p = p.shard(step["strategy"])
-            self.prims.append(p)
-            for shp in step["shapes"][1:]:
-                fan = shp[-2] if len(shp) >= 2 else 1
-                self.params.append(nnx.Param(jnp.asarray(rng.standard_normal(shp) / math.sqrt(fan), jnp.float32)))
-        self.prims = tuple(self.prims)
-        self.steps = tuple((len(st["shapes"]) - 1, tuple(_frozen(a) for a in st["attrs"])) for st in case["steps"])
+            prims.append(p)
+            for role, shp in zip(step["roles"], step["shapes"]):
+                if role in ("param", "pos_param"):
+                    fan = math.prod(shp[1:]) if len(shp) >= 2 else 1
+                    v = rng.standard_normal(shp) / math.sqrt(fan)
+                    params.append(nnx.Param(jnp.asarray(np.abs(v) + 0.5 if role == "pos_param" else v, jnp.float32)))
+        self.prims = tuple(prims)
+        self.params = nnx.List(params)
+        self.seed = case["seed"]
+        self.steps = tuple((st["roles"], st["shapes"], tuple(_frozen(a) for a in st["attrs"]), st.get("pre"),
+                            st.get("post"))
+                           for st in case["steps"])
+
+    def chain(self, params, x):
+        h, kp = x, 0
+        rng = np.random.default_rng(self.seed + 3)       # the constants (indices, labels): the same on every call
+        for p, (roles, shapes, attrs, pre, post) in zip(self.prims, self.steps):
+            h = {"tanh": jnp.tanh, "pos": lambda v: jnp.abs(v) + 1.0, None: lambda v: v}[pre](h)
+            args = []
+            for role, shp in zip(roles, shapes):
+                if role == "x":
+                    args.append(h)
+                elif role in ("param", "pos_param"):
+                    args.append(params[kp])
+                    kp += 1
+                else:
+                    args.append(_const(role, shp, rng))
+            out = p(*args, *(jnp.float32 if a == "float32" else a for a in attrs))
+            if post == "first":
+                out = out[0]
+            elif post == "sce":
+                out = out[0][:, None] + out[1]
+            elif post == "mul_x":
+                out = h * out
+            h = out
+        return h
 
     def __call__(self, x):
-        k = 0
-        h = x
-        for p, (n, attrs) in zip(self.prims, self.steps):
-            args = [h] + [self.params[k + j][...] for j in range(n)] + list(attrs)
-            k += n
-            h = p(*args)
-        return h
+        params = [p[...] for p in self.params]
+        return (jax.checkpoint(self.chain) if self.remat else self.chain)(params, x)
 
 
 def _frozen(a):
@@ -150,24 +356,31 @@ def _frozen(a):
 
 
 def tolerance(case: dict[str, Any]) -> float:
-    """rtol = atol for the comparison: per step, a sum of at most n float32 products reordered by the partitioning
-    is off by <= n * 2**-24 relative (n: the step's longest reduction, softmax and sums included); the steps
-    compound; the gradient doubles the chain; x8 covers magnitudes growing through the chain (O(1) by the 1/sqrt(fan)
-    parameter scale)."""
+    """rtol = atol for the comparison. Per step, a partitioned run reorders sums of at most ``n`` float32 terms
+    (``n``: the longest reduction of any step, softmax, norms and convolution windows included), off by at most
+    about ``n * 2**-24`` relative; the chain compounds that over its steps and the gradient doubles the chain;
+    x16 covers the magnitudes the chain reaches and the conditioning of exp, log, sqrt, divisions and the norms'
+    rsqrt (values stay O(1) by the 1/sqrt(fan-in) parameter scale and the positive shifts before log/sqrt)."""
     n = 1
     for s in case["steps"]:
-        n = max(n, s["shapes"][0][-1])
-    return 8 * 2 * len(case["steps"]) * n * 2.0 ** -24 + 1e-6
+        n = max(n, math.prod(s["shapes"][0][1:]) if s["kind"] in ("BatchNorm", "Conv2D") else s["shapes"][0][-1])
+        if s["kind"] == "BatchNorm":
+            n = max(n, math.prod(s["shapes"][0]) // s["shapes"][0][1])
+    return 16 * 2 * len(case["steps"]) * n * 2.0 ** -24 + 1e-6
 
 
-def run_case(case: dict[str, Any]) -> str | None:
-    """None if the case holds; else a one-line description of the failure."""
+def check_case(case: dict[str, Any]) -> tuple[str, str]:
+    """-> (outcome, detail). Outcomes: ``equal`` (a valid case equals one device), ``refused`` (an invalid strategy
+    raised an mshard error), ``meeting`` (valid per op, but two user splits meet in one op and their product does
+    not fit the devices: the LayoutError of DESIGN invariant 4, raised by the forward pass already), ``finding``
+    (anything else: wrong values, a refused valid case, an accepted invalid one, a non-mshard exception)."""
     ms.reset_auto_parallel_context()
     kw = {"parallel_mode": case["mode"], "device_num": 8, "dataset_strategy": case["dataset"]}
     if case["search_mode"]:
         kw["search_mode"] = case["search_mode"]
     ms.set_auto_parallel_context(**kw)
     x = jnp.asarray(np.random.default_rng(case["seed"] + 1).standard_normal(case["input"]), jnp.float32)
+    y = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -179,11 +392,16 @@ def run_case(case: dict[str, Any]) -> str | None:
                 return jnp.sum(m(x) * out_w)
             gm, gx = ms.jit(lambda m, x: nnx.grad(loss, argnums=(0, 1))(m, x))(net, x)
     except MshardError as e:
-        return None if case["invalid"] else f"valid case refused: {type(e).__name__}: {e}"
-    except Exception as e:   # noqa: BLE001 - every other exception is a finding
-        return f"{type(e).__module__}.{type(e).__name__}: {str(e)[:300]}"
+        if case["invalid"]:
+            return "refused", f"{type(e).__name__}: {e}"
+        meet = getattr(e, "meeting", None)
+        if meet and y is None and meet["device_num"] % math.prod(meet["splits"]):
+            return "meeting", f"{type(e).__name__}: {e}"
+        return "finding", f"valid case refused{' under grad only' if y is not None else ''}: {type(e).__name__}: {e}"
+    except Exception as e:   # every other exception is a finding
+        return "finding", f"{type(e).__module__}.{type(e).__name__}: {str(e)[:300]}"
     if case["invalid"]:
-        return "invalid strategy accepted: " + repr([s["strategy"] for s in case["steps"] if s["invalid"]])
+        return "finding", "invalid strategy accepted: " + repr([s["strategy"] for s in case["steps"] if s["invalid"]])
     ref = Program(case)
     y0 = ref(x)
     gm0, gx0 = nnx.grad(loss, argnums=(0, 1))(ref, x)
@@ -194,13 +412,25 @@ def run_case(case: dict[str, Any]) -> str | None:
         a, b = np.asarray(a), np.asarray(b)
         if a.shape != b.shape or not np.allclose(a, b, rtol=tol, atol=tol):
             err = float(np.max(np.abs(a - b))) if a.shape == b.shape else float("nan")
-            return f"{what} differs from one device: max |diff| {err:.3g} (tol {tol:.2g})"
-    return None
+            return "finding", f"{what} differs from one device: max |diff| {err:.3g} (tol {tol:.2g})"
+    return "equal", ""
+
+
+def run_case(case: dict[str, Any]) -> str | None:
+    """None if the case holds (equal to one device, or refused as it must be); else the finding, one line."""
+    outcome, detail = check_case(case)
+    return detail[:500] if outcome == "finding" else None
+
+
+def describe(case: dict[str, Any]) -> str:
+    return (f"seed {case['seed']} {case['mode']}/{case['search_mode']} {case['dataset']} input {case['input']}"
+            f"{' remat' if case['remat'] else ''}: " +
+            " -> ".join(f"{s['kind']}{s['strategy'] or ''}" for s in case["steps"]))
 
 
 def script(case: dict[str, Any], finding: str) -> str:
-    """A standalone script that replays a case."""
-    return (f"# mshard differential fuzzer finding: {finding}\n"
+    """A standalone script that replays a case (run from the repository root)."""
+    return (f"# mshard differential fuzzer finding: {finding}\n# {describe(case)}\n"
             "import os, sys\n"
             "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'\n"
             "sys.path[:0] = ['.']; sys.path.append('tests')\n"

@@ -249,23 +249,27 @@ def test_examples_gpt_with_megatron_parameter_plans_compiles_like_the_handwritte
 def _case(seed, mode, search, shape, steps):
     """A differential-fuzzer case (tests/fuzz_programs.py) written out, so the regression does not depend on the
     generator's random draws."""
-    from fuzz_programs import _operands
+    import random
+
+    from fuzz_programs import OPS
     out, cur = [], shape
     for kind, strategy in steps:
-        shapes, attrs, cur = _operands(kind, cur, 8)
-        out.append({"kind": kind, "shapes": shapes, "attrs": attrs, "strategy": strategy, "invalid": None})
+        step = OPS[kind][1](random.Random(0), cur)
+        step.update(kind=kind, strategy=strategy, invalid=None)
+        out.append(step)
+        cur = step["out"]
     return {"seed": seed, "mode": mode, "search_mode": search, "dataset": "full_batch", "input": shape,
-            "steps": out, "invalid": False}
+            "steps": out, "remat": False, "invalid": False}
 
 
 @pytest.mark.parametrize("case", [
     # a claim on gelu's output met a claim on BiasAdd's input only through tanh's backward residual: refused
     _case(23, "auto_parallel", "recursive_programming", (8, 8),
-          [("gelu", ((1, 8),)), ("tanh", None), ("bias", ((2, 1), (1,)))]),
+          [("GeLU", ((1, 8),)), ("Tanh", None), ("BiasAdd", ((2, 1), (1,)))]),
     _case(45, "auto_parallel", "recursive_programming", (16, 4, 8),
-          [("relu", ((1, 4, 1),)), ("gelu", None), ("batch_matmul", ((4, 1, 1), (4, 1, 1)))]),
+          [("ReLU", ((1, 4, 1),)), ("GeLU", None), ("BatchMatMul", ((4, 1, 1), (4, 1, 1)))]),
     _case(54, "auto_parallel", "sharding_propagation", (16, 32),
-          [("mul_param", ((4, 2), (4, 2))), ("square", ((4, 1),)), ("matmul", None), ("sigmoid", ((2, 4),))]),
+          [("Mul", ((4, 2), (4, 2))), ("Square", ((4, 1),)), ("MatMul", None), ("Sigmoid", ((2, 4),))]),
 ], ids=["gelu-tanh-bias", "relu-gelu-bmm", "mul-square-matmul-sigmoid"])
 def test_claims_meet_only_where_the_forward_program_meets_them(case):
     """User claims spread along the forward program only: a transposed mark (a primal's cotangent) is laid out by
