@@ -6,7 +6,7 @@ Case ``i`` is ``tests/fuzz_programs.make_case(start + i, invalid)`` (a fixed sha
 so a run replays exactly. Cases run in worker subprocesses that log each case before running it: a worker that
 dies (an XLA CHECK failure aborts the process) is restarted after the case it died on, which is recorded as a
 ``process abort`` finding. Every finding is written as a standalone script to bench/out/fuzz/<seed>.py; the counts
-(per mode, per primitive, per outcome) go to bench/out/fuzz.json and a table is printed.
+(per mode, per primitive, per outcome) go to bench/out/fuzz-<first>-<last>.json and a table is printed.
 """
 
 from __future__ import annotations
@@ -134,7 +134,8 @@ def main() -> None:
                "seconds": round(time.time() - t0, 1), "outcomes": dict(total),
                "by_mode": {k: dict(v) for k, v in sorted(by_mode.items())},
                "by_primitive": {k: dict(v) for k, v in sorted(by_prim.items())}, "findings": findings}
-    (OUT / "fuzz.json").write_text(json.dumps(summary, indent=1))
+    report = OUT / f"fuzz-{args.start}-{args.start + len(seeds) - 1}.json"
+    report.write_text(json.dumps(summary, indent=1))
     print(f"{len(seeds)} cases (seeds {args.start}..{args.start + len(seeds) - 1}) in {summary['seconds']}s: "
           + ", ".join(f"{o} {total[o]}" for o in outcomes))
     width = max(len(k) for k in list(by_mode) + list(by_prim))
@@ -144,7 +145,7 @@ def main() -> None:
             print(f"{k:<{width}}  " + "  ".join(f"{v[o]:>8}" for o in outcomes))
     for f in findings:
         print(f"\nFINDING seed {f['seed']}: {f['case']}\n  {f['finding'][:300]}")
-    print(f"\nwrote {OUT / 'fuzz.json'}" + (f" and {len(findings)} scripts in {OUT / 'fuzz'}" if findings else ""))
+    print(f"\nwrote {report}" + (f" and {len(findings)} scripts in {OUT / 'fuzz'}" if findings else ""))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 A *case* is plain data (a dict of tuples and numbers, so a failure replays as a standalone script): an input
 shape, a chain of steps over the primitive objects of ``mshard.ops`` (every one but the collectives) with random
 strategies (valid ones drawn from each primitive's own iteration space, or deliberately invalid ones), a parallel
-mode and search mode, a dataset strategy, and whether the chain runs under ``jax.checkpoint``.
+mode and search mode, a dataset strategy, and whether the chain runs under ``jax.checkpoint`` and as an ``ms.shard``
+function with a strategy for its input. A valid strategy
+comes as split counts, ``Layout`` calls or ``PartitionSpec``s, sometimes with an ``out_strategy``.
 :func:`run_case` runs it through ``ms.jit`` (forward, and the gradient w.r.t. the input and every ``nnx.Param``)
 and compares with the same Cell called outside any region, on one device. Tolerances are derived from float32
 (see :func:`tolerance`).
@@ -16,6 +18,7 @@ activation of that shape) giving the constructor arguments, the tensor operands 
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import warnings
@@ -221,6 +224,15 @@ def _valid(step: dict[str, Any], rnd: random.Random, devices: int = 8):
     return tuple(tuple(counts.get(d, 1) if d is not None else 1 for d in dims) for dims in in_dims)
 
 
+def _split(shape: Shape, rnd: random.Random, devices: int = 8) -> tuple[int, ...]:
+    """Random split counts for one tensor: each dividing its dim, the product dividing ``devices``."""
+    out, left = [1] * len(shape), devices
+    for d in sorted(range(len(shape)), key=lambda _: rnd.random()):
+        out[d] = rnd.choice([c for c in SPLITS if left % c == 0 and shape[d] % c == 0])
+        left //= out[d]
+    return tuple(out)
+
+
 def _invalid(step: dict[str, Any], rnd: random.Random):
     """A strategy the primitive must refuse: more splits than devices, a split not dividing its dim, a split of a
     dim the op cannot split, or (where operands share a loop dim) operands that split the shared dim differently."""
@@ -257,6 +269,24 @@ def _invalid(step: dict[str, Any], rnd: random.Random):
     return tuple(tuple(s) for s in st), "too_many"
 
 
+LAYOUT_AXES = ("x", "y", "z")      # every Layout-form strategy of a case uses Layout((2, 2, 2), LAYOUT_AXES)
+
+
+def _axes_for(step: dict[str, Any], rnd: random.Random) -> tuple:
+    """Mesh axes for the step's strategy, for the Layout and PartitionSpec forms: each loop letter's count gets
+    its own axes of the (2, 2, 2) layout (a shared letter the same axes on every input)."""
+    in_dims, _, _ = make_prim(step).spec(step["shapes"], step["attrs"])
+    free, of = list(LAYOUT_AXES), {}
+    for dims, counts in zip(in_dims, step["strategy"]):
+        for d, c in zip(dims, counts):
+            if d is not None and c > 1 and d not in of:
+                k = c.bit_length() - 1
+                pick = sorted(rnd.sample(free, k), key=LAYOUT_AXES.index)
+                free = [a for a in free if a not in pick]
+                of[d] = tuple(pick)
+    return tuple(tuple(of.get(d, ()) if d is not None else () for d in dims) for dims in in_dims)
+
+
 def make_case(seed: int, invalid: bool = False) -> dict[str, Any]:
     rnd = random.Random(seed)
     mode, search = MODES[rnd.randrange(len(MODES))]
@@ -271,6 +301,7 @@ def make_case(seed: int, invalid: bool = False) -> dict[str, Any]:
         shape = (batch, rnd.choice([8, 16, 32]))
     first = shape
     steps: list[dict[str, Any]] = []
+    form_w = rnd.choice([1.0, 1.0, 0.5, 0.0])        # the share of tuple strategies; the rest Layouts or PartitionSpecs
     n = rnd.randint(1, 4)
     bad_at = rnd.randrange(n) if invalid else -1
     while len(steps) < n:
@@ -284,10 +315,17 @@ def make_case(seed: int, invalid: bool = False) -> dict[str, Any]:
             step["strategy"], step["invalid"] = _invalid(step, rnd)
         elif rnd.random() < 0.7:
             step["strategy"] = _valid(step, rnd)
+            step["form"] = rnd.choices(["tuple", "layout", "pspec"], [form_w, 1 - form_w, 0.5 * (1 - form_w) if any(
+                st.get("form") == "layout" for st in steps) else 0.0])[0]
+            if step["form"] != "tuple":
+                step["axes"] = _axes_for(step, rnd)
+            elif rnd.random() < 0.2:
+                step["out_strategy"] = tuple(_split(o, rnd) for o in _out_shapes(make_prim(step), step))
         steps.append(step)
         shape = step["out"]
     return {"seed": seed, "mode": mode, "search_mode": search, "dataset": dataset, "input": first, "steps": steps,
-            "remat": rnd.random() < 0.15, "invalid": invalid}
+            "remat": rnd.random() < 0.15, "shard_in": _split(first, rnd) if rnd.random() < 0.15 else None,
+            "invalid": invalid}
 
 
 def _const(role: str, shape: Shape, rng: np.random.Generator):
@@ -298,17 +336,28 @@ def _const(role: str, shape: Shape, rng: np.random.Generator):
     raise ValueError(role)
 
 
+def _strategy_form(step: dict[str, Any]):
+    """The step's strategy as the user writes it: split counts, Layout calls or PartitionSpecs."""
+    form = step.get("form", "tuple")
+    if form == "tuple":
+        return step["strategy"]
+    one = {"layout": lambda a: (a[0] if len(a) == 1 else a) if a else "None",
+           "pspec": lambda a: (a[0] if len(a) == 1 else a) if a else None}[form]
+    make = ms.Layout((2, 2, 2), LAYOUT_AXES) if form == "layout" else (lambda *d: jax.sharding.PartitionSpec(*d))
+    return tuple(make(*(one(a) for a in t)) for t in step["axes"])
+
+
 class Program(nnx.Module):
     """The case's chain; parameters are ``nnx.Param`` (scaled 1/sqrt(fan-in): values stay O(1) along the chain)."""
 
     def __init__(self, case: dict[str, Any]):
         rng = np.random.default_rng(case["seed"])
-        self.remat = case["remat"]
+        self.remat, self.shard_in = case["remat"], case.get("shard_in")
         prims, params = [], []
         for step in case["steps"]:
             p = make_prim(step)
             if step["strategy"] is not None:
-                p = p.shard(step["strategy"])
+                p = p.shard(_strategy_form(step), step.get("out_strategy"))
             prims.append(p)
             for role, shp in zip(step["roles"], step["shapes"]):
                 if role in ("param", "pos_param"):
@@ -348,7 +397,10 @@ class Program(nnx.Module):
 
     def __call__(self, x):
         params = [p[...] for p in self.params]
-        return (jax.checkpoint(self.chain) if self.remat else self.chain)(params, x)
+        body = functools.partial(jax.checkpoint(self.chain) if self.remat else self.chain, params)
+        if self.shard_in is not None:     # the chain as an ms.shard function with the input's strategy
+            body = ms.shard(body, in_strategy=(self.shard_in,))
+        return body(x)
 
 
 def _frozen(a):
@@ -402,7 +454,7 @@ def check_case(case: dict[str, Any]) -> tuple[str, str]:
         return "finding", f"{type(e).__module__}.{type(e).__name__}: {str(e)[:300]}"
     if case["invalid"]:
         return "finding", "invalid strategy accepted: " + repr([s["strategy"] for s in case["steps"] if s["invalid"]])
-    ref = Program(case)
+    ref = Program({**case, "shard_in": None})     # plain JAX on one device (an eager ms.shard would be a region)
     y0 = ref(x)
     gm0, gx0 = nnx.grad(loss, argnums=(0, 1))(ref, x)
     tol = tolerance(case)
@@ -424,8 +476,13 @@ def run_case(case: dict[str, Any]) -> str | None:
 
 def describe(case: dict[str, Any]) -> str:
     return (f"seed {case['seed']} {case['mode']}/{case['search_mode']} {case['dataset']} input {case['input']}"
-            f"{' remat' if case['remat'] else ''}: " +
-            " -> ".join(f"{s['kind']}{s['strategy'] or ''}" for s in case["steps"]))
+            f"{' remat' if case['remat'] else ''}{' ms.shard' + str(case['shard_in']) if case.get('shard_in') else ''}: " +
+            " -> ".join(f"{s['kind']}{s['strategy'] or ''}{_form_note(s)}"
+                        f"{' out ' + str(s['out_strategy']) if s.get('out_strategy') else ''}" for s in case["steps"]))
+
+
+def _form_note(step: dict[str, Any]) -> str:
+    return "" if step.get("form", "tuple") == "tuple" else f"[{step['form']} {step['axes']}]"
 
 
 def script(case: dict[str, Any], finding: str) -> str:

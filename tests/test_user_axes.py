@@ -270,7 +270,11 @@ def _case(seed, mode, search, shape, steps):
           [("ReLU", ((1, 4, 1),)), ("GeLU", None), ("BatchMatMul", ((4, 1, 1), (4, 1, 1)))]),
     _case(54, "auto_parallel", "sharding_propagation", (16, 32),
           [("Mul", ((4, 2), (4, 2))), ("Square", ((4, 1),)), ("MatMul", None), ("Sigmoid", ((2, 4),))]),
-], ids=["gelu-tanh-bias", "relu-gelu-bmm", "mul-square-matmul-sigmoid"])
+    # OneHot's output claim met Sigmoid's in the mul; OneHot's loop dim took an axis without asking what its
+    # output meets, and a valid program was refused
+    _case(291, "auto_parallel", "dynamic_programming", (8, 32),
+          [("Transpose", ((2, 4),)), ("Sigmoid", ((2, 2),)), ("BiasAdd", None), ("OneHot", ((2,),))]),
+], ids=["gelu-tanh-bias", "relu-gelu-bmm", "mul-square-matmul-sigmoid", "transpose-sigmoid-onehot"])
 def test_claims_meet_only_where_the_forward_program_meets_them(case):
     """User claims spread along the forward program only: a transposed mark (a primal's cotangent) is laid out by
     its primal and does not carry the claim back into residuals, where it met claims that never meet in the
