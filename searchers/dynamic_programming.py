@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from .baselines import no_worse_than_baselines
 from .cache import cached_search
 from .cost import CostParams, graph_cost
 from .factor import Problem
@@ -403,4 +404,6 @@ def dynamic_programming(graph: Graph, params: CostParams, *, fully_use_devices: 
                      f"device_memory_capacity={params.device_memory_capacity:,.0f} B; search_mode='ilp' enforces it")
     if hits:
         notes.append(f"repeated structure: {hits} of {hits + misses} eliminations reused an earlier identical one")
-    return SearchResult(strategies, predicted, ALGORITHM, time.perf_counter() - t0, notes)
+    return no_worse_than_baselines(graph, params, SearchResult(strategies, predicted, ALGORITHM,
+                                                               time.perf_counter() - t0, notes),
+                                   fully_use_devices=fully_use_devices)

@@ -42,6 +42,7 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import LinearConstraint, milp
 
+from .baselines import no_worse_than_baselines
 from .cache import cached_search
 from .cost import CostParams, graph_cost
 from .cost_vectors import candidate_tables
@@ -342,4 +343,5 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
     choice = prob.expand({v: sol.choice[i] for i, v in enumerate(live)})
     strategies = prob.strategies(choice)
     cost = graph_cost(graph, strategies, params)
-    return SearchResult(strategies, cost, ALGORITHM, time.perf_counter() - t0, notes)
+    return no_worse_than_baselines(graph, params, SearchResult(strategies, cost, ALGORITHM, time.perf_counter() - t0,
+                                                               notes), fully_use_devices=fully_use_devices)

@@ -36,6 +36,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from .baselines import no_worse_than_baselines
 from .cache import cached_search
 from .cost import Cost, CostParams, counted_cost
 from .cost_vectors import candidate_tables, cost_vector, redistribution_affine
@@ -177,14 +178,17 @@ class _Tables:
 
 @cached_search
 def sharding_propagation(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
-                         max_candidates: int | None = None) -> SearchResult:
-    """Propagate the fixed strategies of ``graph`` to every op it can reach (see module doc)."""
+                         max_candidates: int | None = None, baselines: bool = True) -> SearchResult:
+    """Propagate the fixed strategies of ``graph`` to every op it can reach (see module doc), then return the
+    cheaper of that plan and the obvious ones (:mod:`searchers.baselines`; ``baselines=False``: the propagated
+    plan as it is)."""
     # the search allocates only acyclic tuples and lists: pausing the cyclic garbage collector
     # saves its repeated scans of the (large) live graph, about a third of the time at 100k ops
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _propagate(graph, params, fully_use_devices, max_candidates)
+        res = _propagate(graph, params, fully_use_devices, max_candidates)
+        return no_worse_than_baselines(graph, params, res, fully_use_devices=fully_use_devices) if baselines else res
     finally:
         if enabled:
             gc.enable()

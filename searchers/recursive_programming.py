@@ -63,6 +63,7 @@ from typing import cast
 
 import numpy as np
 
+from .baselines import no_worse_than_baselines
 from .block_polish import polish_blocks
 from .cache import cached_search
 from .cost import Cost, CostParams, counted_cost
@@ -399,7 +400,9 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     if followers:
         notes.append(f"elementwise_op_strategy_follow: {followers} elementwise op(s) take their consumer's layout")
     cost = _cost(tab, sids, chosen, lay, sl.e_in, sl.e_src, sl.e_bytes, mesh, params)
-    return SearchResult(dict(enumerate(chosen)), cost, ALGORITHM, time.perf_counter() - t0, notes)
+    return no_worse_than_baselines(graph, params, SearchResult(dict(enumerate(chosen)), cost, ALGORITHM,
+                                                               time.perf_counter() - t0, notes),
+                                   fully_use_devices=fully)
 
 
 def _levels(movable: list[int], sl: Slots, sids: list[int], tab: _Tables, rounds_of: Callable[[int], _Rounds],

@@ -45,6 +45,7 @@ SLOW = (
     "tests/test_propagation_e2e.py::test_propagated_plans_match_one_device_forward_and_grad",
     "tests/test_user_axes.py::test_any_prefix_before_a_megatron_pair",
     "tests/searchers/test_dynamic_programming.py::test_training_graph_through_the_fallback_beats_propagation",
+    "tests/test_fuzz.py::test_random_programs_equal_one_device",
 )
 
 

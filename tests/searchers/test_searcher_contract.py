@@ -201,3 +201,39 @@ def test_elementwise_op_strategy_follow(name):
     res = SEARCHERS[name](g, P, elementwise_op_strategy_follow=True, cache=False)
     assert res.strategies[2] == ((), (0,))
     assert any("elementwise_op_strategy_follow" in n for n in res.notes)
+
+
+def _obvious_plans(g):
+    """Built here from the graph alone: the replicated plan, and the data-parallel one (every data input split on
+    its batch dim over the axes that divide it, each op computing in the layout its operands arrive in)."""
+    from searchers.follow import follow_operands
+    from searchers.graph import replicated
+    from searchers.strategies import data_parallel_strategy
+    plans = {"replicated": {op.id: op.fixed or replicated(op) for op in g.ops}}
+    held = [op for op in g.ops if op.kind == "data" and op.fixed is None]
+    for op in held:
+        op.fixed = data_parallel_strategy(op, g.mesh)
+    plans["data parallel"] = follow_operands(g, P).strategies
+    for op in held:
+        op.fixed = None
+    return plans
+
+
+@pytest.mark.parametrize("name", [*SEARCHERS, "sharding_propagation"])
+@pytest.mark.parametrize("fully", [False, True])
+@pytest.mark.parametrize("shape", [(2, 2), (2, 2, 2)])
+@pytest.mark.parametrize("graph", ["mlp", "mlp_training", "block", "conv", "random", "random_b"])
+def test_no_search_returns_a_plan_worse_than_the_obvious_ones(name, fully, shape, graph):
+    """DESIGN invariant 6: on its own cost model a search's plan costs no more than the data-parallel plan and
+    the replicated one, wherever that plan is one the search may return (under fully_use_devices: every unfixed
+    op a candidate)."""
+    mesh = DeviceMesh(shape)
+    g = random_dag(40, 7, mesh) if graph == "random_b" else small_graphs(mesh)[graph]
+    search = sharding_propagation if name == "sharding_propagation" else SEARCHERS[name]
+    res = search(g, P, fully_use_devices=fully, cache=False)
+    for base, plan in _obvious_plans(g).items():
+        movable = [op for op in g.ops if op.fixed is None and op.follow_operand is None and op.id not in g.operand_ties]
+        if fully and any(plan[op.id] not in enumerate_strategies(op, mesh, fully_use_devices=True) for op in movable):
+            continue
+        # 1e-9: float64 re-summation of the same costs (~1e-15) and the ILP's mip_rel_gap
+        assert res.cost.total <= graph_cost(g, plan, P).total * (1 + 1e-9), (base, res.notes)

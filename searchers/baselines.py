@@ -1,0 +1,115 @@
+"""The obvious plans no search may lose to (DESIGN invariant 6; issue 14).
+
+Every searcher ends with :func:`no_worse_than_baselines`: it prices, on the searcher's own cost model, the plans a
+user gets without searching, and returns the cheapest of them instead of the search's plan where that is cheaper
+(a note says so):
+
+- ``data parallel`` (a): the data inputs not fixed by the dataset strategy split on their batch dim
+  (:func:`~searchers.strategies.data_parallel_strategy`), every other op computing in the layout its operands
+  arrive in (a batch split flows on, parameters stay whole);
+- ``data parallel (per op)`` (a, MindSpore's form): every op not fixed splits the loop dim behind dim 0 of its
+  first operand, as MindSpore's data-parallel default does, the batch sliced where it arrives whole
+  (``full_batch``: slicing a replicated tensor is free);
+- ``semi_auto`` (b): the user's strategies and, for every other op, the layout its operands arrive in
+  (:func:`~searchers.follow.follow_operands`);
+- ``replicated`` (c), only where ``fully_use_devices`` is off: every op not fixed computes whole.
+
+Every baseline keeps the fixed ops and the ties (a write-back in its input's layout, a marked operand read again
+in the layout its op computed it in), and is taken only where its memory is no more than the search's plan's or
+the device capacity, and only where it is a plan the searcher may return: under ``fully_use_devices`` (MindSpore's
+"search only strategies that use every device") each unfixed op's strategy must be one of its candidates
+(sources and ``free_devices`` ops exempt, as in :func:`~searchers.strategies.enumerate_strategies`). So the
+replicated plan (c) counts only with idle devices allowed, and (a), (b) under ``fully_use_devices`` where they
+use every device.
+
+>>> from searchers.cost import CostParams
+>>> from searchers.generators import mlp_chain
+>>> from searchers.graph import DeviceMesh
+>>> g = mlp_chain(2, 64, 64, DeviceMesh((2, 4)))
+>>> sorted(baseline_plans(g, CostParams(), fully_use_devices=False))
+['data parallel', 'data parallel (per op)', 'replicated', 'semi_auto']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from .cost import Cost, CostParams, graph_cost
+from .follow import follow_operands
+from .graph import Graph, Op, Strategy, operand_tied_strategy, replicated, tied_strategy
+from .result import SearchResult
+from .strategies import data_parallel_strategy, enumerate_strategies
+
+_REL = 1e-9       # a baseline must be cheaper by more than float64 re-summation noise to replace the search's plan
+
+
+def _with_data_split(graph: Graph, make: Callable[[], dict[int, Strategy]]) -> dict[int, Strategy]:
+    """``make()`` run with every unfixed data input held at its data-parallel split."""
+    held = [op for op in graph.ops if op.kind == "data" and op.fixed is None]
+    for op in held:
+        op.fixed = data_parallel_strategy(op, graph.mesh)
+    try:
+        return make()
+    finally:
+        for op in held:
+            op.fixed = None
+
+
+def _per_op(graph: Graph, pick: Callable[[Op], Strategy]) -> dict[int, Strategy]:
+    """Fixed ops as fixed, ties as tied, every other op ``pick(op)``."""
+    st: list[Strategy | None] = [None] * len(graph.ops)
+    for op in graph.ops:
+        if op.fixed is not None:
+            st[op.id] = op.fixed
+        elif op.follow_operand is not None:
+            st[op.id] = tied_strategy(graph, op, st) or replicated(op)
+        elif op.id in graph.operand_ties:
+            st[op.id] = operand_tied_strategy(graph, op, st) or replicated(op)
+        else:
+            st[op.id] = pick(op)
+    return dict(enumerate(st))
+
+
+def baseline_plans(graph: Graph, params: CostParams, *, fully_use_devices: bool) -> dict[str, dict[int, Strategy]]:
+    """The baselines of the module doc, by name (strategies for every op id)."""
+    plans = {
+        "data parallel": _with_data_split(graph, lambda: follow_operands(graph, params).strategies),
+        "data parallel (per op)": _per_op(graph, lambda op: (replicated(op) if op.is_source and op.kind != "data"
+                                                             else data_parallel_strategy(op, graph.mesh))),
+        "semi_auto": follow_operands(graph, params).strategies,
+    }
+    if not fully_use_devices:
+        plans["replicated"] = _per_op(graph, replicated)
+    return plans
+
+
+def admissible(graph: Graph, strategies: dict[int, Strategy], *, fully_use_devices: bool) -> bool:
+    """Whether every unfixed, untied op's strategy is one of its candidates (a plan the searcher may return)."""
+    if not fully_use_devices:
+        return True           # every split of a splittable dim, and whole, is a candidate
+    return all(strategies[op.id] in enumerate_strategies(op, graph.mesh, fully_use_devices=True)
+               for op in graph.ops if op.fixed is None and op.follow_operand is None
+               and op.id not in graph.operand_ties)
+
+
+def no_worse_than_baselines(graph: Graph, params: CostParams, result: SearchResult, *,
+                            fully_use_devices: bool) -> SearchResult:
+    """``result``, or the cheapest baseline where it costs less on the same cost model (noted); its ``seconds``
+    include the check."""
+    t0 = time.perf_counter()
+    best: tuple[float, str, dict[int, Strategy], Cost] | None = None
+    limit = max(result.cost.memory, params.device_memory_capacity)
+    for name, plan in baseline_plans(graph, params, fully_use_devices=fully_use_devices).items():
+        cost = graph_cost(graph, plan, params)
+        if cost.total < result.cost.total * (1 - _REL) and cost.memory <= limit and (
+                best is None or cost.total < best[0]) and admissible(graph, plan, fully_use_devices=fully_use_devices):
+            best = (cost.total, name, plan, cost)
+    seconds = result.seconds + time.perf_counter() - t0
+    if best is None:
+        return dataclasses.replace(result, seconds=seconds)
+    total, name, plan, cost = best
+    return dataclasses.replace(result, strategies=plan, cost=cost, seconds=seconds, notes=list(result.notes) + [
+        f"the {name} plan costs {total:.4g} on this cost model, below the search's {result.cost.total:.4g}: "
+        f"returned it (no search returns a plan worse than the obvious ones)"])
