@@ -460,12 +460,37 @@ def check_case(case: dict[str, Any]) -> tuple[str, str]:
     tol = tolerance(case)
     pairs = [("output", y, y0), ("grad x", gx, gx0)] + [
         (f"grad param {i}", a, b) for i, (a, b) in enumerate(zip(jax.tree.leaves(gm), jax.tree.leaves(gm0)))]
-    for what, a, b in pairs:
+    exact = None
+    for k, (what, a, b) in enumerate(pairs):
         a, b = np.asarray(a), np.asarray(b)
-        if a.shape != b.shape or not np.allclose(a, b, rtol=tol, atol=tol):
-            err = float(np.max(np.abs(a - b))) if a.shape == b.shape else float("nan")
-            return "finding", f"{what} differs from one device: max |diff| {err:.3g} (tol {tol:.2g})"
+        if a.shape != b.shape:
+            return "finding", f"{what} has shape {a.shape}, one device {b.shape}"
+        if not np.allclose(a, b, rtol=tol, atol=tol):
+            # float32 cancellation (a gradient that is exactly 0, or a sum of large terms of opposite sign) can put
+            # one device itself far from the exact value: judge against float64 and hold the partitioned run to
+            # twice one device's own error (plus the tolerance), not to one device's rounding
+            exact = exact or _float64_reference(case, x, out_w)
+            t = exact[k]
+            bound = 2 * np.abs(b - t) + tol * (1 + np.abs(t))
+            if np.any(np.abs(a - t) > bound):
+                err = float(np.max(np.abs(a - b)))
+                return "finding", (f"{what} differs from one device: max |diff| {err:.3g} (tol {tol:.2g}); from "
+                                   f"float64 {float(np.max(np.abs(a - t))):.3g}, one device's own "
+                                   f"{float(np.max(np.abs(b - t))):.3g}")
     return "equal", ""
+
+
+def _float64_reference(case: dict[str, Any], x, out_w) -> list[np.ndarray]:
+    """Output, input gradient and parameter gradients of the case on one device in float64 (``Cast`` steps still
+    round to float32 where the program asks for it)."""
+    with jax.enable_x64(True):
+        ref = Program({**case, "shard_in": None})
+        for p in ref.params:
+            p.value = jnp.asarray(p[...], jnp.float64)
+        x64, w64 = jnp.asarray(x, jnp.float64), jnp.asarray(out_w, jnp.float64)
+        y = ref(x64)
+        gm, gx = nnx.grad(lambda m, v: jnp.sum(m(v) * w64), argnums=(0, 1))(ref, x64)
+        return [np.asarray(v, np.float64) for v in [y, gx, *jax.tree.leaves(gm)]]
 
 
 def run_case(case: dict[str, Any]) -> str | None:
