@@ -160,6 +160,25 @@ class Assigner:
         for c in claims:
             self.claimed[c] = axes
 
+    def seed_explicit(self, notes: Sequence[OpNote]) -> None:
+        """Record the claims whose axes the user named (a Layout, a PartitionSpec) before the walk, so a split
+        placed earlier in program order avoids the axes a later named split it meets will take."""
+        for note in notes:
+            letters: dict[str, tuple[str, ...]] = {}
+            for i, st in enumerate(note.in_strategy):
+                if st is None or st.axes is None:
+                    continue
+                for d, axes in enumerate(st.axes):
+                    if axes:
+                        self.claimed[((note.uid, "in", i), d)] = tuple(axes)
+                        if note.in_dims is not None and note.in_dims[i][d] is not None:
+                            letters[note.in_dims[i][d]] = tuple(axes)
+            for j, dims in enumerate(note.out_dims or ()):
+                if (note.out_strategy or (None,) * len(note.out_dims))[j] is None:
+                    for pos, x in enumerate(dims):
+                        if x in letters:
+                            self.claimed[((note.uid, "out", j), pos)] = letters[x]
+
     def _who(self, c: tuple[Any, int]) -> str:
         key, d = c
         return f"{self.claim_names.get(key, key)} dim {d}"
@@ -489,6 +508,8 @@ def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode:
     if mode in ("semi_auto_parallel", "auto_parallel"):
         meetings, claim_names = user_meetings(closed, inputs, mesh, fixed, names)
     assigner = Assigner(mesh, meetings, claim_names)
+    if meetings is not None:
+        assigner.seed_explicit(notes_in(jaxpr))
     in_layouts: list[DimAxes | None] = [None] * len(inputs)
     first_use = _first_uses(jaxpr) if mode in ("semi_auto_parallel", "auto_parallel") else {}
     taken: set[str] = set()

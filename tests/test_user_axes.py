@@ -262,6 +262,12 @@ def _case(seed, mode, search, shape, steps):
             "steps": out, "remat": False, "invalid": False}
 
 
+def _with_layout(case, at, axes):
+    """Step ``at`` of ``case`` given as Layout calls on the fuzzer's Layout((2, 2, 2), ('x', 'y', 'z'))."""
+    case["steps"][at].update(form="layout", axes=axes)
+    return case
+
+
 @pytest.mark.parametrize("case", [
     # a claim on gelu's output met a claim on BiasAdd's input only through tanh's backward residual: refused
     _case(23, "auto_parallel", "recursive_programming", (8, 8),
@@ -274,7 +280,13 @@ def _case(seed, mode, search, shape, steps):
     # output meets, and a valid program was refused
     _case(291, "auto_parallel", "dynamic_programming", (8, 32),
           [("Transpose", ((2, 4),)), ("Sigmoid", ((2, 2),)), ("BiasAdd", None), ("OneHot", ((2,),))]),
-], ids=["gelu-tanh-bias", "relu-gelu-bmm", "mul-square-matmul-sigmoid", "transpose-sigmoid-onehot"])
+    # a later Layout names OneHot's axes ('x', 'y'); SoftmaxCrossEntropyWithLogits, split by counts and placed first,
+    # took 'y' for the class dim they meet on, and the program was refused: named axes are now claimed first
+    _with_layout(_case(7042, "semi_auto_parallel", None, (16, 32),
+                       [("SoftmaxCrossEntropyWithLogits", ((2, 2), (2, 2))), ("Minimum", None), ("OneHot", ((4,),))]),
+                 2, ((("x", "y"),),)),
+], ids=["gelu-tanh-bias", "relu-gelu-bmm", "mul-square-matmul-sigmoid", "transpose-sigmoid-onehot",
+        "sce-then-named-onehot"])
 def test_claims_meet_only_where_the_forward_program_meets_them(case):
     """User claims spread along the forward program only: a transposed mark (a primal's cotangent) is laid out by
     its primal and does not carry the claim back into residuals, where it met claims that never meet in the
