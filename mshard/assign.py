@@ -149,7 +149,7 @@ class Assigner:
                 err = LayoutError(
                     f"{self._who(mine)} (a {count}-way split over mesh axes {axes}) and {self._who(other)} (over "
                     f"{ax}) meet in op {op!r} and need disjoint mesh axes, but mesh "
-                    f"{dict(zip(self.mesh.names, self.mesh.shape))} has no free axes for both (shared: "
+                    f"{sizes} has no free axes for both (shared: "
                     f"{sorted(shared)}). Give both a Layout with disjoint axes, e.g. Layout((2, 4), ('dp', 'mp')) "
                     f"with layout('dp', 'None') for the data and layout('None', 'mp') for the weight, or use "
                     f"splits whose product divides device_num={self.mesh.size}.")

@@ -74,11 +74,14 @@ def _per_op(graph: Graph, pick: Callable[[Op], Strategy]) -> dict[int, Strategy]
 
 def baseline_plans(graph: Graph, params: CostParams, *, fully_use_devices: bool) -> dict[str, dict[int, Strategy]]:
     """The baselines of the module doc, by name (strategies for every op id)."""
+    semi_auto = follow_operands(graph, params).strategies
     plans = {
-        "data parallel": _with_data_split(graph, lambda: follow_operands(graph, params).strategies),
+        # with every data input already fixed (a dataset strategy), the data-parallel plan is semi_auto's
+        "data parallel": (_with_data_split(graph, lambda: follow_operands(graph, params).strategies)
+                          if any(op.kind == "data" and op.fixed is None for op in graph.ops) else semi_auto),
         "data parallel (per op)": _per_op(graph, lambda op: (replicated(op) if op.is_source and op.kind != "data"
                                                              else data_parallel_strategy(op, graph.mesh))),
-        "semi_auto": follow_operands(graph, params).strategies,
+        "semi_auto": semi_auto,
     }
     if not fully_use_devices:
         plans["replicated"] = _per_op(graph, replicated)
