@@ -5,11 +5,19 @@
 'semi_auto_parallel'
 """
 
+from . import checkpoint as checkpoint
 from . import dataset as dataset
 from . import errors as errors
 from . import fusion as fusion
 from . import nn as nn
 from . import ops as ops
+from .checkpoint import CheckpointConfig as CheckpointConfig
+from .checkpoint import CheckpointManager as CheckpointManager
+from .checkpoint import infer_predict_layout as infer_predict_layout
+from .checkpoint import load_checkpoint as load_checkpoint
+from .checkpoint import load_distributed_checkpoint as load_distributed_checkpoint
+from .checkpoint import save_checkpoint as save_checkpoint
+from .checkpoint import transform_checkpoints as transform_checkpoints
 from .comm_report import CommReport as CommReport
 from .comm_report import comm_report as comm_report
 from .context import ParallelMode as ParallelMode
@@ -31,11 +39,14 @@ from .region import jit as jit
 from .shard import shard as shard
 
 __all__ = [
+                      "CheckpointConfig",
+                      "CheckpointManager",
                       "CommReport",
                       "Layout",
                       "ParallelMode",
                       "Plan",
                       "Region",
+                      "checkpoint",
                       "comm_report",
                       "dataset",
                       "errors",
@@ -43,7 +54,10 @@ __all__ = [
                       "get_algo_parameters",
                       "get_auto_parallel_context",
                       "get_cost_model_context",
+                      "infer_predict_layout",
                       "jit",
+                      "load_checkpoint",
+                      "load_distributed_checkpoint",
                       "load_plan",
                       "nn",
                       "ops",
@@ -51,8 +65,10 @@ __all__ = [
                       "reset_algo_parameters",
                       "reset_auto_parallel_context",
                       "reset_cost_model_context",
+                      "save_checkpoint",
                       "set_algo_parameters",
                       "set_auto_parallel_context",
                       "set_cost_model_context",
                       "shard",
+                      "transform_checkpoints",
 ]

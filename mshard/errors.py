@@ -64,6 +64,11 @@ class OptimizerParallelError(MshardError, ValueError):
     split only 4 ways (the shard size must not exceed the data-parallel size)."""
 
 
+class CheckpointTypeError(MshardError, TypeError):
+    """A checkpoint call given an object it cannot save or load into (not an nnx Module, Cell or
+    TrainOneStepCell), or a metadata value that is not JSON."""
+
+
 class CellError(MshardError, ValueError):
     """A layer or training cell given a value it cannot use: ``Dropout(p=1.5)``, ``num_heads`` that does not
     divide ``hidden_size``, a batch that does not split into the replicas' micro-batches."""
@@ -90,6 +95,7 @@ __all__ = [
     "CellError",
     "CellTypeError",
     "CheckpointError",
+    "CheckpointTypeError",
     "CommFusionWarning",
     "ContextError",
     "ContextTypeError",

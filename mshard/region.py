@@ -314,6 +314,17 @@ class Region:
         return comp.jitted.lower(*[jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
                                    for x, sh in zip(flat, comp.in_shardings)])
 
+    def place(self, *args) -> None:
+        """Put the module arguments' variables on their planned shardings (plans for these arguments; runs
+        nothing). ``ms.load_checkpoint(..., inputs=...)`` restores into these layouts."""
+        comp, modules, states, _ = self._prepare(args, {})
+        self._place(comp, modules, states)
+
+    def param_shardings(self, *args) -> dict[str, NamedSharding]:
+        """The planned sharding of every module variable for these arguments, by parameter path."""
+        comp = self._prepare(args, {})[0]
+        return {info.name: sh for info, sh in zip(comp.infos, comp.in_shardings) if info.kind == "param"}
+
     def layouts(self, *args) -> RegionLayouts:
         """The planned layouts (mesh, inputs, marks) for these arguments (traces, does not run)."""
         return self._prepare(args, {})[0].layouts

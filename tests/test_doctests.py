@@ -24,7 +24,8 @@ MODULES = _with_examples(sorted(m.name for m in pkgutil.walk_packages(mshard.__p
 
 def test_the_public_modules_have_examples():
     for name in ("mshard.context", "mshard.layout", "mshard.plan", "mshard.region", "mshard.shard", "mshard.nn.train",
-                 "mshard.fusion", "mshard.comm_report", "mshard.dataset"):
+                 "mshard.fusion", "mshard.comm_report", "mshard.dataset", "mshard.checkpoint.api",
+                 "mshard.checkpoint.manager", "mshard.checkpoint.checksum", "mshard.checkpoint.infer"):
         assert name in MODULES, f"{name} has no docstring example"
 
 

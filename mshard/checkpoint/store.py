@@ -1,0 +1,198 @@
+"""The on-disk checkpoint: orbax does the I/O, mshard decides what is saved, where it goes and whether it is intact.
+
+A checkpoint directory holds one sub-directory per step (orbax's ``CheckpointManager`` layout), each with two
+items, committed together and atomically (orbax writes ``<step>.orbax-checkpoint-tmp`` and renames it):
+
+- ``state/``: every leaf as its own zarr array (``state/<leaf name>/<chunk>``, one chunk per shard of the saved
+  layout; no OCDBT, so a damaged leaf can be named by its file). Each process writes only its own shards.
+- ``mshard/``: JSON: format and version, the step, per leaf its shape, dtype, variable kind, saved layout and
+  content checksums per saved shard (:mod:`mshard.checkpoint.checksum`), the plan's strategy file when the
+  object has one, and the user's metadata.
+
+A step directory without orbax's commit marker (a save killed half way) is never listed and never loaded.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import itertools
+import json
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from ..errors import CheckpointError
+
+
+class _NoMergeNote(logging.Filter):
+    """Orbax notes at WARNING level, on every save, that it found no OCDBT files to merge: mshard saves without
+    OCDBT on purpose (one file per shard, so a damaged shard is named), so the note says nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_NoMergeNote())
+
+FORMAT = "mshard-checkpoint"
+VERSION = 1
+_MANAGERS: dict[tuple, ocp.CheckpointManager] = {}
+
+
+def manager(directory: str, keep: int | None = None, async_save: bool = True,
+            for_restore: bool = False) -> ocp.CheckpointManager:
+    """The (cached) orbax manager of ``directory``: keeps the last ``keep`` steps (all when None). A restore
+    uses whichever manager the directory has."""
+    directory = os.path.abspath(os.fspath(directory))
+    if for_restore:
+        for k, m in _MANAGERS.items():
+            if k[0] == directory:
+                return m
+    key = (directory, keep, async_save)
+    m = _MANAGERS.get(key)
+    if m is None:
+        for k in [k for k in _MANAGERS if k[0] == directory]:      # one manager per directory at a time
+            _MANAGERS.pop(k).wait_until_finished()
+        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True,
+                                            enable_async_checkpointing=async_save)
+        m = ocp.CheckpointManager(directory, options=opts, item_handlers={
+            "state": ocp.PyTreeCheckpointHandler(use_ocdbt=False), "mshard": ocp.JsonCheckpointHandler()})
+        _MANAGERS[key] = m
+    return m
+
+
+@atexit.register
+def _finish_saves() -> None:
+    for m in _MANAGERS.values():
+        try:
+            m.wait_until_finished()
+        except Exception:
+            pass
+
+
+def steps(directory: str) -> list[int]:
+    """The committed steps of ``directory`` (a half-written step is not one)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(n) for n in os.listdir(directory)
+                  if n.isdigit() and os.path.isfile(os.path.join(directory, n, "state", "commit_success.txt"))
+                  and os.path.isdir(os.path.join(directory, n, "mshard")))
+
+
+def resolve_step(directory: str, step: int | None, what: str) -> int:
+    found = steps(directory)
+    if not found:
+        raise CheckpointError(f"{what}: no committed checkpoint in {directory!r} (a directory written by "
+                              f"ms.save_checkpoint holds one sub-directory per step; a save that was killed "
+                              f"before it committed is not loaded).")
+    if step is None:
+        return found[-1]
+    if step not in found:
+        raise CheckpointError(f"{what}: step {step} is not a committed checkpoint in {directory!r}; committed steps: "
+                              f"{found}.")
+    return step
+
+
+def read_meta(directory: str, step: int, what: str) -> dict:
+    path = os.path.join(directory, str(step), "mshard", "metadata")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{what}: cannot read the mshard metadata of step {step} ({path}): {e}. The checkpoint "
+                              f"is damaged; load an earlier step.") from e
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise CheckpointError(f"{what}: {path} is not an mshard checkpoint of version {VERSION}.")
+    return meta
+
+
+@dataclass(frozen=True)
+class Chunks:
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+
+    def files(self) -> list[str]:
+        grid = [-(-n // c) if c else 1 for n, c in zip(self.shape, self.chunks)]
+        if not grid:
+            return ["0"]
+        return [".".join(map(str, ix)) for ix in np.ndindex(*grid)]
+
+    def covering(self, lo: tuple[int, ...], hi: tuple[int, ...]) -> list[str]:
+        """The chunk files that hold the index box [lo, hi)."""
+        if not self.shape:
+            return ["0"]
+        rngs = [range(a // c, -(-b // c)) for a, b, c in zip(lo, hi, self.chunks)]
+        return [".".join(map(str, ix)) for ix in itertools.product(*rngs)]
+
+
+def leaf_dir(directory: str, step: int, name: str) -> str:
+    return os.path.join(directory, str(step), "state", name)
+
+
+def chunks_of(directory: str, step: int, name: str, what: str) -> Chunks:
+    path = os.path.join(leaf_dir(directory, step, name), ".zarray")
+    try:
+        with open(path) as f:
+            z = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{what}: leaf {name!r}: cannot read {path}: {e}. The checkpoint is damaged; load an "
+                              f"earlier step.") from e
+    return Chunks(tuple(z["shape"]), tuple(z["chunks"]))
+
+
+def check_files(directory: str, step: int, names: list[str], what: str) -> None:
+    """Every chunk file of every leaf to load exists (zarr would read a missing chunk as its fill value)."""
+    for name in names:
+        ch = chunks_of(directory, step, name, what)
+        d = leaf_dir(directory, step, name)
+        missing = [f for f in ch.files() if not os.path.isfile(os.path.join(d, f))]
+        if missing:
+            raise CheckpointError(f"{what}: leaf {name!r}: file {os.path.join(d, missing[0])} is missing"
+                                  f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; the checkpoint "
+                                  f"of step {step} is incomplete. Load an earlier step.")
+
+
+def _orphan(u) -> bool:
+    """An orphaned read of a failed restore: its own error, or its event loop gone when it is finally collected."""
+    msg = str(u.exc_value)
+    return msg.startswith("Encountered error while reading array index") or (
+        isinstance(u.exc_value, RuntimeError) and msg == "Event loop is closed")
+
+
+def _drop_orphans() -> None:
+    """A failed orbax restore leaves its other reads as coroutines that were never awaited, each of which Python
+    would print as "Exception ignored in ..." when it is collected (the CheckpointError raised says it all):
+    collect them now, and from now on drop exactly these reports (other unraisable errors still reach the hook)."""
+    hook = sys.unraisablehook
+    if not getattr(hook, "_mshard_orphans", False):
+        def quiet(u, _hook=hook):
+            if not _orphan(u):
+                _hook(u)
+        quiet._mshard_orphans = True
+        sys.unraisablehook = quiet
+    gc.collect()
+
+
+def restore_error(e: BaseException, directory: str, step: int, names: list[str], what: str) -> CheckpointError:
+    """Orbax's restore error, with the leaf and file it is about (TensorStore's message is in the cause chain)."""
+    _drop_orphans()
+    chain, x = [], e
+    while x is not None and len(chain) < 8:
+        chain.append(str(x))
+        x = x.__cause__ or x.__context__
+    text = " | ".join(chain)
+    leaf = next((n for n in sorted(names, key=len, reverse=True) if f"{n}/" in text or f"{n}." in text), None)
+    m = re.search(r'"([^"]*/[^"/]+)"', text)
+    file = m.group(1) if m else None
+    if leaf and file and not os.path.isabs(file):
+        file = os.path.join(directory, str(step), "state", file)
+    where = f"leaf {leaf!r}" if leaf else "a leaf"
+    return CheckpointError(f"{what}: {where}{f', file {file}' if file else ''}: the checkpoint of step {step} in "
+                           f"{directory!r} cannot be read: {chain[-1][:400]}. The file is damaged or truncated; load "
+                           f"an earlier step.")
