@@ -30,6 +30,7 @@ def _fresh_mshard_context():
 SLOW = (
     "tests/test_multiprocess.py",
     "tests/test_train_multiprocess.py",
+    "tests/test_checkpoint_multiprocess.py",
     "tests/test_examples.py",
     "tests/test_train_examples.py",
     "tests/test_train_memory.py",
