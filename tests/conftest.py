@@ -31,6 +31,7 @@ SLOW = (
     "tests/test_multiprocess.py",
     "tests/test_train_multiprocess.py",
     "tests/test_checkpoint_multiprocess.py",
+    "tests/test_checkpoint.py::test_gpt_checkpoint_round_trip_with_rng_and_tokens",
     "tests/test_examples.py",
     "tests/test_train_examples.py",
     "tests/test_train_memory.py",

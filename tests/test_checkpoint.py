@@ -255,3 +255,32 @@ def test_gpt_checkpoint_round_trip_with_rng_and_tokens(tmp_path):
     ms.load_checkpoint(tmp_path, other)
     _assert_same(_values(other), _values(step))
     assert float(other(*data[1])) == float(step(*data[1]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "bool", "uint32"])
+def test_checksum_does_not_depend_on_the_layout_and_sees_one_flipped_bit(dtype):
+    from jax.sharding import PartitionSpec as P
+
+    from mshard.checkpoint.checksum import CHUNK, block_sums, total
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rng = np.random.default_rng(0)
+    rows = 2 * CHUNK // 1024 + 8              # a shard of more than one slice, and a remainder slice
+    host = (rng.normal(size=(rows, 1024)) * 100).astype(dtype) if dtype != "bool" else rng.random((rows, 1024)) > 0.5
+    layouts = [jax.devices()[3], *[NamedSharding(mesh, s) for s in (P("a"), P(None, "b"), P(("a", "b")), P(),
+                                                                     P("b", "a"))]]
+    xs = [jax.device_put(host, lay) for lay in layouts]
+    whole = [total(s) for s in block_sums(xs, [(1, 1)] * len(xs))]
+    assert all(np.array_equal(w, whole[0]) for w in whole)
+    # per block of a (2, 4) grid: a layout whose shards are the blocks, and layouts whose shards straddle them
+    grid = [b.reshape(-1, 2) for b in block_sums(xs, [(2, 4)] * len(xs))]
+    assert all(np.array_equal(g, grid[0]) for g in grid)
+    assert np.array_equal(total(grid[0]), whole[0])
+    flipped = np.array(host)
+    v = flipped.view(np.uint8) if dtype != "bool" else None
+    if v is not None:
+        v.reshape(-1)[v.size // 3] ^= 4                 # one bit of one element
+    else:
+        flipped[rows // 3, 7] = not flipped[rows // 3, 7]
+    (f,) = block_sums([jax.device_put(flipped, layouts[1])], [(2, 4)])
+    diff = [i for i in range(8) if not np.array_equal(f.reshape(-1, 2)[i], grid[0][i])]
+    assert len(diff) == 1 and not np.array_equal(total(f), whole[0])
