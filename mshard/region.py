@@ -26,7 +26,7 @@ from .assign import InputInfo, RegionLayouts, plan_region
 from .errors import DatasetStrategyError, RegionTypeError
 from .execute import emit
 from .guards import apply_guards
-from .layout import TensorStrategy, spec_of
+from .layout import TensorStrategy, normalize_in_strategy, spec_of
 
 
 def _is_array(x: Any) -> bool:
@@ -79,8 +79,15 @@ class Region:
                  input_layout_hook: Callable | None = None, donate_params: bool = False):
         """``input_layout_hook(infos, layouts) -> layouts.inputs``: a training wrapper may re-lay out inputs
         after planning (optimizer state following its parameter, ZeRO sharding). ``donate_params``: the
-        written parameter buffers are donated (a training step updates them in place)."""
+        written parameter buffers are donated (a training step updates them in place). ``data_strategy``: one
+        strategy per positional argument (``None`` for a module argument or to leave a data argument to
+        dataset_strategy), in any form ``shard`` takes."""
         self.fn = fn
+        if data_strategy is not None and not all(s is None or isinstance(s, TensorStrategy) for s in data_strategy):
+            where = f"ms.Region {name or getattr(fn, '__name__', 'region')!r} data_strategy"
+            data_strategy = tuple(None if s is None else (s if isinstance(s, TensorStrategy) else
+                                                          normalize_in_strategy((s,), 1, where)[0])
+                                  for s in data_strategy)
         self.input_layout_hook = input_layout_hook
         self.donate_params = donate_params
         self.data_strategy = data_strategy        # per-arg layouts for data args (a shard root's in_strategy)

@@ -31,3 +31,13 @@ def test_quickstart_notebook_executes():
     html = [o for o in outputs if "text/html" in o.get("data", {})]
     assert len(html) == 3 and "all-reduce" in html[0]["data"]["text/html"]
     assert env_flags is not None
+
+
+def test_infer_gpt_example_generates_like_one_device():
+    """Train dp x mp 2x4 + optimizer parallel, save, load into mp 8, decode with a head-split KV cache (the
+    example asserts the tokens equal one device's full forward and the decode step's collectives)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "infer_gpt.py"), "--steps", "20", "--new", "8"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "infer_gpt OK" in out.stdout and "same 8 tokens as one device" in out.stdout
