@@ -11,8 +11,9 @@
    them (the optimizer state is reported and left behind).
 3. Decoding: greedy, one token per call of a jitted region (``ms.Region`` of :func:`decode_step`) with a static
    KV cache ``[layers, 2, batch, heads, max_len, head_dim]`` laid out split 8 ways over heads; the prompt is fed
-   through the same step. The region plans the step once and reuses it for every position; its compiled program
-   moves exactly Megatron's two all-reduces per layer.
+   through the same step. The region plans the step once and, bound to the model (``region.bind(net)``), calls
+   the compiled program for every position without re-traversing the model; the program moves exactly
+   Megatron's two all-reduces per layer.
 4. Check: the same checkpoint loaded on one device generates with the plain full forward pass (no cache) at
    every position; the tokens must be equal.
 """
@@ -100,13 +101,14 @@ def cache_strategy(mp: int) -> tuple:
     return (None, (1, 1, 1, mp, 1, 1), (1, 1), None)
 
 
-def generate(region, net: GPT, prompt: np.ndarray, new: int) -> tuple[np.ndarray, jax.Array]:
-    """Greedy generation through ``region`` (a jitted :func:`decode_step`): the prompt, then ``new`` tokens."""
+def generate(step, prompt: np.ndarray, new: int) -> tuple[np.ndarray, jax.Array]:
+    """Greedy generation through ``step(cache, token, pos)`` (a jitted :func:`decode_step` bound to the model):
+    the prompt, then ``new`` tokens."""
     cache = new_cache(prompt.shape[0])
     out = [prompt[:, i:i + 1] for i in range(prompt.shape[1])]
     tok = jnp.asarray(out[0])
     for p in range(prompt.shape[1] + new - 1):
-        nxt, cache = region(net, cache, tok, jnp.int32(p))
+        nxt, cache = step(cache, tok, jnp.int32(p))
         tok = jnp.asarray(out[p + 1]) if p + 1 < prompt.shape[1] else nxt
         if p + 1 >= prompt.shape[1]:
             out.append(np.asarray(nxt))
@@ -151,7 +153,7 @@ def main(argv=None):
     print(f"loaded step {r.step} into mp = 8 ({len(r.ckpt_not_load)} optimizer leaves left behind); "
           f"blocks.0.attention.query.weight: {net.blocks[0].attention.query.weight[...].sharding.spec}")
     region = ms.Region(decode_step, data_strategy=cache_strategy(8), name="decode")
-    tokens, cache = generate(region, net, prompt, args.new)
+    tokens, cache = generate(region.bind(net), prompt, args.new)
     spec = cache.sharding.spec
     print(f"KV cache {cache.shape} laid out {spec}")
     assert cache.sharding.shard_shape(cache.shape)[3] == HEADS // 8, spec

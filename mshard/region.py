@@ -296,6 +296,30 @@ class Region:
         outs = comp.jitted(*flat_state, *flat_data)
         return self._finish(comp, modules, states, outs)
 
+    def bind(self, *modules: nnx.Module) -> BoundRegion:
+        """``f = region.bind(net)``; ``f(*data)`` is ``region(net, *data)`` without the per-call graph traversal.
+
+        For loops that call one region many times with the same modules (a decode loop, an eval loop): the first
+        call goes through the region; later calls read the modules' Variables, call the compiled program and write
+        the changed values back, as ``nnx.cached_partial`` does for ``nnx.jit``. Values written into the modules'
+        Variables between calls are seen; Variables or sub-modules *assigned* to a module after the first call are
+        not (bind again after changing a module's structure). A new context, strategy, data shape or dtype, or a
+        value of another layout goes through the region again.
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import mshard as ms
+        >>> lin = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+        >>> f = ms.jit(lambda m, x: m(x)).bind(lin)
+        >>> f(jnp.ones((8, 4))).shape, f(jnp.ones((8, 4))).shape
+        ((8, 2), (8, 2))
+        """
+        for m in modules:
+            if not isinstance(m, nnx.Module):
+                raise RegionTypeError(f"ms.jit region {self.name!r}: bind takes nnx Modules/Cells, got "
+                                      f"{type(m).__name__}; pass data arguments when calling the bound region.")
+        return BoundRegion(self, modules)
+
     def _finish(self, comp, modules, states, outs):
         n_changed = len(comp.changed)
         user, written = outs[:len(outs) - n_changed], outs[len(outs) - n_changed:]
@@ -350,6 +374,79 @@ class Region:
 
     def jaxpr(self, *args):
         return self._prepare(args, {})[0].closed
+
+
+def raw_ok(v: nnx.Variable) -> bool:
+    """Whether a Variable's array can be read/written directly (``_raw_value``: no get/set hooks, not a ref);
+    otherwise the fast paths use ``get_value``/``set_value`` (about 10 us each)."""
+    meta = getattr(v, "_var_metadata", None)
+    if not isinstance(meta, dict) or not hasattr(v, "_raw_value"):
+        return False
+    return not any(k in meta for k in ("on_get_value", "on_set_value")) and not meta.get("ref") \
+        and not meta.get("hijax") and isinstance(v._raw_value, jax.Array)
+
+
+class BoundRegion:
+    """A region with its module arguments bound (:meth:`Region.bind`)."""
+
+    def __init__(self, region: Region, modules: tuple):
+        self.region, self.modules = region, tuple(modules)
+        self._fast: tuple | None = None
+
+    def __call__(self, *data):
+        fast = self._fast
+        if fast is not None:
+            out = self._call_fast(fast, data)
+            if out is not _MISS:
+                return out
+        out = self.region(*self.modules, *data)
+        self._fast = self._build_fast(data)
+        return out
+
+    def _tokens(self):
+        return (ctxmod.current(), ctxmod.get_algo_parameters(), ctxmod.get_cost_model_context(), annotate.epoch())
+
+    def _build_fast(self, data: tuple):
+        flat, tree = jax.tree.flatten(data)
+        if not all(isinstance(x, (jax.Array, np.ndarray)) for x in flat):
+            return None
+        comp = self.region._prepare((*self.modules, *data), {})[0]       # the program just run (a cache hit)
+        variables = []
+        for m in self.modules:
+            _, state = nnx.split(m)
+            vs = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+            if len(vs) != len(jax.tree.leaves(state)) or not all(isinstance(v, nnx.Variable) for v in vs):
+                return None
+            variables += vs
+        avals = [(x.shape, x.dtype) for x in flat]
+        raw = [raw_ok(v) for v in variables]
+        return (comp, variables, raw, tree, avals, comp.in_shardings[len(variables):], self._tokens())
+
+    def _call_fast(self, fast, data: tuple):
+        comp, variables, raw, tree, avals, shardings, tokens = fast
+        if any(a is not b for a, b in zip(self._tokens()[:3], tokens[:3])) or annotate.epoch() != tokens[3]:
+            return _MISS
+        flat, t = jax.tree.flatten(data)
+        if t != tree or any(not isinstance(x, (jax.Array, np.ndarray)) or (x.shape, x.dtype) != a
+                            for x, a in zip(flat, avals)):
+            return _MISS
+        vals = [v._raw_value if r else v.get_value() for v, r in zip(variables, raw)]
+        if any(isinstance(x, jax.core.Tracer) for x in vals + flat):
+            return _MISS
+        try:
+            outs = comp.jitted(*vals, *_follow_plan(flat, shardings))
+        except (ValueError, TypeError):             # a value of another layout: the region places it
+            return _MISS
+        n_user = len(outs) - len(comp.changed)
+        for i, x in zip(comp.changed, outs[n_user:]):
+            if raw[i]:
+                variables[i]._raw_value = x
+            else:
+                variables[i].set_value(x)
+        return jax.tree.unflatten(comp.out_tree.children()[0], list(outs[:n_user]))
+
+
+_MISS = object()
 
 
 def _follow_plan(flat_data: list, shardings: list) -> list:

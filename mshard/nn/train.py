@@ -86,7 +86,7 @@ from .. import annotate, fusion
 from .. import context as ctxmod
 from ..errors import CellError, CellTypeError, CommFusionWarning, OptimizerParallelError, StrategyError
 from ..layout import DimAxes, RegionMesh, choose_axes, spec_of
-from ..region import Region, search_algorithm
+from ..region import Region, raw_ok, search_algorithm
 from .cell import Cell, register_paths
 from .layers import per_replica as replica_context
 
@@ -633,16 +633,6 @@ def _by_key(indices: list[int], keys: list, buckets: list[list[int]]):
 _MISS = object()
 
 
-def _raw_ok(v: nnx.Variable) -> bool:
-    """Whether a Variable's array can be read/written directly (``_raw_value``: no get/set hooks, not a ref);
-    otherwise the fast path uses ``get_value``/``set_value`` (about 10 us each)."""
-    meta = getattr(v, "_var_metadata", None)
-    if not isinstance(meta, dict) or not hasattr(v, "_raw_value"):
-        return False
-    return not any(k in meta for k in ("on_get_value", "on_set_value")) and not meta.get("ref") \
-        and not meta.get("hijax") and isinstance(v._raw_value, jax.Array)
-
-
 class _FastPath:
     """Repeated steps without the region's per-call ``nnx.split``/``nnx.update`` (tens of ms for a model with a
     few hundred Variables): after a first call through the region, the step keeps the network's and optimizer's
@@ -674,7 +664,7 @@ class _FastPath:
         variables = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
         if len(variables) != len(jax.tree.leaves(state)) or not all(isinstance(v, nnx.Variable) for v in variables):
             return None
-        raw = [_raw_ok(v) for v in variables]
+        raw = [raw_ok(v) for v in variables]
         avals = [(x.shape, x.dtype) for x in flat]
         shardings = comp.in_shardings[len(variables):]
         return _FastPath(comp, variables, raw, tree, avals, shardings)
