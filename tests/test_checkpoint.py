@@ -159,9 +159,10 @@ import mshard as ms
 class Big(nnx.Module):
     def __init__(self, n):
         self.w = nnx.Param(jnp.full((n, 1024), 1.5, jnp.float32))
-ms.save_checkpoint(Big(16), {str(tmp_path)!r}, step=1).wait()
+mgr = ms.CheckpointManager({str(tmp_path)!r}, ms.CheckpointConfig(keep_checkpoint_max=1))
+mgr.save(Big(16), step=1).wait()
 print("saved 1", flush=True)
-ms.save_checkpoint(Big(1 << 16), {str(tmp_path)!r}, step=2)          # 256 MB, asynchronous
+mgr.save(Big(1 << 16), step=2)          # 256 MB, asynchronous; keeping 1 step, step 1 goes once step 2 commits
 print("saving 2", flush=True)
 import time; time.sleep(60)
 """
