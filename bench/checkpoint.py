@@ -14,10 +14,12 @@ timed from the call to the commit on disk (save + wait), best of ``--repeats``:
 Restores read into the saved layouts; ``restore_reshard_s`` restores mshard's checkpoint into another layout of
 every leaf. ``ratio_*`` is mshard's time over raw orbax's (the issue asks <= 1.1 against orbax's default).
 
-Memory (``--memory``, run in a fresh process): one leaf of ``--gb`` GB saved split over the devices, restored into
-another layout; ``transient_bytes`` is the peak resident memory during ``load_checkpoint`` beyond the memory before
-it and the restored arrays themselves (Linux VmHWM, reset through /proc/self/clear_refs); compared with the
-largest shard one device holds and with the whole leaf (a full unsharded copy would add the whole leaf).
+Memory (``--memory``, run in a fresh process): one leaf of ``--gb`` / 2 GB saved split over the devices, restored
+into another layout, first by raw orbax (the same files and target), then by ``load_checkpoint``;
+``transient_bytes`` is the peak resident memory during the restore beyond the memory before it and the restored
+arrays themselves (Linux VmHWM, reset through /proc/self/clear_refs), against the largest shard one device holds
+and the process's share of the leaf (a full unsharded copy on the host would add the whole leaf). On simulated
+CPU devices the devices' memory is the host's, so the restored shards count here too; on a GPU they do not.
 """
 
 from __future__ import annotations
@@ -152,31 +154,45 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
+def _peak_during(fn) -> tuple[int, int, object]:
+    """(resident bytes before, peak resident bytes during, result) of ``fn()``."""
+    import gc
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:          # reset VmHWM to the current resident size
+        f.write("5")
+    before = _status("VmRSS")
+    out = fn()
+    return before, _status("VmHWM"), out
+
+
 def memory(gb: float) -> dict:
     mesh = _mesh()
     (x,) = _tree(gb, 1, [P(("a", "b"), None)], mesh).values()
     d = tempfile.mkdtemp(prefix="mshard-ckpt-mem-")
     try:
         ms.save_checkpoint(Holder({"w": x}), d, step=0).wait()
-        target = Holder({"w": jax.device_put(x, NamedSharding(mesh, P(None, ("a", "b"))))})
+        other = NamedSharding(mesh, P(None, ("a", "b")))
         want = np.asarray(x[:4])
+        shard = max(s.data.nbytes for s in x.addressable_shards)
+        local = sum(s.data.nbytes for s in x.addressable_shards)
+        nbytes = int(x.nbytes)
         del x
-        import gc
-        gc.collect()
-        with open("/proc/self/clear_refs", "w") as f:      # reset VmHWM to the current resident size
-            f.write("5")
-        before = _status("VmRSS")
-        ms.load_checkpoint(d, target)
-        jax.block_until_ready(target.w[...])
-        peak = _status("VmHWM")
-        w = target.w[...]
-        local = sum(s.data.nbytes for s in w.addressable_shards)
-        shard = max(s.data.nbytes for s in w.addressable_shards)
-        assert np.array_equal(np.asarray(w[:4]), want)
-        transient = peak - before - local
-        return {"leaf_bytes": int(w.nbytes), "largest_shard_bytes": int(shard), "process_bytes": int(local),
-                "rss_before": before, "peak_rss": peak, "transient_bytes": int(transient),
-                "transient_over_largest_shard": transient / shard, "transient_over_leaf": transient / w.nbytes,
+        # raw orbax, the same file into the same target layout (the floor mshard's restore stands on)
+        tgt = {"w": jax.ShapeDtypeStruct((nbytes // 4 // 1024, 1024), jnp.float32, sharding=other)}
+        m = ocp.CheckpointManager(d, item_handlers={"state": ocp.PyTreeCheckpointHandler(use_ocdbt=False)})
+        rargs = ocp.checkpoint_utils.construct_restore_args(tgt)
+        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(tgt, restore_args=rargs))
+        b0, p0, r = _peak_during(lambda: jax.block_until_ready(m.restore(0, args=args)))
+        del r
+        m.close()
+        target = Holder({"w": jax.device_put(jnp.zeros(tgt["w"].shape, jnp.float32), other)})
+        b1, p1, _ = _peak_during(lambda: (ms.load_checkpoint(d, target), jax.block_until_ready(target.w[...])))
+        assert np.array_equal(np.asarray(target.w[...][:4]), want)
+        t_orbax, t_mshard = p0 - b0 - local, p1 - b1 - local
+        return {"leaf_bytes": nbytes, "largest_shard_bytes": int(shard), "process_bytes": int(local),
+                "transient_bytes": int(t_mshard), "transient_orbax_bytes": int(t_orbax),
+                "transient_over_largest_shard": t_mshard / shard, "transient_over_process_share": t_mshard / local,
+                "transient_orbax_over_largest_shard": t_orbax / shard,
                 "platform": jax.devices()[0].platform, "devices": jax.device_count()}
     finally:
         shutil.rmtree(d, ignore_errors=True)
