@@ -6,6 +6,7 @@
 """
 
 from . import checkpoint as checkpoint
+from . import communication as communication
 from . import dataset as dataset
 from . import errors as errors
 from . import fusion as fusion
@@ -31,6 +32,7 @@ from .context import reset_cost_model_context as reset_cost_model_context
 from .context import set_algo_parameters as set_algo_parameters
 from .context import set_auto_parallel_context as set_auto_parallel_context
 from .context import set_cost_model_context as set_cost_model_context
+from .dryrun import dry_run as dry_run
 from .layout import Layout as Layout
 from .plan import Plan as Plan
 from .plan import load_plan as load_plan
@@ -48,7 +50,9 @@ __all__ = [
                       "Region",
                       "checkpoint",
                       "comm_report",
+                      "communication",
                       "dataset",
+                      "dry_run",
                       "errors",
                       "fusion",
                       "get_algo_parameters",

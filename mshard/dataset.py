@@ -127,11 +127,50 @@ def _shard_one_batch(batch: Any) -> Any:
                                        f"an array, or a tuple/list/dict of arrays.")
     shapes = [tuple(np.shape(a)) for a in arrays]
     if jax.process_count() > 1:
+        _agree(shapes, [np.asarray(a).dtype if not hasattr(a, "dtype") else a.dtype for a in arrays])
         # each process passes its own rows: the global batch is process_count times larger along split dims
         shardings = batch_shardings(_global_shapes(shapes))
     else:
         shardings = batch_shardings(shapes)
     return _unflatten([_one(a, sh) for a, sh in zip(arrays, shardings)], how)
+
+
+_SLOTS = 64
+
+
+def _encode(shapes: list[tuple[int, ...]], dtypes: list) -> np.ndarray:
+    """A fixed-size description of a process's local batch (every process must send the same size)."""
+    words = [len(shapes)]
+    for s, d in zip(shapes, dtypes):
+        words += [len(s), *s, int(np.dtype(d).num)]
+    head = words[:_SLOTS - 1] + [0] * max(0, _SLOTS - 1 - len(words))
+    return np.asarray([*head, hash(tuple(words)) % (2**31)], np.int64)
+
+
+def _decode(row: np.ndarray) -> str:
+    n, i, out = int(row[0]), 1, []
+    for _ in range(n):
+        if i >= _SLOTS - 1:
+            out.append("...")
+            break
+        r = int(row[i])
+        out.append(tuple(int(v) for v in row[i + 1:i + 1 + r]))
+        i += r + 2
+    return ", ".join(map(str, out))
+
+
+def _agree(shapes: list[tuple[int, ...]], dtypes: list) -> None:
+    """Multi-process: every process's local batch has the same shapes and dtypes, or every process raises.
+    (Ranks that feed different local shapes would compile different programs whose collectives can still line
+    up, and train on a silently wrong loss.) One small all-gather per batch."""
+    from jax.experimental import multihost_utils
+    rows = np.asarray(multihost_utils.process_allgather(_encode(shapes, dtypes)))
+    if all(np.array_equal(r, rows[0]) for r in rows):
+        return
+    desc = "; ".join(f"rank {k}: {_decode(r)}" for k, r in enumerate(rows))
+    raise DatasetStrategyError(f"shard_batch: the processes' local batches disagree ({desc}); every process must "
+                               f"feed a local batch of the same shapes and dtypes (the global batch is their "
+                               f"concatenation). Drop or pad the last, smaller batch on every rank.")
 
 
 def _global_shapes(local: list[tuple[int, ...]]) -> list[tuple[int, ...]]:

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from . import annotate
+from . import annotate, dryrun
 from . import context as ctxmod
 from .assign import InputInfo, RegionLayouts, plan_region
 from .errors import DatasetStrategyError, RegionTypeError
@@ -285,6 +285,8 @@ class Region:
     def __call__(self, *args, **kwargs):
         comp, modules, states, flat_data = self._prepare(args, kwargs)
         leaves = [x for s in states for x in jax.tree.leaves(s)]
+        if dryrun.active() and not any(isinstance(x, jax.core.Tracer) for x in leaves + list(flat_data)):
+            dryrun.stop_after(self, comp, args, leaves + list(flat_data))
         if any(isinstance(x, jax.core.Tracer) for x in leaves + list(flat_data)):
             # inside jax.jit / jax.grad / jax.vmap: the values are not placed (a tracer has no buffer), they are
             # constrained to the planned layouts, and the region's jitted program is traced into the caller's

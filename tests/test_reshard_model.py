@@ -80,7 +80,8 @@ def single_moves(rank: int):
 
 
 def test_single_axis_moves_on_the_planner_mesh_rank2():
-    check((2, 2, 2), (16, 32), single_moves(2))
+    pairs = single_moves(2)                 # 0.2 s each to compile: a fixed sample of 100 (bench/reshard_vs_hlo.py: all)
+    check((2, 2, 2), (16, 32), random.Random(0).sample(pairs, min(100, len(pairs))))
 
 
 def test_single_axis_moves_on_the_planner_mesh_rank3():

@@ -1,0 +1,7 @@
+"""``python -m mshard run ...``: the same as the ``mshard`` console command (see :mod:`mshard.launch`)."""
+
+import sys
+
+from .launch import main
+
+sys.exit(main())

@@ -1,0 +1,136 @@
+"""`mshard run` and ms.communication (issue 18): a 2-process job trains equal to one device; every fault ends the
+whole job within 15 s with a non-zero exit naming the failing rank; mismatched local batches raise; environment
+detection; the dry run."""
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import mshard as ms
+
+MP = pathlib.Path(__file__).parent / "mp"
+WORKER = MP / "worker_launch.py"
+
+
+def _port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _launch(tmp_path, fault="none", extra=(), script=WORKER, devices=4):
+    env = dict(os.environ, FAULT=fault, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    cmd = [sys.executable, "-m", "mshard", "run", "--worker_num=2", "--local_worker_num=2",
+           f"--master_port={_port()}", f"--log_dir={tmp_path}", *extra, str(script)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_for(path: pathlib.Path, text: str, p: subprocess.Popen, timeout: float = 120) -> str:
+    end = time.time() + timeout
+    while time.time() < end:
+        body = path.read_text() if path.exists() else ""
+        if text in body:
+            return body
+        if p.poll() is not None:
+            pytest.fail(f"the job ended before {text!r} appeared in {path}: {p.communicate()}")
+        time.sleep(0.05)
+    p.kill()
+    pytest.fail(f"{text!r} did not appear in {path} within {timeout} s")
+
+
+def test_two_processes_train_equal_to_one_device(tmp_path):
+    p = _launch(tmp_path)
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == 0, err[-3000:]
+    for r in range(2):
+        log = (tmp_path / f"worker_{r}.log").read_text()
+        assert f"process {r} OK" in log and "mshard.communication.init: mshard run: process" in log, log[-2000:]
+    assert "[worker 0] " in out and "[worker 1] " in out and "all 2 workers finished" in out
+
+
+@pytest.mark.parametrize("fault,rank,sig", [("kill", 1, signal.SIGKILL), ("kill", 0, signal.SIGKILL),
+                                            ("stop", 1, signal.SIGSTOP), ("raise", 1, None)])
+def test_a_fault_ends_the_job_within_15_s(tmp_path, fault, rank, sig):
+    p = _launch(tmp_path, fault="raise" if fault == "raise" else "loop")
+    log = tmp_path / f"worker_{rank}.log"
+    body = _wait_for(log, "step 2 ", p)
+    pid = int(body.split(" pid ", 1)[1].split()[0])
+    t0 = time.time()
+    if sig is not None:
+        os.kill(pid, sig)
+    try:
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        if sig == signal.SIGSTOP:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    elapsed = time.time() - t0
+    assert p.returncode != 0
+    assert elapsed < 15, f"{fault} rank {rank}: the job took {elapsed:.1f} s to end"
+    assert "mshard run: worker" in err and "failed" in err, err[-2000:]
+    if fault in ("kill", "raise"):
+        assert f"worker {rank} failed" in err, err[-2000:]
+    if fault == "raise":
+        assert "a bad value on rank 1 only" in err            # the last lines of its log
+    print(f"{fault} rank {rank}: ended in {elapsed:.2f} s; {err.strip().splitlines()[0]}")
+
+
+def test_mismatched_local_batches_raise_on_every_rank(tmp_path):
+    p = _launch(tmp_path, fault="batch")
+    p.communicate(timeout=240)
+    assert p.returncode != 0
+    logs = [(tmp_path / f"worker_{r}.log").read_text() for r in range(2)]
+    hit = [log for log in logs if "DatasetStrategyError" in log]
+    assert hit, logs
+    assert "rank 0: (8, 16), (8, 8); rank 1: (4, 16), (4, 8)" in hit[0], hit[0][-2000:]
+
+
+def test_dry_run_plans_a_step_for_64_devices_and_runs_nothing(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run([sys.executable, "-m", "mshard", "run", "--dry_run", "--worker_num=64",
+                          str(MP / "worker_dry.py")], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "region 'TrainOneStepCell' on 64 devices (compiled, not run)" in out.stdout, out.stdout[-3000:]
+    assert "per-device memory: argument" in out.stdout and "loss" not in out.stdout.split("compiled, not run")[1]
+    assert "ran the steps" not in out.stdout
+
+
+@pytest.mark.parametrize("env,want", [
+    ({}, ("single process", None)),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
+      "SLURM_STEP_NODELIST": "gpu[03-04]"},
+     ("SLURM", {"coordinator_address": "gpu03:8118", "num_processes": 4, "process_id": 3, "local_rank": 1})),
+    ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "OMPI_MCA_orte_hnp_uri": "123.0;tcp://10.1.2.3:4567"},
+     ("Open MPI", {"coordinator_address": "10.1.2.3:8118", "num_processes": 2, "process_id": 1, "local_rank": 1})),
+    ({"MSHARD_COORDINATOR": "h:1", "MSHARD_NUM_PROCESSES": "2", "MSHARD_PROCESS_ID": "0", "SLURM_JOB_ID": "1",
+      "SLURM_NTASKS": "9"},
+     ("mshard run", {"coordinator_address": "h:1", "num_processes": 2, "process_id": 0, "local_rank": 0})),
+])
+def test_environment_detection(env, want):
+    assert ms.communication.detect(env) == want
+
+
+def test_launcher_argument_errors(tmp_path):
+    from mshard import launch
+    script = tmp_path / "s.py"
+    script.write_text("")
+    for argv, msg in ((["--worker_num=2", "--local_worker_num=3", str(script)], "exceeds --worker_num=2"),
+                      (["--worker_num=4", "--local_worker_num=2", "--node_rank=2", str(script)], "node 2"),
+                      (["--worker_num=2", str(tmp_path / "missing.py")], "not found")):
+        with pytest.raises(SystemExit, match=msg):
+            launch.run(launch.parser().parse_args(argv))
+    with pytest.raises(ms.errors.ContextError, match="MSHARD_NUM_PROCESSES"):
+        ms.communication.detect({"MSHARD_COORDINATOR": "h:1"})
