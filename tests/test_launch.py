@@ -45,8 +45,9 @@ def _wait_for(path: pathlib.Path, text: str, p: subprocess.Popen, timeout: float
     pytest.fail(f"{text!r} did not appear in {path} within {timeout} s")
 
 
-def test_two_processes_train_equal_to_one_device(tmp_path):
-    p = _launch(tmp_path)
+@pytest.mark.parametrize("fault", ["none", "hybrid"])
+def test_two_processes_train_equal_to_one_device(tmp_path, fault):
+    p = _launch(tmp_path, fault=fault)
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, err[-3000:]
     for r in range(2):

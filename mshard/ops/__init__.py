@@ -4,7 +4,9 @@ from ..shard import shard as shard
 from .comm import AllGather as AllGather
 from .comm import AllReduce as AllReduce
 from .comm import AlltoAll as AlltoAll
+from .comm import Broadcast as Broadcast
 from .comm import ReduceScatter as ReduceScatter
+from .comm import SendReceive as SendReceive
 from .primitive import Primitive as Primitive
 from .primitives import Add as Add
 from .primitives import AvgPool as AvgPool

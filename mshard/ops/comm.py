@@ -15,7 +15,9 @@ True
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
+from ..errors import StrategyError
 from .primitive import Primitive
 
 
@@ -57,14 +59,50 @@ class AllGather(_Collective):
 
 
 class ReduceScatter(_Collective):
-    """``ReduceScatter(op="sum", group=None)``: sum, then keep this device's slice of dim 0."""
+    """``ReduceScatter(op="sum", group=None)``: sum over the group, then keep this device's slice of dim 0
+    (``op`` ``"sum"``, or ``"mean"``: the sum divided by the group size)."""
 
     def __init__(self, op: str = "sum", group=None, name: str | None = None):
         super().__init__(name)
-        self.group = group
+        if op.lower() not in ("sum", "mean"):
+            raise StrategyError(f"ReduceScatter: op={op!r} is not supported; use 'sum' or 'mean' (JAX reduce-scatters "
+                                f"sums).")
+        self.op, self.group = op.lower(), group
 
     def compute(self, x):
-        return jax.lax.psum_scatter(x, _group(self.group), scatter_dimension=0, tiled=True)
+        g = _group(self.group)
+        out = jax.lax.psum_scatter(x, g, scatter_dimension=0, tiled=True)
+        return out / jax.lax.psum(1, g) if self.op == "mean" else out
+
+
+class Broadcast(_Collective):
+    """``Broadcast(root_rank, group=None)``: every device of the group gets ``root_rank``'s value (its index along
+    the group's axes)."""
+
+    def __init__(self, root_rank: int = 0, group=None, name: str | None = None):
+        super().__init__(name)
+        self.root_rank, self.group = int(root_rank), group
+
+    def compute(self, x):
+        g = _group(self.group)
+        mine = jax.lax.axis_index(g) == self.root_rank
+        return jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), g)
+
+
+class SendReceive(_Collective):
+    """``SendReceive(pairs, group=None)``: MindSpore's ``Send``/``Receive`` as one SPMD op: for each
+    ``(src, dst)`` in ``pairs`` the device ``src`` (its index along the group's axes) sends its value and
+    ``dst`` receives it; a device that receives nothing gets zeros (``jax.lax.ppermute``).
+
+    Differences from MindSpore: a send and its receive are one op that every device of the group runs (SPMD),
+    not two ops on two ranks matched by ``sr_tag``."""
+
+    def __init__(self, pairs, group=None, name: str | None = None):
+        super().__init__(name)
+        self.pairs, self.group = tuple((int(a), int(b)) for a, b in pairs), group
+
+    def compute(self, x):
+        return jax.lax.ppermute(x, _group(self.group), self.pairs)
 
 
 class AlltoAll(_Collective):

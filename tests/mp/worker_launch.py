@@ -2,7 +2,8 @@
 job's devices, fed per rank through ms.dataset.shard_batch, checked against one device at the end.
 
 Env: FAULT = none | raise (rank 1 raises a ValueError at step 3) | batch (rank 1 feeds half as many rows) |
-loop (train until killed: the test kills or stops a worker); STEPS (default 3).
+loop (train until killed: the test kills or stops a worker) | hybrid (hybrid_parallel: a hand-sliced row-parallel
+layer in a jax.shard_map over every device of the job, with ms.ops.AllReduce); STEPS (default 3).
 """
 
 import os
@@ -18,6 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from mshard import nn  # noqa: E402
 
@@ -30,13 +32,29 @@ print(f"rank {rank} of {size} pid {os.getpid()} local rank {ms.communication.get
       f"devices {jax.device_count()}", flush=True)
 
 
+class RowParallel(nn.Cell):
+    """hybrid_parallel: the weight's rows split over every device, partial products summed by ms.ops.AllReduce."""
+
+    def __init__(self, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (32, 32)) * 0.1)
+
+    def __call__(self, x):
+        if ms.get_auto_parallel_context("parallel_mode") != "hybrid_parallel":
+            return x @ self.w[...]
+        mesh = jax.make_mesh((jax.device_count(),), ("mp",), axis_types=(jax.sharding.AxisType.Auto,))
+        return jax.shard_map(lambda xl, wl: ms.ops.AllReduce(group="mp")(xl @ wl), mesh=mesh,
+                             in_specs=(P(None, "mp"), P("mp", None)), out_specs=P())(x, self.w[...])
+
+
 class MLP(nn.Cell):
     def __init__(self, rngs):
         self.fc1 = nn.Dense(16, 32, activation="relu", rngs=rngs)
+        self.row = RowParallel(rngs) if fault == "hybrid" else None
         self.fc2 = nn.Dense(32, 8, rngs=rngs)
 
     def __call__(self, x):
-        return self.fc2(self.fc1(x))
+        h = self.fc1(x)
+        return self.fc2(jax.nn.relu(self.row(h)) if self.row is not None else h)
 
 
 def mse(p, y):
@@ -47,7 +65,10 @@ rng = np.random.default_rng(0)
 rows = 8 * size
 data = [(rng.normal(size=(rows, 16)).astype(np.float32), rng.normal(size=(rows, 8)).astype(np.float32))
         for _ in range(steps)]
-ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=jax.device_count(), gradients_mean=True)
+with ms.parallel_context(parallel_mode="stand_alone"):          # one local device, full batches
+    _, _, ref = train_one_device(MLP(nnx.Rngs(0)), optax.adam(1e-2), data, mse, device=jax.local_devices()[0])
+mode = "hybrid_parallel" if fault == "hybrid" else "data_parallel"
+ms.set_auto_parallel_context(parallel_mode=mode, device_num=jax.device_count(), gradients_mean=True)
 net = MLP(nnx.Rngs(0))
 step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
 losses = []
@@ -66,7 +87,6 @@ while True:
         time.sleep(0.05)
     elif k == steps:
         break
-_, _, ref = train_one_device(MLP(nnx.Rngs(0)), optax.adam(1e-2), data, mse, device=jax.local_devices()[0])
 # float32: 16/32-term dot products and a 64-row MSE mean reordered over the devices, over 3 Adam steps (lr 1e-2)
 np.testing.assert_allclose(losses, ref, rtol=1e-5)
 print(f"process {rank} OK", flush=True)
