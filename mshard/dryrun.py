@@ -23,6 +23,8 @@ import sys
 
 import jax
 
+from .errors import ContextError
+
 __all__ = ["DryRunComplete", "active", "dry_run"]
 
 _SCOPES: list = []
@@ -63,7 +65,14 @@ def stop_after(region, comp, args: tuple, flat: list) -> None:
     """Compile ``comp`` for abstract arguments laid out as planned, print the report, raise DryRunComplete."""
     from .comm_report import CommReport
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) for x, sh in zip(flat, comp.in_shardings)]
-    compiled = comp.jitted.lower(*abstract).compile()
+    try:
+        compiled = comp.jitted.lower(*abstract).compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "Multiprocess computations aren't implemented" not in str(e):
+            raise
+        raise ContextError(f"dry run: XLA's CPU backend cannot compile a program for {jax.device_count()} simulated "
+                           f"devices (it stops at 2048 with JAX 0.10 here: {e}). Dry-run at most 2048 devices, e.g. "
+                           f"--worker_num=256 --sim_devices_per_worker=8.") from e
     mem = compiled.memory_analysis()
     memory = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "temp", "alias",
                                                                            "generated_code")}
