@@ -85,14 +85,31 @@ def _mshard(env: Mapping[str, str]) -> dict | None:
 SOURCES = (("mshard run", _mshard), ("SLURM", _slurm), ("Open MPI", _ompi))
 
 
+def _jax_clusters() -> list[str]:
+    """The clusters JAX's own detection finds in this process's environment (Kubernetes JobSets, TPU pods, mpi4py,
+    ...), by class name; [] when none (or when this JAX has no such registry)."""
+    try:
+        from jax._src import clusters
+        return [c.__name__ for c in clusters.ClusterEnv._cluster_types if c.is_env_present()]
+    except Exception:            # a private registry: its absence only means "not detected"
+        return []
+
+
 def detect(env: Mapping[str, str] | None = None) -> tuple[str, dict | None]:
-    """Which launcher started this process: ``(source, arguments for jax.distributed.initialize)``; one process
-    gives ``("single process", None)``. Reads ``env`` (default ``os.environ``); starts nothing."""
+    """Which launcher started this process: ``(source, arguments for jax.distributed.initialize)``; a cluster
+    only JAX's own detection knows gives ``("jax: <ClusterClass>", {})`` (``initialize()`` finds the rest); one
+    process gives ``("single process", None)``. Reads ``env`` (default ``os.environ``; JAX's detection only for
+    the real environment); starts nothing."""
+    real = env is None
     env = os.environ if env is None else env
     for name, fn in SOURCES:
         found = fn(env)
         if found is not None:
             return name, found
+    if real:
+        found = _jax_clusters()
+        if found:
+            return f"jax: {found[0]}", {}
     return "single process", None
 
 
@@ -142,17 +159,17 @@ def init(backend_name: str | None = None, *, heartbeat_timeout_seconds: int = 10
     if initialization_timeout is None:
         initialization_timeout = int(os.environ.get("MSHARD_CLUSTER_TIME_OUT", 300))
     jax.config.update("jax_cpu_collectives_implementation", "gloo")      # CPU devices only; GPUs use NCCL
-    local_rank = args.pop("local_rank")
+    local_rank = args.pop("local_rank", 0)
     jax.distributed.initialize(**args, initialization_timeout=initialization_timeout,
                                heartbeat_timeout_seconds=heartbeat_timeout_seconds,
                                shutdown_timeout_seconds=shutdown_timeout_seconds)
     _STATE.update(source=source, local_rank=local_rank)
     if fail_fast:
-        _fail_fast_hooks(args["process_id"])
+        _fail_fast_hooks(jax.process_index())
     if not quiet:
-        print(f"mshard.communication.init: {source}: process {args['process_id']} of {args['num_processes']}, "
-              f"coordinator {args['coordinator_address']}, {jax.local_device_count()} local devices",
-              file=sys.stderr, flush=True)
+        print(f"mshard.communication.init: {source}: process {jax.process_index()} of {jax.process_count()}, "
+              f"coordinator {args.get('coordinator_address', '(found by JAX)')}, {jax.local_device_count()} local "
+              f"devices", file=sys.stderr, flush=True)
     return source
 
 

@@ -8,11 +8,11 @@ summary, collectives and compiled per-device memory are printed, and :class:`Dry
 (exit code 0; the ``with`` block swallows it and keeps the report).
 
 >>> import jax.numpy as jnp, mshard as ms
->>> with ms.dry_run() as dr:
+>>> with ms.dry_run(quiet=True) as dr:
 ...     ms.jit(lambda x: x * 2)(jnp.ones((8, 4)))
 ...     print("not reached")
->>> dr.report["devices"] == 8 and dr.report["memory"]["argument_bytes"] == 16
-True
+>>> dr.report["devices"], sorted(dr.report["memory"])[:2]
+(8, ['alias_bytes', 'argument_bytes'])
 """
 
 from __future__ import annotations
