@@ -8,11 +8,13 @@ summary, collectives and compiled per-device memory are printed, and :class:`Dry
 (exit code 0; the ``with`` block swallows it and keeps the report).
 
 >>> import jax.numpy as jnp, mshard as ms
+>>> ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8)
 >>> with ms.dry_run(quiet=True) as dr:
 ...     ms.jit(lambda x: x * 2)(jnp.ones((8, 4)))
 ...     print("not reached")
 >>> dr.report["devices"], sorted(dr.report["memory"])[:2]
 (8, ['alias_bytes', 'argument_bytes'])
+>>> ms.reset_auto_parallel_context()
 """
 
 from __future__ import annotations
