@@ -14,8 +14,8 @@ timed from the call to the commit on disk (save + wait), best of ``--repeats``:
 Restores read into the saved layouts; ``restore_reshard_s`` restores mshard's checkpoint into another layout of
 every leaf. ``ratio_*`` is mshard's time over raw orbax's (the issue asks <= 1.1 against orbax's default).
 
-Memory (``--memory``, run in a fresh process): one leaf of ``--gb`` / 2 GB saved split over the devices, restored
-into another layout, first by raw orbax (the same files and target), then by ``load_checkpoint``;
+Memory (``--memory orbax|mshard``, each in a fresh process): one leaf of ``--gb`` / 2 GB saved split over the
+devices, restored into another layout by raw orbax (the same files and target) or by ``load_checkpoint``;
 ``transient_bytes`` is the peak resident memory during the restore beyond the memory before it and the restored
 arrays themselves (Linux VmHWM, reset through /proc/self/clear_refs), against the largest shard one device holds
 and the process's share of the leaf (a full unsharded copy on the host would add the whole leaf). On simulated
@@ -165,7 +165,9 @@ def _peak_during(fn) -> tuple[int, int, object]:
     return before, _status("VmHWM"), out
 
 
-def memory(gb: float) -> dict:
+def memory(gb: float, which: str) -> dict:
+    """One restore, by ``which`` (``orbax`` or ``mshard``), in this fresh process (freed memory stays resident
+    in the allocator, so each restore is measured in its own process)."""
     mesh = _mesh()
     (x,) = _tree(gb, 1, [P(("a", "b"), None)], mesh).values()
     d = tempfile.mkdtemp(prefix="mshard-ckpt-mem-")
@@ -177,22 +179,22 @@ def memory(gb: float) -> dict:
         local = sum(s.data.nbytes for s in x.addressable_shards)
         nbytes = int(x.nbytes)
         del x
-        # raw orbax, the same file into the same target layout (the floor mshard's restore stands on)
         tgt = {"w": jax.ShapeDtypeStruct((nbytes // 4 // 1024, 1024), jnp.float32, sharding=other)}
-        m = ocp.CheckpointManager(d, item_handlers={"state": ocp.PyTreeCheckpointHandler(use_ocdbt=False)})
-        rargs = ocp.checkpoint_utils.construct_restore_args(tgt)
-        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(tgt, restore_args=rargs))
-        b0, p0, r = _peak_during(lambda: jax.block_until_ready(m.restore(0, args=args)))
-        del r
-        m.close()
-        target = Holder({"w": jax.device_put(jnp.zeros(tgt["w"].shape, jnp.float32), other)})
-        b1, p1, _ = _peak_during(lambda: (ms.load_checkpoint(d, target), jax.block_until_ready(target.w[...])))
-        assert np.array_equal(np.asarray(target.w[...][:4]), want)
-        t_orbax, t_mshard = p0 - b0 - local, p1 - b1 - local
-        return {"leaf_bytes": nbytes, "largest_shard_bytes": int(shard), "process_bytes": int(local),
-                "transient_bytes": int(t_mshard), "transient_orbax_bytes": int(t_orbax),
-                "transient_over_largest_shard": t_mshard / shard, "transient_over_process_share": t_mshard / local,
-                "transient_orbax_over_largest_shard": t_orbax / shard,
+        if which == "orbax":          # raw orbax, the same files into the same target layout
+            m = ocp.CheckpointManager(d, item_handlers={"state": ocp.PyTreeCheckpointHandler(use_ocdbt=False)})
+            args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                tgt, restore_args=ocp.checkpoint_utils.construct_restore_args(tgt)))
+            before, peak, out = _peak_during(lambda: jax.block_until_ready(m.restore(0, args=args)["state"]))
+            got = out["w"]
+        else:
+            target = Holder({"w": jax.device_put(jnp.zeros(tgt["w"].shape, jnp.float32), other)})
+            before, peak, _ = _peak_during(lambda: (ms.load_checkpoint(d, target), jax.block_until_ready(target.w[...])))
+            got = target.w[...]
+        assert np.array_equal(np.asarray(got[:4]), want)
+        transient = peak - before - local
+        return {"which": which, "leaf_bytes": nbytes, "largest_shard_bytes": int(shard), "process_bytes": int(local),
+                "transient_bytes": int(transient), "transient_over_largest_shard": transient / shard,
+                "transient_over_process_share": transient / local,
                 "platform": jax.devices()[0].platform, "devices": jax.device_count()}
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -203,18 +205,19 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--leaves", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--memory", action="store_true", help="only the memory probe (run in a fresh process)")
+    ap.add_argument("--memory", choices=("orbax", "mshard"), help="only one memory probe (run in a fresh process)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "checkpoint.json"))
     a = ap.parse_args()
     if a.memory:
-        print(json.dumps(memory(a.gb)))
+        print(json.dumps(memory(a.gb, a.memory)))
         return
-    res = {"throughput": throughput(a.gb, a.leaves, a.repeats)}
-    mem = subprocess.run([sys.executable, __file__, "--memory", "--gb", str(a.gb / 2)], capture_output=True, text=True,
-                         env=os.environ.copy())
-    if mem.returncode:
-        raise SystemExit(f"memory probe failed:\n{mem.stderr[-3000:]}")
-    res["memory"] = json.loads(mem.stdout.strip().splitlines()[-1])
+    res = {"throughput": throughput(a.gb, a.leaves, a.repeats), "memory": {}}
+    for which in ("orbax", "mshard"):
+        mem = subprocess.run([sys.executable, __file__, "--memory", which, "--gb", str(a.gb / 2)], capture_output=True,
+                             text=True, env=os.environ.copy())
+        if mem.returncode:
+            raise SystemExit(f"memory probe failed:\n{mem.stderr[-3000:]}")
+        res["memory"][which] = json.loads(mem.stdout.strip().splitlines()[-1])
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
