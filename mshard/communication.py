@@ -16,9 +16,9 @@ It prints one line naming the source it used. It also sets fail-fast defaults, e
 - ``shutdown_timeout_seconds=10``: a clean exit waits at most this long for the others;
 - ``collective_timeout_seconds=60`` (CPU collectives, ``--xla_cpu_collective_timeout_seconds``; XLA's default is
   30 minutes): a collective whose peer never arrives raises instead of waiting;
-- an uncaught exception in any thread logs ``rank r: <error>`` with its traceback and ends the process at once
-  with ``os._exit(1)``, instead of waiting in JAX's shutdown barrier for peers that will never arrive (which
-  took 300 s before); ``mshard run`` then stops the other workers.
+- an uncaught exception in any thread logs ``mshard: rank r failed at <time>: <error>`` with its traceback and
+  ends the process at once with ``os._exit(1)``, instead of waiting in JAX's shutdown barrier for peers that will
+  never arrive (which took 300 s before); ``mshard run`` then stops the other workers.
 
 >>> import mshard as ms
 >>> ms.communication.detect({})
@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Mapping
 from typing import Any
@@ -115,7 +116,8 @@ def detect(env: Mapping[str, str] | None = None) -> tuple[str, dict | None]:
 
 def _fail_fast_hooks(rank: int) -> None:
     def die(exc_type, exc, tb):
-        sys.stderr.write(f"mshard: rank {rank}: {exc_type.__name__}: {exc}\n")
+        # the time lets `mshard run` tell the first failure from the ones it caused in the peers
+        sys.stderr.write(f"mshard: rank {rank} failed at {time.time():.6f}: {exc_type.__name__}: {exc}\n")
         traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
         sys.stderr.flush()
         sys.stdout.flush()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -126,6 +127,32 @@ def _last_lines(path: Path, n: int = 20) -> str:
         return "(no log)\n"
 
 
+_FAILED_AT = re.compile(r"mshard: rank \d+ failed at ([0-9.]+):")
+
+
+def _first_failure(bad: list[tuple[int, int]], logs: list[Path]) -> tuple[int, int]:
+    """Of the workers found failed at once, the one that failed first: one killed from outside (a signal other
+    than the runtime's abort) caused the others' errors; else the earliest failure time its log records
+    (``ms.communication``'s hook writes it); else the lowest rank."""
+    external = [(i, c) for i, c in bad if c < 0 and c != -signal.SIGABRT]
+    if external:
+        return external[0]
+
+    def when(i: int) -> float:
+        m = _FAILED_AT.findall(_last_lines(logs[i], 200))
+        return float(m[0]) if m else float("inf")
+    return min(bad, key=lambda ic: (when(ic[0]), ic[0]))
+
+
+def _unhealthy(path: Path) -> str:
+    """The peers a runtime abort names: JAX's coordination service lists the tasks that stopped sending
+    heartbeats (a hung or stopped rank) one per line after the message."""
+    m = re.findall(r"unhealthy \(stopped sending heartbeats\):\s*\n((?:\s*\d+\s*\n)+)", _last_lines(path, 200))
+    ranks = sorted({int(r) for r in m[-1].split()}) if m else []
+    return f"; rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} stopped sending heartbeats" if ranks \
+        else ""
+
+
 def _how(rc: int) -> str:
     if rc < 0:
         try:
@@ -172,7 +199,7 @@ def run(a: argparse.Namespace) -> int:
             codes = [p.poll() for p in procs]
             bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if bad:
-                failed = bad[0]
+                failed = _first_failure(bad, logs)
             elif all(c == 0 for c in codes):
                 break
             else:
@@ -186,8 +213,9 @@ def run(a: argparse.Namespace) -> int:
             print(f"mshard run: all {a.local_worker_num} workers finished", flush=True)
             return 0
         i, rc = failed
-        sys.stderr.write(f"mshard run: worker {first + i} failed ({_how(rc)}); stopped the other workers. Last lines "
-                         f"of {logs[i]}:\n{_last_lines(logs[i])}")
+        hint = _unhealthy(logs[i]) if rc in (134, -signal.SIGABRT) else ""
+        sys.stderr.write(f"mshard run: worker {first + i} failed ({_how(rc)}{hint}); stopped the other workers. Last "
+                         f"lines of {logs[i]}:\n{_last_lines(logs[i])}")
         sys.stderr.flush()
         return rc if 0 < rc < 256 else 1
     except KeyboardInterrupt:

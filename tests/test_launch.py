@@ -84,6 +84,8 @@ def test_a_fault_ends_the_job_within_15_s(tmp_path, fault, rank, sig):
         assert f"worker {rank} failed" in err, err[-2000:]
     if fault == "raise":
         assert "a bad value on rank 1 only" in err            # the last lines of its log
+    if fault == "stop":                                       # the survivor's runtime abort names the hung rank
+        assert "rank 1 stopped sending heartbeats" in err, err[-2000:]
     print(f"{fault} rank {rank}: ended in {elapsed:.2f} s; {err.strip().splitlines()[0]}")
 
 
