@@ -2,8 +2,9 @@
 
     python bench/launch.py [--out bench/out/launch.json] [--dry-run-sizes 64,1024,2048]
 
-Every job is 2 processes x 4 simulated CPU devices training tests/mp/worker_launch.py (data parallel, fed per rank
-through ms.dataset.shard_batch). Figures, in seconds:
+Every job is 2 processes x 4 simulated CPU devices training tests/mp/worker_launch.py, fed per rank through
+ms.dataset.shard_batch, in data_parallel and in semi_auto Megatron (mp 4 inside a process, dp across the two).
+Figures, in seconds:
 
 - ``first_step_s``: from starting ``mshard run`` to worker 0 logging its first step (imports, ``init``, planning,
   compiling, one step);
@@ -40,9 +41,9 @@ def _port() -> str:
         return str(s.getsockname()[1])
 
 
-def _start(log_dir: str, fault: str) -> subprocess.Popen:
-    env = dict(os.environ, FAULT=fault, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               PYTHONPATH=str(ROOT))
+def _start(log_dir: str, fault: str, mode: str = "data_parallel") -> subprocess.Popen:
+    env = dict(os.environ, FAULT=fault, MODE=mode, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(ROOT))
     return subprocess.Popen([sys.executable, "-m", "mshard", "run", "--worker_num=2", "--local_worker_num=2",
                              f"--master_port={_port()}", f"--log_dir={log_dir}", "--tail_worker_log=0", str(WORKER)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
@@ -76,10 +77,10 @@ def first_step() -> float:
         return dt
 
 
-def fault(kind: str, rank: int) -> dict:
+def fault(kind: str, rank: int, mode: str = "data_parallel") -> dict:
     with tempfile.TemporaryDirectory() as d:
         t_start = time.time()
-        p = _start(d, {"raise": "raise", "batch": "batch"}.get(kind, "loop"))
+        p = _start(d, {"raise": "raise", "batch": "batch"}.get(kind, "loop"), mode)
         if kind == "batch":
             t0 = t_start
         else:
@@ -119,8 +120,9 @@ def main() -> None:
     ap.add_argument("--dry-run-sizes", default="64,1024,2048,4096")
     a = ap.parse_args()
     res = {"first_step_s": first_step(), "faults": {}}
-    for kind, rank in (("kill", 1), ("kill", 0), ("stop", 1), ("raise", 1), ("batch", 1)):
-        res["faults"][f"{kind}_rank{rank}"] = fault(kind, rank)
+    for mode in ("data_parallel", "megatron"):
+        for kind, rank in (("kill", 1), ("kill", 0), ("stop", 1), ("raise", 1), ("batch", 1)):
+            res["faults"][f"{mode}_{kind}_rank{rank}"] = fault(kind, rank, mode)
     res["dry_run"] = {str(n): dry_run(int(n)) for n in a.dry_run_sizes.split(",") if n}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:

@@ -24,8 +24,8 @@ def _port() -> str:
         return str(s.getsockname()[1])
 
 
-def _launch(tmp_path, fault="none", extra=(), script=WORKER, devices=4):
-    env = dict(os.environ, FAULT=fault, JAX_PLATFORMS="cpu",
+def _launch(tmp_path, fault="none", extra=(), script=WORKER, devices=4, mode="data_parallel"):
+    env = dict(os.environ, FAULT=fault, MODE=mode, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     cmd = [sys.executable, "-m", "mshard", "run", "--worker_num=2", "--local_worker_num=2",
            f"--master_port={_port()}", f"--log_dir={tmp_path}", *extra, str(script)]
@@ -45,9 +45,9 @@ def _wait_for(path: pathlib.Path, text: str, p: subprocess.Popen, timeout: float
     pytest.fail(f"{text!r} did not appear in {path} within {timeout} s")
 
 
-@pytest.mark.parametrize("fault", ["none", "hybrid"])
-def test_two_processes_train_equal_to_one_device(tmp_path, fault):
-    p = _launch(tmp_path, fault=fault)
+@pytest.mark.parametrize("fault,mode", [("none", "data_parallel"), ("none", "megatron"), ("hybrid", "data_parallel")])
+def test_two_processes_train_equal_to_one_device(tmp_path, fault, mode):
+    p = _launch(tmp_path, fault=fault, mode=mode)
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, err[-3000:]
     for r in range(2):

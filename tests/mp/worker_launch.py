@@ -3,7 +3,9 @@ job's devices, fed per rank through ms.dataset.shard_batch, checked against one 
 
 Env: FAULT = none | raise (rank 1 raises a ValueError at step 3) | batch (rank 1 feeds half as many rows) |
 loop (train until killed: the test kills or stops a worker) | hybrid (hybrid_parallel: a hand-sliced row-parallel
-layer in a jax.shard_map over every device of the job, with ms.ops.AllReduce); STEPS (default 3).
+layer in a jax.shard_map over every device of the job, with ms.ops.AllReduce); STEPS (default 3);
+MODE = data_parallel (default) | megatron (semi_auto_parallel: fc1 column parallel, fc2 row parallel over 4
+devices, data parallel across the 2 processes).
 """
 
 import os
@@ -67,9 +69,15 @@ data = [(rng.normal(size=(rows, 16)).astype(np.float32), rng.normal(size=(rows, 
         for _ in range(steps)]
 with ms.parallel_context(parallel_mode="stand_alone"):          # one local device, full batches
     _, _, ref = train_one_device(MLP(nnx.Rngs(0)), optax.adam(1e-2), data, mse, device=jax.local_devices()[0])
-mode = "hybrid_parallel" if fault == "hybrid" else "data_parallel"
+megatron = os.environ.get("MODE", "data_parallel") == "megatron"
+mode = "hybrid_parallel" if fault == "hybrid" else ("semi_auto_parallel" if megatron else "data_parallel")
 ms.set_auto_parallel_context(parallel_mode=mode, device_num=jax.device_count(), gradients_mean=True)
 net = MLP(nnx.Rngs(0))
+if megatron:
+    dp = jax.device_count() // 4
+    net.fc1.matmul.shard(((dp, 1), (4, 1)))
+    net.fc1.bias_add.shard(((dp, 4), (4,)))
+    net.fc2.matmul.shard(((dp, 4), (1, 4)))
 step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
 losses = []
 k = 0
