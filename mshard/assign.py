@@ -471,6 +471,27 @@ def data_layout(info: InputInfo, dataset: Any, index: int, mesh: RegionMesh, ass
         f"input, or use 'data_parallel' / 'full_batch'.")
 
 
+# MindSpore's parameter names and flax's: a parameter_plan key in either vocabulary finds the parameter where the
+# mapping is unambiguous (Dense/Linear weight <-> kernel, embedding table, LayerNorm/BatchNorm scale and shift)
+PARAM_ALIASES = {"weight": ("kernel", "embedding"), "kernel": ("weight",), "embedding": ("weight",),
+                 "embedding_table": ("embedding", "weight"), "gamma": ("scale",), "scale": ("gamma",),
+                 "beta": ("bias",), "moving_mean": ("mean",), "moving_variance": ("var",)}
+
+
+def resolve_param_name(path: str, params: dict, key: str) -> str:
+    """``path`` itself if it is a parameter; else the one parameter its last component's alias names (a
+    parameter_plan key in MindSpore's names on a flax module, or the other way round); else ``path`` (the caller
+    reports it). Two candidates are an error naming both."""
+    if path in params:
+        return path
+    head, _, last = path.rpartition(".")
+    found = [f"{head}.{a}" if head else a for a in PARAM_ALIASES.get(last, ())]
+    found = [p for p in found if p in params]
+    if len(found) > 1:
+        raise ParameterPlanError(f"parameter_plan: key {key!r} could mean {found}; use the parameter's own path.")
+    return found[0] if found else path
+
+
 def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode: str, device_num: int,
                 dataset_strategy: Any, param_plans: Sequence[tuple[str, str, Any]] = ()) -> RegionLayouts:
     """Layouts for a traced region under ``mode`` (see DESIGN §3)."""
@@ -481,7 +502,7 @@ def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode:
     fixed: dict[int, TensorStrategy] = {}
     if mode in ("semi_auto_parallel", "auto_parallel"):
         for cell, key, strategy in param_plans:
-            path = f"{cell}.{key}" if cell else key
+            path = resolve_param_name(f"{cell}.{key}" if cell else key, params, key)
             if path not in params:
                 near = [p for p in params if p.endswith(key.split(".")[-1])][:5] or list(params)[:5]
                 raise ParameterPlanError(f"parameter_plan{' of Cell ' + repr(cell) if cell else ''}: key {key!r} "

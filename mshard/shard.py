@@ -100,12 +100,51 @@ class ShardedFunction:
         return self._region
 
 
+class ShardedModule:
+    """``ms.shard(module, in_strategy, out_strategy, parameter_plan)`` for a plain nnx module (a flax layer or
+    model with no mshard code): calling it runs ``module(*args)`` as its own region with the module as the
+    region's parameter argument, so ``parameter_plan`` keys are the module's own parameter paths (``kernel``,
+    ``l1.kernel``; MindSpore names such as ``l1.weight`` where they map to one parameter)."""
+
+    def __init__(self, module, in_strategy, out_strategy=None, parameter_plan=None):
+        self.module = module
+        self.in_strategy, self.out_strategy = in_strategy, out_strategy
+        self.parameter_plan = dict(parameter_plan or {})
+        self.name = type(module).__name__
+        inner = normalize_in_strategy(in_strategy, None, f"shard({self.name})")
+        self._region = Region(self._body, data_strategy=(None, *inner), name=self.name)
+
+    def _body(self, module, *args):
+        sf = ShardedFunction(lambda *a: module(*a), self.in_strategy, self.out_strategy, self.parameter_plan,
+                             name=self.name)
+        return sf(*args)
+
+    def __call__(self, *args):
+        if annotate.traced(args) and annotate.current_region() is None:
+            return self.module(*args)             # inside the user's own jax.jit / grad: plain JAX
+        return self._region(self.module, *args)
+
+    def region(self) -> Region:
+        return self._region
+
+    def lower(self, *args):
+        return self._region.lower(self.module, *args)
+
+    def plan(self, *args):
+        return self._region.plan(self.module, *args)
+
+    def bind(self):
+        """The region bound to the module (:meth:`Region.bind`): repeated calls skip the module traversal."""
+        return self._region.bind(self.module)
+
+
 def shard(fn: Callable | None = None, in_strategy: Any = None, out_strategy: Any = None,
           parameter_plan: dict | None = None, device: str = "CPU", level: int = 0):
     """MindSpore's ``shard``: give a function (or Cell) input/output strategies.
 
     Use as ``ms.shard(fn, in_strategy, out_strategy)`` or as ``@ms.shard(in_strategy=...)``.
-    For a Cell it is ``cell.shard(...)``. ``device``/``level`` are accepted for MindSpore
+    For a Cell it is ``cell.shard(...)``; for a plain nnx module it returns a :class:`ShardedModule` whose
+    ``parameter_plan`` names the module's parameters (``{"kernel": (1, 4)}``). ``device``/``level`` are accepted for MindSpore
     compatibility and ignored.
 
     >>> import jax.numpy as jnp, mshard as ms
@@ -122,4 +161,6 @@ def shard(fn: Callable | None = None, in_strategy: Any = None, out_strategy: Any
         raise StrategyError("shard: in_strategy is required (one strategy per input, e.g. ((2, 1), (1, 4))).")
     if isinstance(fn, nnx.Module) and hasattr(fn, "shard"):
         return fn.shard(in_strategy, out_strategy, parameter_plan)
+    if isinstance(fn, nnx.Module):
+        return ShardedModule(fn, in_strategy, out_strategy, parameter_plan)
     return ShardedFunction(fn, in_strategy, out_strategy, parameter_plan)

@@ -1,0 +1,81 @@
+"""Plain flax nnx modules wherever a Cell is accepted (issue 16): ms.shard(module, ..., parameter_plan=...) with
+flax paths or MindSpore names, equal to one device, with the collectives of the same plan on a Cell."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from train_helpers import mse, reference_train
+
+import mshard as ms
+from mshard.errors import ParameterPlanError
+
+
+class MLP(nnx.Module):
+    """A plain flax MLP, no mshard code."""
+
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(64, 256, rngs=rngs)
+        self.l2 = nnx.Linear(256, 64, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+X = jnp.asarray(np.random.default_rng(0).normal(size=(16, 64)), jnp.float32)
+# float32: 64- and 256-term dot products, the 256-term one summed in 4 partial sums across devices
+RTOL, ATOL = 1e-5, 1e-5
+
+
+@pytest.mark.parametrize("plan", [{"kernel": (1, 4)}, {"weight": (1, 4)}])
+def test_a_flax_linear_takes_a_parameter_plan_by_flax_path_or_mindspore_name(plan):
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    lin = nnx.Linear(64, 256, rngs=nnx.Rngs(0))
+    want = np.asarray(lin(X))
+    y = ms.shard(lin, in_strategy=((2, 1),), parameter_plan=plan)(X)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=RTOL, atol=ATOL)
+    assert lin.kernel[...].sharding.shard_shape((64, 256)) == (64, 64)       # the user's split, placed
+    assert y.sharding.shard_shape(y.shape) == (8, 64)
+
+
+def test_a_flax_mlp_with_megatron_plan_compiles_to_one_all_reduce_and_equals_one_device():
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    net = MLP(nnx.Rngs(0))
+    want = np.asarray(net(X))
+    f = ms.shard(net, in_strategy=((2, 1),),
+                 parameter_plan={"l1.kernel": (1, 4), "l1.bias": (4,), "l2.weight": (4, 1)})
+    np.testing.assert_allclose(np.asarray(f(X)), want, rtol=RTOL, atol=ATOL)
+    rep = ms.comm_report(f.region(), net, X)
+    # Megatron: the row-parallel l2's partial sums, [16, 64] float32 split 2 ways on the batch: one all-reduce of
+    # 8 x 64 x 4 bytes
+    assert rep.total_count == rep.count("all-reduce") == 1 and rep.bytes("all-reduce") == 8 * 64 * 4, rep
+    assert net.l2.kernel[...].sharding.shard_shape((256, 64)) == (64, 64)
+
+
+def test_an_ambiguous_or_unknown_key_is_an_error_naming_the_parameters():
+    class Both(nnx.Module):
+        def __init__(self, rngs):
+            self.kernel = nnx.Param(jnp.ones((4, 4)))
+            self.embedding = nnx.Param(jnp.ones((4, 4)))
+
+        def __call__(self, x):
+            return x @ self.kernel[...] + x @ self.embedding[...]
+
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    with pytest.raises(ParameterPlanError, match=r"could mean \['kernel', 'embedding'\]"):
+        ms.shard(Both(nnx.Rngs(0)), in_strategy=((2, 1),), parameter_plan={"weight": (1, 2)})(jnp.ones((8, 4)))
+    with pytest.raises(ParameterPlanError, match="matches no parameter"):
+        ms.shard(MLP(nnx.Rngs(0)), in_strategy=((2, 1),), parameter_plan={"l3.kernel": (1, 2)})(X)
+
+
+def test_train_one_step_cell_over_a_plain_flax_module_equals_one_device():
+    rng = np.random.default_rng(1)
+    data = [(rng.normal(size=(32, 64)).astype(np.float32), rng.normal(size=(32, 64)).astype(np.float32))
+            for _ in range(2)]
+    _, _, ref = reference_train(MLP(nnx.Rngs(0)), optax.adam(1e-3), data, mse)
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True)
+    step = ms.nn.TrainOneStepCell(ms.nn.WithLossCell(MLP(nnx.Rngs(0)), mse), optax.adam(1e-3))
+    # float32, 2 Adam steps: tests/train_helpers.py's reasoning
+    np.testing.assert_allclose([float(step(*b)) for b in data], ref, rtol=2e-5)
