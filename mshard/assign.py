@@ -505,9 +505,10 @@ def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode:
             path = resolve_param_name(f"{cell}.{key}" if cell else key, params, key)
             if path not in params:
                 near = [p for p in params if p.endswith(key.split(".")[-1])][:5] or list(params)[:5]
+                from .context import did_you_mean
                 raise ParameterPlanError(f"parameter_plan{' of Cell ' + repr(cell) if cell else ''}: key {key!r} "
-                                         f"matches no parameter; parameters include {near}. Use a parameter "
-                                         f"path like 'dense1.weight'.")
+                                         f"matches no parameter.{did_you_mean(path, params)} Parameters include "
+                                         f"{near}. Use a parameter path like 'dense1.weight'.")
             i = params[path]
             st = to_tensor_strategy(strategy, f"parameter_plan[{key!r}]")
             check_fits(st, inputs[i].shape, device_num, f"parameter_plan[{key!r}] (shape {inputs[i].shape})")

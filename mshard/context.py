@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import difflib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -93,10 +94,21 @@ def _type(key: str, value: Any, types: tuple, what: str) -> None:
                                f"({type(value).__name__}).")
 
 
+def did_you_mean(value: Any, choices) -> str:
+    """``" Did you mean 'x'?"`` for the closest of ``choices`` to a misspelt ``value`` (a prefix counts too:
+    'semi_auto' -> 'semi_auto_parallel'), else ``""``."""
+    if not isinstance(value, str):
+        return ""
+    choices = [str(c) for c in choices]
+    close = difflib.get_close_matches(value, choices, n=1, cutoff=0.6)
+    close = close or [c for c in choices if c.startswith(value) and len(value) >= 3][:1]
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
 def _one_of(key: str, value: Any, allowed: tuple) -> Any:
     if value not in allowed:
-        raise ContextError(f"set_auto_parallel_context: unknown {key} {value!r}; expected one of "
-                           f"{', '.join(map(repr, allowed))}.")
+        raise ContextError(f"set_auto_parallel_context: unknown {key} {value!r}.{did_you_mean(value, allowed)} "
+                           f"Expected one of {', '.join(map(repr, allowed))}.")
     return value
 
 
@@ -260,8 +272,8 @@ def current() -> ParallelContext:
 def _with(base: ParallelContext, **kwargs: Any) -> ParallelContext:
     for k in kwargs:
         if k not in _VALIDATORS:
-            raise ContextError(f"set_auto_parallel_context: unknown key {k!r}; valid keys are "
-                               f"{', '.join(PUBLIC_KEYS)}.")
+            raise ContextError(f"set_auto_parallel_context: unknown key {k!r}.{did_you_mean(k, PUBLIC_KEYS)} Valid "
+                               f"keys are {', '.join(PUBLIC_KEYS)}.")
     ctx = base
     for k in _ORDER:
         if k in kwargs:
@@ -301,7 +313,8 @@ def get_auto_parallel_context(key: str) -> Any:
     1
     """
     if key not in _VALIDATORS:
-        raise ContextError(f"get_auto_parallel_context: unknown key {key!r}; valid keys are {', '.join(PUBLIC_KEYS)}.")
+        raise ContextError(f"get_auto_parallel_context: unknown key {key!r}.{did_you_mean(key, PUBLIC_KEYS)} Valid keys "
+                           f"are {', '.join(PUBLIC_KEYS)}.")
     if key == "device_num":
         return _current.devices
     value = getattr(_current, key)
@@ -365,7 +378,7 @@ def _replace_checked(value, fname: str, kwargs: dict):
     out = {}
     for k, v in kwargs.items():
         if k not in names:
-            raise ContextError(f"{fname}: unknown key {k!r}; valid keys are {', '.join(names)}.")
+            raise ContextError(f"{fname}: unknown key {k!r}.{did_you_mean(k, names)} Valid keys are {', '.join(names)}.")
         default = getattr(type(value)(), k)
         if isinstance(default, bool):
             if not isinstance(v, bool):
@@ -401,8 +414,9 @@ def _get(value, fname: str, key: str | None) -> Any:
     if key is None:
         return value
     if not hasattr(value, key):
-        raise ContextError(f"{fname}: unknown key {key!r}; valid keys are "
-                           f"{', '.join(f.name for f in dataclasses.fields(value))}.")
+        fields = [f.name for f in dataclasses.fields(value)]
+        raise ContextError(f"{fname}: unknown key {key!r}.{did_you_mean(key, fields)} Valid keys are "
+                           f"{', '.join(fields)}.")
     return getattr(value, key)
 
 

@@ -1,3 +1,5 @@
+import re
+
 import jax
 import pytest
 
@@ -110,3 +112,15 @@ def test_algo_and_cost_model_context():
         ms.set_cost_model_context(axis_bandwidth=[-1])
     ms.reset_cost_model_context()
     assert ms.get_cost_model_context("costmodel_beta") == 400.0
+
+
+@pytest.mark.parametrize("call,want", [
+    (lambda: ms.set_auto_parallel_context(parallel_mode="semi_auto"), "Did you mean 'semi_auto_parallel'?"),
+    (lambda: ms.set_auto_parallel_context(search_mode="sharding_propogation"), "Did you mean 'sharding_propagation'?"),
+    (lambda: ms.set_auto_parallel_context(devce_num=8), "Did you mean 'device_num'?"),
+    (lambda: ms.get_auto_parallel_context("parallel_mod"), "Did you mean 'parallel_mode'?"),
+    (lambda: ms.set_algo_parameters(fully_use_device=True), "Did you mean 'fully_use_devices'?"),
+])
+def test_typos_get_a_did_you_mean(call, want):
+    with pytest.raises(ms.errors.ContextError, match=re.escape(want)):
+        call()
