@@ -12,6 +12,7 @@ from . import errors as errors
 from . import fusion as fusion
 from . import nn as nn
 from . import ops as ops
+from . import parallel as parallel
 from .checkpoint import CheckpointConfig as CheckpointConfig
 from .checkpoint import CheckpointManager as CheckpointManager
 from .checkpoint import infer_predict_layout as infer_predict_layout
@@ -65,6 +66,7 @@ __all__ = [
                       "load_plan",
                       "nn",
                       "ops",
+                      "parallel",
                       "parallel_context",
                       "reset_algo_parameters",
                       "reset_auto_parallel_context",

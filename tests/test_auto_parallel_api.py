@@ -1,0 +1,63 @@
+"""MindSpore 2.6's AutoParallel wrapper (issue 16): a script in its style runs, each mode equals one device, and
+the wrapper's settings stay with the network (the global context is untouched)."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from train_helpers import MLP, batches, mse, reference_train
+
+import mshard as ms
+from mshard.errors import ContextError
+
+DATA = batches(2, [(32, 16), (32, 8)], seed=4)
+
+
+def _script(parallel_mode, strategy_file):
+    """A MindSpore 2.6 AutoParallel training script, mshard's imports in place of mindspore's:
+    ``from mindspore.communication import init`` -> ``from mshard.communication import init``,
+    ``from mindspore.parallel.auto_parallel import AutoParallel`` -> ``from mshard.parallel.auto_parallel ...``."""
+    from mshard import nn
+    from mshard.communication import init
+    from mshard.parallel.auto_parallel import AutoParallel
+
+    init(quiet=True)
+    net = MLP(nnx.Rngs(0))
+    net.fc1.matmul.shard(((2, 1), (4, 1)))
+    net.fc2.matmul.shard(((2, 4), (1, 4)))
+    train_step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
+    parallel_net = AutoParallel(train_step, parallel_mode=parallel_mode)
+    parallel_net.dataset_strategy("data_parallel")
+    parallel_net.hsdp()
+    parallel_net.enable_gradients_mean()
+    parallel_net.save_param_strategy_file(strategy_file)
+    parallel_net.no_init_parameters_in_compile()
+    return [float(parallel_net(x, y)) for x, y in DATA], parallel_net
+
+
+@pytest.mark.parametrize("mode", ["semi_auto", "sharding_propagation", "recursive_programming"])
+def test_a_mindspore_26_script_runs_and_equals_one_device(tmp_path, mode):
+    _, _, ref = reference_train(MLP(nnx.Rngs(0)), optax.adam(1e-2), DATA, mse)
+    losses, pnet = _script(mode, tmp_path / "strategy.json")
+    # float32 over 2 Adam steps: tests/train_helpers.py's reasoning
+    np.testing.assert_allclose(losses, ref, rtol=2e-5)
+    assert ms.get_auto_parallel_context("parallel_mode") == "stand_alone"      # the global context untouched
+    plan = json.loads((tmp_path / "strategy.json").read_text())
+    assert plan["format"] and plan["ops"]                                       # the strategy file was written
+    want = {"semi_auto": "semi_auto_parallel"}.get(mode, "auto_parallel")
+    assert pnet.settings["parallel_mode"] == want and pnet.settings["enable_parallel_optimizer"]
+    assert pnet.optimizer is pnet.network.optimizer                             # the wrapped cell's attributes
+
+
+def test_bad_settings_are_refused_when_made():
+    from mshard.parallel.auto_parallel import AutoParallel
+    with pytest.raises(ContextError, match="Did you mean 'semi_auto'"):
+        AutoParallel(lambda x: x, parallel_mode="semi_aut")
+    p = AutoParallel(ms.jit(lambda x: x + 1))
+    with pytest.raises(ContextError, match="dataset_strategy"):
+        p.dataset_strategy("full_batches")
+    assert "dataset_strategy" not in p.settings                # a refused setting changes nothing
+    assert float(p(jnp.ones((8,)))[0]) == 2.0
