@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -114,6 +115,54 @@ class RegionTrace:
     device_num: int
     module_paths: dict[int, str] = field(default_factory=dict)        # id(module) -> "dense1.inner"
     param_plans: list[tuple[str, str, Any]] = field(default_factory=list)   # (cell path, key, strategy)
+    scope_stack: list[str] = field(default_factory=list)              # paths of the module calls in progress
+
+    def scope_of(self, path: str) -> str:
+        """The named scope of a call of the module at ``path``: its path relative to the module call it is made
+        in (``blocks.0`` from the root, then ``attention``, then ``query``), so op names read
+        ``blocks.0/attention/query/dot_general``."""
+        parent = self.scope_stack[-1] if self.scope_stack else ""
+        if parent and path.startswith(parent + "."):
+            return path[len(parent) + 1:]
+        return path
+
+
+class module_scopes:
+    """While a region traces, every call of a plain nnx module (one with no mshard code) of ``classes`` opens
+    a ``jax.named_scope`` of its path, as Cells do, so plan op names carry the module path. The classes' own
+    ``__call__`` is restored on exit."""
+
+    def __init__(self, trace: RegionTrace, classes):
+        self.trace, self.classes = trace, [c for c in classes if not getattr(c.__call__, "_mshard_wrapped", False)]
+        self.saved: list = []
+
+    def __enter__(self):
+        trace = self.trace
+        for cls in self.classes:
+            if "__call__" not in vars(cls):
+                continue
+            orig = vars(cls)["__call__"]
+
+            def call(self_, *a, _orig=orig, **k):
+                path = trace.module_paths.get(id(self_))
+                if path is None or current_region() is not trace:
+                    return _orig(self_, *a, **k)
+                scope = trace.scope_of(path)
+                trace.scope_stack.append(path)
+                try:
+                    if scope:
+                        with jax.named_scope(scope):
+                            return _orig(self_, *a, **k)
+                    return _orig(self_, *a, **k)
+                finally:
+                    trace.scope_stack.pop()
+            self.saved.append((cls, orig))
+            cls.__call__ = call
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for cls, orig in reversed(self.saved):
+            cls.__call__ = orig
 
 
 def current_region() -> RegionTrace | None:

@@ -133,9 +133,40 @@ class Plan:
         return next(o for o in self.ops if o.name == name[0])
 
     # -- showing ------------------------------------------------------------------------------
-    def table(self, max_rows: int = 60):
+    def by_module(self) -> list[dict]:
+        """One row per module (the op name's path before its last ``/``; ``(top)`` for ops outside any module), in
+        program order: its op count, op kinds, distinct strategies, user-fixed ops, and predicted communication."""
+        rows: dict[str, dict] = {}
+        for op in self.ops:
+            mod = op.name.rsplit("/", 1)[0] if "/" in op.name else "(top)"
+            r = rows.setdefault(mod, {"module": mod, "ops": 0, "kinds": {}, "strategies": [], "fixed": 0,
+                                      "comm_bytes": 0.0, "compute_s": 0.0})
+            r["ops"] += 1
+            r["kinds"][op.kind] = r["kinds"].get(op.kind, 0) + 1
+            if op.strategy not in r["strategies"]:
+                r["strategies"].append(op.strategy)
+            r["fixed"] += bool(op.fixed)
+            r["comm_bytes"] += sum(op.cost.communication.values())
+            r["compute_s"] += op.cost.compute
+        return list(rows.values())
+
+    def table(self, max_rows: int = 60, group_by: str | None = None):
         from rich.table import Table
         t = Table(title=f"mshard plan ({self.algorithm}) on mesh {dict(zip(self.mesh.names, self.mesh.shape))}")
+        if group_by == "module":
+            for col in ("module", "ops", "kinds", "strategies", "fixed", "comm bytes", "compute s"):
+                t.add_column(col)
+            rows = self.by_module()
+            for r in rows[:max_rows]:
+                kinds = ", ".join(f"{k} x{n}" if n > 1 else k for k, n in list(r["kinds"].items())[:4])
+                strat = "; ".join(map(str, r["strategies"][:2])) + (" ..." if len(r["strategies"]) > 2 else "")
+                t.add_row(r["module"], str(r["ops"]), kinds, strat, str(r["fixed"] or ""), f"{r['comm_bytes']:,.0f}",
+                          f"{r['compute_s']:.2e}")
+            if len(rows) > max_rows:
+                t.add_row(f"... {len(rows) - max_rows} more modules", "", "", "", "", "", "")
+            return t
+        if group_by is not None:
+            raise PlanError(f"Plan.table: group_by={group_by!r}; use None (one row per op) or 'module'.")
         for col in ("op", "kind", "strategy", "fixed", "comm bytes", "compute s"):
             t.add_column(col)
         for op in self.ops[:max_rows]:
@@ -145,9 +176,11 @@ class Plan:
             t.add_row(f"... {len(self.ops) - max_rows} more", "", "", "", "", "")
         return t
 
-    def summary(self, max_rows: int = 60) -> PlanSummary:
+    def summary(self, max_rows: int = 60, group_by: str | None = None) -> PlanSummary:
         """Every op's strategy and predicted cost, the redistributions between them, the parameters' layouts and
         the notes. Prints nothing: ``print(plan.summary())`` in a script; a notebook shows it as HTML.
+        ``group_by="module"`` gives one row per module (op names carry the module path of the call that made them,
+        e.g. ``blocks.0/attention/query/MatMul``) instead of one per op.
 
         >>> import mshard as ms
         >>> "mshard plan (user)" in Plan(ms.layout.RegionMesh.prime(8), (), {}, PlanCost(), "user").summary()
@@ -162,7 +195,7 @@ class Plan:
         if len(self.redistributions) > max_rows:
             lines.append(f"... {len(self.redistributions) - max_rows} more redistributions")
         lines += [f"note: {n}" for n in self.notes]
-        renderables = (self.table(max_rows), *lines)
+        renderables = (self.table(max_rows, group_by), *lines)
         console = Console(width=140, record=True, force_terminal=False, color_system=None)
         with console.capture() as cap:
             for r in renderables:

@@ -196,7 +196,7 @@ class Region:
             return out, [x for s in new_states for x in s]
 
         flat_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_leaves + list(flat_data)]
-        with annotate.tracing_region(trace):
+        with annotate.tracing_region(trace), annotate.module_scopes(trace, _module_classes(graphdefs)):
             closed, out_shape = jax.make_jaxpr(pure, return_shape=True)(*flat_avals)
         out_tree = jax.tree.structure(out_shape)
         infos = [InputInfo("param", tuple(x.shape), nm) for x, nm in zip(state_leaves, param_names)]
@@ -449,6 +449,12 @@ class BoundRegion:
 
 
 _MISS = object()
+
+
+def _module_classes(graphdefs) -> set:
+    """The nnx Module classes in these graphdefs (for :class:`annotate.module_scopes`)."""
+    return {n.type for g in graphdefs for n in getattr(g, "nodes", ()) or ()
+            if isinstance(getattr(n, "type", None), type) and issubclass(n.type, nnx.Module)}
 
 
 def _follow_plan(flat_data: list, shardings: list) -> list:

@@ -79,3 +79,28 @@ def test_train_one_step_cell_over_a_plain_flax_module_equals_one_device():
     step = ms.nn.TrainOneStepCell(ms.nn.WithLossCell(MLP(nnx.Rngs(0)), mse), optax.adam(1e-3))
     # float32, 2 Adam steps: tests/train_helpers.py's reasoning
     np.testing.assert_allclose([float(step(*b)) for b in data], ref, rtol=2e-5)
+
+
+def test_op_names_carry_the_module_path_and_the_summary_groups_by_module():
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "examples"))
+    from gpt import GPT
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    plan = ms.shard(MLP(nnx.Rngs(0)), in_strategy=((2, 1),)).plan(X)
+    names = [o.name for o in plan.ops]
+    assert "l1/dot_general" in names and "l2/dot_general" in names      # a plain flax module's own path
+    g = GPT(nnx.Rngs(0), vocab=32, hidden=32, heads=4, ffn=32, seq=8, layers=2)
+    for b in g.blocks:
+        b.shard_megatron(2, 4)
+    plan = ms.jit(lambda m, x: m(x)).plan(g, jnp.zeros((8, 8), jnp.int32))
+    names = [o.name for o in plan.ops]
+    assert "blocks.1/attention/query/MatMul" in names and "embedding/Gather" in names, names[:20]
+    rows = plan.by_module()
+    assert sum(r["ops"] for r in rows) == len(plan.ops)
+    assert {r["module"] for r in rows} == {n.rsplit("/", 1)[0] if "/" in n else "(top)" for n in names}
+    q = next(r for r in rows if r["module"] == "blocks.1/attention/query")
+    assert q["kinds"]["MatMul"] == 1 and q["fixed"] >= 1                  # the Megatron strategy is the user's
+    text = str(plan.summary(max_rows=100, group_by="module"))
+    assert "blocks.0/attention/query" in text and "blocks.0/attention/query/MatMul" not in text
+    with pytest.raises(ms.errors.PlanError, match="group_by"):
+        plan.summary(group_by="layer")

@@ -46,18 +46,22 @@ def _wrap_call(call: Callable) -> Callable:
                 return _remat(self, call, "", None, policy or None)(*args, **kwargs)
             return call(self, *args, **kwargs)
         path = trace.module_paths.get(id(self), "")
-        scope = path.rsplit(".", 1)[-1] if path else None
+        scope = trace.scope_of(path) if path else None
         body = functools.partial(call, self)
         if getattr(self, "_mshard_recompute", None) is not None:
             body = _remat(self, call, path, trace, self._mshard_recompute or None)
-        with jax.named_scope(scope) if scope else _null():
-            if cfg is None:
-                return body(*args, **kwargs)
-            from ..shard import ShardedFunction
-            in_s, out_s, plan = cfg
-            sf = ShardedFunction(lambda *a: body(*a, **kwargs), in_s, out_s, dict(plan),
-                                 name=path or type(self).__name__, cell_path=path)
-            return sf(*args)
+        trace.scope_stack.append(path)
+        try:
+            with jax.named_scope(scope) if scope else _null():
+                if cfg is None:
+                    return body(*args, **kwargs)
+                from ..shard import ShardedFunction
+                in_s, out_s, plan = cfg
+                sf = ShardedFunction(lambda *a: body(*a, **kwargs), in_s, out_s, dict(plan),
+                                     name=path or type(self).__name__, cell_path=path)
+                return sf(*args)
+        finally:
+            trace.scope_stack.pop()
     __call__._mshard_wrapped = True
     return __call__
 
