@@ -40,6 +40,7 @@ from .plan import load_plan as load_plan
 from .region import Region as Region
 from .region import jit as jit
 from .shard import shard as shard
+from .visualize import visualize as visualize
 
 __all__ = [
                       "CheckpointConfig",
@@ -77,4 +78,5 @@ __all__ = [
                       "set_cost_model_context",
                       "shard",
                       "transform_checkpoints",
+                      "visualize",
 ]

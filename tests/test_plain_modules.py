@@ -104,3 +104,22 @@ def test_op_names_carry_the_module_path_and_the_summary_groups_by_module():
     assert "blocks.0/attention/query" in text and "blocks.0/attention/query/MatMul" not in text
     with pytest.raises(ms.errors.PlanError, match="group_by"):
         plan.summary(group_by="layer")
+
+
+def test_visualize_shows_every_shard_with_its_devices_and_mesh_coordinates():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.make_mesh((2, 4), ("dp", "mp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x = jax.device_put(np.zeros((4, 6, 8), np.float32), NamedSharding(mesh, P(None, "dp", "mp")))
+    v = ms.visualize(x)
+    assert v.shard_shape == (4, 3, 2) and len(v.rows) == 8
+    want = {(r["slices"], tuple(r["devices"])) for r in v.rows}
+    # each device's own index ranges, from JAX
+    assert want == {("[" + ", ".join(":" if (s.start in (0, None) and s.stop in (n, None)) else f"{s.start}:{s.stop}"
+                                     for s, n in zip(idx, x.shape)) + "]", (d.id,))
+                    for d, idx in x.sharding.devices_indices_map(x.shape).items()}
+    rep = ms.visualize(NamedSharding(mesh, P("mp")), shape=(8, 2))           # replicated over dp: 2 devices a shard
+    assert [len(r["devices"]) for r in rep.rows] == [2] * 4 and "dp=1, mp=3" in rep.rows[3]["coords"]
+    assert "<table>" in v._repr_html_() and "mesh coordinates" in str(v)
+    with pytest.raises(ms.errors.StrategyTypeError, match="has no sharding"):
+        ms.visualize(np.zeros(3))
