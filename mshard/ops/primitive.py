@@ -4,7 +4,9 @@ A primitive object is one op in the plan. Its strategy covers its own tensor inp
 tuple each, as in MindSpore; its iteration space (``spec``) says how the inputs' and outputs' dims
 map to loop dims, so the strategy is checked (divisibility, device count, shared dims agreeing,
 dims the op cannot split) when it is called inside a region, before JAX sees anything.
-Outside a region it runs as plain JAX.
+Called eagerly (concrete arrays, no region) in semi_auto/auto_parallel, a primitive with a strategy runs as its
+own region, MindSpore's PyNative ``shard``, and its result keeps the planned layout; otherwise (no strategy,
+data_parallel/stand_alone, or traced by the user's own ``jax.jit``) it runs as plain JAX.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from ..layout import TensorStrategy, check_fits, normalize_in_strategy
 
 Dims = tuple[str | None, ...]
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _eager_sharded() -> bool:
+    """Whether eager calls of primitives with strategies run sharded (the modes that honour strategies)."""
+    from .. import context as ctxmod
+    return ctxmod.current().parallel_mode in ("semi_auto_parallel", "auto_parallel")
 
 
 class Primitive:
@@ -67,6 +75,8 @@ class Primitive:
         trace = annotate.current_region()
         fn = (lambda *t: self.compute(*t, *attrs))
         if trace is None:
+            if self.in_strategy is not None and _eager_sharded() and not annotate.traced(tuple(tensors)):
+                return self._eager(*args)          # PyNative: the op runs as its own sharded region
             return fn(*tensors)
         shapes = [tuple(jax.numpy.shape(t)) for t in tensors]
         in_dims, out_dims, fixed = self.spec(shapes, attrs)
@@ -83,6 +93,16 @@ class Primitive:
                 if st is not None:
                     check_fits(st, o.shape, trace.device_num, f"{self._where()} output {j}")
         return out
+
+    def _eager(self, *args):
+        """An eager call of a primitive with a strategy, in semi_auto/auto_parallel: MindSpore's PyNative
+        ``shard`` — the op alone is a region (planned from its strategy, compiled once per shapes), so its result
+        keeps the planned layout."""
+        from ..region import Region
+        region = self.__dict__.get("_eager_region")
+        if region is None:
+            region = self._eager_region = Region(lambda *a: self(*a), name=self.name or self.kind)
+        return region(*args)
 
     def _check_outputs(self, note: OpNote, out) -> None:
         """A split carried to an output dim must divide it (e.g. MindSpore's reshape rule)."""

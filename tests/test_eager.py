@@ -1,0 +1,40 @@
+"""PyNative-style eager calls (issue 16): a primitive with a strategy called on concrete arrays in semi_auto runs
+as its own sharded region and its result keeps the layout; elsewhere it is plain JAX."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import mshard as ms
+from mshard import ops
+
+RNG = np.random.default_rng(0)
+X = jnp.asarray(RNG.normal(size=(16, 8)), jnp.float32)
+W = jnp.asarray(RNG.normal(size=(8, 32)), jnp.float32)
+# float32: 8-term dot products, computed on one device or split over 4 column blocks (no reduction across devices)
+TOL = 1e-6
+
+
+def test_an_eager_primitive_with_a_strategy_runs_sharded_and_keeps_its_layout():
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    mm = ops.MatMul().shard(((2, 1), (1, 4)))
+    y = mm(X, W)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(X) @ np.asarray(W), rtol=TOL, atol=TOL)
+    assert len(y.sharding.device_set) == 8 and y.sharding.shard_shape(y.shape) == (8, 8)
+    z = ops.ReLU().shard(((2, 4),))(y)                    # the next eager op takes the layout as it is
+    assert z.sharding.shard_shape(z.shape) == (8, 8)
+    assert ms.comm_report(mm._eager_region, X, W).total_count == 0      # column parallel: nothing moves
+    n = len(mm._eager_region._cache)          # (a .shard call anywhere re-plans: ReLU's above added one)
+    mm(X, W)
+    mm(X, W)
+    assert len(mm._eager_region._cache) == n                              # compiled once per shapes
+
+
+def test_outside_the_strategy_modes_or_under_jax_jit_it_is_plain_jax():
+    mm = ops.MatMul().shard(((2, 1), (1, 4)))
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8)
+    assert len(mm(X, W).sharding.device_set) == 1
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
+    y = jax.jit(lambda a, b: mm(a, b))(X, W)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(X) @ np.asarray(W), rtol=TOL, atol=TOL)
+    assert "_eager_region" not in mm.__dict__
