@@ -134,13 +134,14 @@ class Plan:
 
     # -- showing ------------------------------------------------------------------------------
     def by_module(self) -> list[dict]:
-        """One row per module (the op name's path before its last ``/``; ``(top)`` for ops outside any module), in
-        program order: its op count, op kinds, distinct strategies, user-fixed ops, and predicted communication."""
-        rows: dict[str, dict] = {}
+        """One row per module and pass (the op name's path before its last ``/``, ``(top)`` for ops outside any
+        module; ``forward`` / ``backward`` for a training step's ``jvp(...)`` / ``transpose(jvp(...))`` scopes),
+        in program order: its op count, op kinds, distinct strategies, user-fixed ops, predicted communication."""
+        rows: dict[tuple, dict] = {}
         for op in self.ops:
-            mod = op.name.rsplit("/", 1)[0] if "/" in op.name else "(top)"
-            r = rows.setdefault(mod, {"module": mod, "ops": 0, "kinds": {}, "strategies": [], "fixed": 0,
-                                      "comm_bytes": 0.0, "compute_s": 0.0})
+            mod, stage = _module_of(op.name)
+            r = rows.setdefault((mod, stage), {"module": mod, "pass": stage, "ops": 0, "kinds": {}, "strategies": [],
+                                               "fixed": 0, "comm_bytes": 0.0, "compute_s": 0.0})
             r["ops"] += 1
             r["kinds"][op.kind] = r["kinds"].get(op.kind, 0) + 1
             if op.strategy not in r["strategies"]:
@@ -154,16 +155,17 @@ class Plan:
         from rich.table import Table
         t = Table(title=f"mshard plan ({self.algorithm}) on mesh {dict(zip(self.mesh.names, self.mesh.shape))}")
         if group_by == "module":
-            for col in ("module", "ops", "kinds", "strategies", "fixed", "comm bytes", "compute s"):
+            t.add_column("module", overflow="fold")
+            for col in ("pass", "ops", "kinds", "strategies", "fixed", "comm bytes", "compute s"):
                 t.add_column(col)
             rows = self.by_module()
             for r in rows[:max_rows]:
                 kinds = ", ".join(f"{k} x{n}" if n > 1 else k for k, n in list(r["kinds"].items())[:4])
                 strat = "; ".join(map(str, r["strategies"][:2])) + (" ..." if len(r["strategies"]) > 2 else "")
-                t.add_row(r["module"], str(r["ops"]), kinds, strat, str(r["fixed"] or ""), f"{r['comm_bytes']:,.0f}",
-                          f"{r['compute_s']:.2e}")
+                t.add_row(r["module"], r["pass"], str(r["ops"]), kinds, strat, str(r["fixed"] or ""),
+                          f"{r['comm_bytes']:,.0f}", f"{r['compute_s']:.2e}")
             if len(rows) > max_rows:
-                t.add_row(f"... {len(rows) - max_rows} more modules", "", "", "", "", "", "")
+                t.add_row(f"... {len(rows) - max_rows} more modules", "", "", "", "", "", "", "")
             return t
         if group_by is not None:
             raise PlanError(f"Plan.table: group_by={group_by!r}; use None (one row per op) or 'module'.")
@@ -238,6 +240,20 @@ class Plan:
         with open(tmp, "w") as f:
             json.dump(self.to_json(), f, indent=1)
         os.replace(tmp, path)
+
+
+_PASS = re.compile(r"^(transpose\()?jvp\(([^()]*)\)\)?")
+
+
+def _module_of(name: str) -> tuple[str, str]:
+    """``("network/backbone/blocks.0/attention", "backward")`` for
+    ``"transpose(jvp(network))/backbone/blocks.0/attention/MatMul"``."""
+    stage = ""
+    m = _PASS.match(name)
+    if m:
+        stage = "backward" if m.group(1) else "forward"
+        name = m.group(2) + name[m.end():]
+    return (name.rsplit("/", 1)[0] if "/" in name else "(top)"), stage
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
