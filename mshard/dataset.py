@@ -168,9 +168,10 @@ def _agree(shapes: list[tuple[int, ...]], dtypes: list) -> None:
     if all(np.array_equal(r, rows[0]) for r in rows):
         return
     desc = "; ".join(f"rank {k}: {_decode(r)}" for k, r in enumerate(rows))
-    raise DatasetStrategyError(f"shard_batch: the processes' local batches disagree ({desc}); every process must "
-                               f"feed a local batch of the same shapes and dtypes (the global batch is their "
-                               f"concatenation). Drop or pad the last, smaller batch on every rank.")
+    raise DatasetStrategyError(f"the processes' local batches disagree ({desc}); every process must feed a local "
+                               f"batch of the same shapes and dtypes (through ms.dataset.shard_batch the global "
+                               f"batch is their concatenation; passed to a step or region directly, every process "
+                               f"holds the whole batch). Drop or pad the last, smaller batch on every rank.")
 
 
 def _global_shapes(local: list[tuple[int, ...]]) -> list[tuple[int, ...]]:

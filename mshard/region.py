@@ -462,6 +462,11 @@ def _follow_plan(flat_data: list, shardings: list) -> list:
     where the region lays the input out as its first annotated consumer asks) are resharded to the plan;
     jax.jit would reject them."""
     multi = jax.process_count() > 1
+    if multi:
+        host = [x for x in flat_data if not isinstance(x, jax.Array)]
+        if host:   # every process must hold the same full value; shapes that differ would train on garbage
+            from .dataset import _agree
+            _agree([tuple(np.shape(x)) for x in host], [np.asarray(x).dtype for x in host])
     out = []
     for x, sh in zip(flat_data, shardings):
         if isinstance(x, jax.Array):

@@ -89,14 +89,16 @@ def test_a_fault_ends_the_job_within_15_s(tmp_path, fault, rank, sig):
     print(f"{fault} rank {rank}: ended in {elapsed:.2f} s; {err.strip().splitlines()[0]}")
 
 
-def test_mismatched_local_batches_raise_on_every_rank(tmp_path):
-    p = _launch(tmp_path, fault="batch")
+@pytest.mark.parametrize("fault,want", [("batch", "rank 0: (8, 16), (8, 8); rank 1: (4, 16), (4, 8)"),
+                                        ("hostbatch", "rank 0: (16, 16), (16, 8); rank 1: (8, 16), (8, 8)")])
+def test_mismatched_local_batches_raise_on_every_rank(tmp_path, fault, want):
+    p = _launch(tmp_path, fault=fault)
     p.communicate(timeout=240)
     assert p.returncode != 0
     logs = [(tmp_path / f"worker_{r}.log").read_text() for r in range(2)]
     hit = [log for log in logs if "DatasetStrategyError" in log]
     assert hit, logs
-    assert "rank 0: (8, 16), (8, 8); rank 1: (4, 16), (4, 8)" in hit[0], hit[0][-2000:]
+    assert want in hit[0], hit[0][-2000:]
 
 
 def test_dry_run_plans_a_step_for_64_devices_and_runs_nothing(tmp_path):

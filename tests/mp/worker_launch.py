@@ -2,7 +2,8 @@
 job's devices, fed per rank through ms.dataset.shard_batch, checked against one device at the end.
 
 Env: FAULT = none | raise (rank 1 raises a ValueError at step 3) | batch (rank 1 feeds half as many rows) |
-loop (train until killed: the test kills or stops a worker) | hybrid (hybrid_parallel: a hand-sliced row-parallel
+loop (train until killed: the test kills or stops a worker) | hostbatch (the whole batch passed to the step as host
+arrays, rank 1's with half the rows) | hybrid (hybrid_parallel: a hand-sliced row-parallel
 layer in a jax.shard_map over every device of the job, with ms.ops.AllReduce); STEPS (default 3);
 MODE = data_parallel (default) | megatron (semi_auto_parallel: fc1 column parallel, fc2 row parallel over 4
 devices, data parallel across the 2 processes).
@@ -88,7 +89,11 @@ while True:
         mine = slice(rank * 8, rank * 8 + 4)
     if fault == "raise" and rank == 1 and k == 3:
         raise ValueError("a bad value on rank 1 only")
-    losses.append(float(step(*ms.dataset.shard_batch((x[mine], y[mine])))))
+    if fault == "hostbatch":
+        rows_ = slice(0, rows // 2 if rank == 1 else rows)
+        losses.append(float(step(x[rows_], y[rows_])))
+    else:
+        losses.append(float(step(*ms.dataset.shard_batch((x[mine], y[mine])))))
     print(f"step {k} loss {losses[-1]:.6f}", flush=True)
     k += 1
     if fault in ("loop", "raise"):
