@@ -454,9 +454,11 @@ def check_case(case: dict[str, Any]) -> tuple[str, str]:
         return "finding", f"{type(e).__module__}.{type(e).__name__}: {str(e)[:300]}"
     if case["invalid"]:
         return "finding", "invalid strategy accepted: " + repr([s["strategy"] for s in case["steps"] if s["invalid"]])
-    ref = Program({**case, "shard_in": None})     # plain JAX on one device (an eager ms.shard would be a region)
-    y0 = ref(x)
-    gm0, gx0 = nnx.grad(loss, argnums=(0, 1))(ref, x)
+    # plain JAX on one device: stand_alone, or an eager call of a primitive with a strategy would be a region
+    with ms.parallel_context(parallel_mode="stand_alone"):
+        ref = Program({**case, "shard_in": None})
+        y0 = ref(x)
+        gm0, gx0 = nnx.grad(loss, argnums=(0, 1))(ref, x)
     tol = tolerance(case)
     pairs = [("output", y, y0), ("grad x", gx, gx0)] + [
         (f"grad param {i}", a, b) for i, (a, b) in enumerate(zip(jax.tree.leaves(gm), jax.tree.leaves(gm0)))]
@@ -483,7 +485,7 @@ def check_case(case: dict[str, Any]) -> tuple[str, str]:
 def _float64_reference(case: dict[str, Any], x, out_w) -> list[np.ndarray]:
     """Output, input gradient and parameter gradients of the case on one device in float64 (``Cast`` steps still
     round to float32 where the program asks for it)."""
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), ms.parallel_context(parallel_mode="stand_alone"):
         ref = Program({**case, "shard_in": None})
         for p in ref.params:
             p.value = jnp.asarray(p[...], jnp.float64)

@@ -38,3 +38,13 @@ def test_outside_the_strategy_modes_or_under_jax_jit_it_is_plain_jax():
     y = jax.jit(lambda a, b: mm(a, b))(X, W)
     np.testing.assert_allclose(np.asarray(y), np.asarray(X) @ np.asarray(W), rtol=TOL, atol=TOL)
     assert "_eager_region" not in mm.__dict__
+
+
+def test_a_partition_spec_strategy_needs_a_region_and_says_so_when_called_eagerly():
+    import pytest
+    from jax.sharding import PartitionSpec as P
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    mm = ops.MatMul().shard((P("dp", None), P(None, "mp")))
+    with pytest.warns(ms.errors.StrategyIgnoredWarning, match="names mesh axes only an enclosing region defines"):
+        y = mm(X, W)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(X) @ np.asarray(W), rtol=TOL, atol=TOL)

@@ -12,6 +12,7 @@ data_parallel/stand_alone, or traced by the user's own ``jax.jit``) it runs as p
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ import jax
 
 from .. import annotate
 from ..annotate import OpNote
-from ..errors import StrategyError
+from ..errors import StrategyError, StrategyIgnoredWarning
 from ..layout import TensorStrategy, check_fits, normalize_in_strategy
 
 Dims = tuple[str | None, ...]
@@ -76,7 +77,9 @@ class Primitive:
         fn = (lambda *t: self.compute(*t, *attrs))
         if trace is None:
             if self.in_strategy is not None and _eager_sharded() and not annotate.traced(tuple(tensors)):
-                return self._eager(*args)          # PyNative: the op runs as its own sharded region
+                if self._self_contained():
+                    return self._eager(*args)          # PyNative: the op runs as its own sharded region
+                self._warn_unresolved()
             return fn(*tensors)
         shapes = [tuple(jax.numpy.shape(t)) for t in tensors]
         in_dims, out_dims, fixed = self.spec(shapes, attrs)
@@ -93,6 +96,20 @@ class Primitive:
                 if st is not None:
                     check_fits(st, o.shape, trace.device_num, f"{self._where()} output {j}")
         return out
+
+    def _self_contained(self) -> bool:
+        """Whether the strategy names its own mesh (split tuples, a Layout, a NamedSharding), so the op alone can
+        be a region; a bare PartitionSpec names axes of a mesh only a whole region defines."""
+        sts = [s for s in tuple(self.in_strategy or ()) + tuple(self.out_strategy or ()) if s is not None]
+        return all(s.mesh is not None or all(c > 0 for c in s.counts) for s in sts)
+
+    def _warn_unresolved(self) -> None:
+        if self.__dict__.get("_warned_eager"):
+            return
+        self._warned_eager = True
+        warnings.warn(f"{self._where()}: called eagerly, its PartitionSpec strategy names mesh axes only an "
+                      f"enclosing region defines, so it runs unsharded; give it a Layout or NamedSharding, or call "
+                      f"it inside ms.jit / a sharded Cell.", StrategyIgnoredWarning, stacklevel=3)
 
     def _eager(self, *args):
         """An eager call of a primitive with a strategy, in semi_auto/auto_parallel: MindSpore's PyNative
