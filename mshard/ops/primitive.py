@@ -116,10 +116,11 @@ class Primitive:
         ``shard`` — the op alone is a region (planned from its strategy, compiled once per shapes), so its result
         keeps the planned layout."""
         from ..region import Region
-        region = self.__dict__.get("_eager_region")
-        if region is None:
-            region = self._eager_region = Region(lambda *a: self(*a), name=self.name or self.kind)
-        return region(*args)
+        bound = self.__dict__.get("_eager_bound")
+        if bound is None:
+            self._eager_region = Region(lambda *a: self(*a), name=self.name or self.kind)
+            bound = self._eager_bound = self._eager_region.bind()     # repeated calls skip re-keying the region
+        return bound(*args)
 
     def _check_outputs(self, note: OpNote, out) -> None:
         """A split carried to an output dim must divide it (e.g. MindSpore's reshape rule)."""
