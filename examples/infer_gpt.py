@@ -2,7 +2,7 @@
 
     python examples/infer_gpt.py [--steps 30] [--new 16]
 
-1. Training: examples/gpt.py's GPT (8 heads) on the synthetic affine-recurrence tokens of train_gpt.py, in
+1. Training: examples/gpt.py's GPT (8 heads) on train_gpt.py's synthetic affine-recurrence tokens, in
    semi_auto_parallel with Megatron strategies (``block.shard_megatron(2, 4)``) and optimizer parallel;
    ``ms.save_checkpoint`` writes the whole step (weights, Adam state, step count) in its 2 x 4 layouts.
 2. Inference layout: a fresh GPT with ``block.shard_megatron(1, 8)`` (q/k/v and the first MLP Dense column
@@ -33,28 +33,18 @@ import numpy as np
 import optax
 from flax import nnx
 from gpt import GPT
+from train_gpt import synthetic_batches as batches
 
 import mshard as ms
 from mshard import nn
 
-VOCAB, SEQ, HIDDEN, HEADS, FFN, LAYERS, BATCH = 64, 32, 64, 8, 128, 2, 16
+# VOCAB, SEQ and the batch are train_gpt.py's (its synthetic_batches feeds the training here)
+VOCAB, SEQ, HIDDEN, HEADS, FFN, LAYERS = 64, 32, 64, 8, 128, 2
 LOSS = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 
 
 def make_gpt(seed: int = 0) -> GPT:
     return GPT(nnx.Rngs(seed), vocab=VOCAB, hidden=HIDDEN, heads=HEADS, ffn=FFN, seq=SEQ, layers=LAYERS)
-
-
-def batches(steps: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        t = np.empty((BATCH, SEQ + 1), np.int32)
-        t[:, 0] = rng.integers(0, VOCAB, BATCH)
-        for i in range(SEQ):
-            t[:, i + 1] = (5 * t[:, i] + 3) % VOCAB
-        out.append((t[:, :-1], t[:, 1:]))
-    return out
 
 
 def train_and_save(directory: str, steps: int) -> list[float]:

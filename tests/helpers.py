@@ -31,19 +31,24 @@ def rand(key, *shape):
     return jax.random.normal(jax.random.key(key), shape, dtype=np.float32)
 
 
+def free_port() -> str:
+    """A free TCP port on 127.0.0.1 (for a multi-process job's coordinator)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def run_workers(worker, n: int = 2, timeout: float = 300) -> None:
     """Start ``n`` processes of ``worker`` (argv: rank, port) on 127.0.0.1, wait, kill leftovers, and assert
     each exited 0 and printed ``process <rank> OK``."""
     import os
-    import socket
     import subprocess
     import sys
 
     import pytest
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [subprocess.Popen([sys.executable, str(worker), str(i), port], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=env) for i in range(n)]

@@ -5,9 +5,10 @@ strategy, and in 1 process on 8 and on 4 devices."""
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
+
+from helpers import free_port
 
 WORKER = pathlib.Path(__file__).parent / "mp" / "worker_checkpoint.py"
 
@@ -18,14 +19,8 @@ def _start(rank, port, phase, d, nproc, ndev):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _run(phase, d, nproc, ndev, timeout=240):
-    port = _port()
+    port = free_port()
     procs = [_start(i, port, phase, d, nproc, ndev) for i in range(nproc)]
     try:
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -40,7 +35,7 @@ def _run(phase, d, nproc, ndev, timeout=240):
 
 
 def test_multiprocess_save_kill_and_restore_anywhere(tmp_path):
-    port = _port()
+    port = free_port()
     procs = [_start(i, port, "save", tmp_path, 2, 4) for i in range(2)]
     try:
         out1 = procs[1].communicate(timeout=240)[0]        # process 1 kills itself while writing step 3

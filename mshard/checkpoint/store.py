@@ -99,14 +99,19 @@ def resolve_step(directory: str, step: int | None, what: str) -> int:
     return step
 
 
-def read_meta(directory: str, step: int, what: str) -> dict:
-    path = os.path.join(directory, str(step), "mshard", "metadata")
+def _read_json(path: str, what: str) -> dict:
+    """A JSON file of the checkpoint, or a CheckpointError naming ``what`` and the file."""
     try:
         with open(path) as f:
-            meta = json.load(f)
+            return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{what}: cannot read the mshard metadata of step {step} ({path}): {e}. The checkpoint "
-                              f"is damaged; load an earlier step.") from e
+        raise CheckpointError(f"{what}: cannot read {path}: {e}. The checkpoint is damaged; load an earlier step."
+                              ) from e
+
+
+def read_meta(directory: str, step: int, what: str) -> dict:
+    path = os.path.join(directory, str(step), "mshard", "metadata")
+    meta = _read_json(path, f"{what}: the mshard metadata of step {step}")
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise CheckpointError(f"{what}: {path} is not an mshard checkpoint of version {VERSION}.")
     return meta
@@ -136,13 +141,7 @@ def leaf_dir(directory: str, step: int, name: str) -> str:
 
 
 def chunks_of(directory: str, step: int, name: str, what: str) -> Chunks:
-    path = os.path.join(leaf_dir(directory, step, name), ".zarray")
-    try:
-        with open(path) as f:
-            z = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{what}: leaf {name!r}: cannot read {path}: {e}. The checkpoint is damaged; load an "
-                              f"earlier step.") from e
+    z = _read_json(os.path.join(leaf_dir(directory, step, name), ".zarray"), f"{what}: leaf {name!r}")
     return Chunks(tuple(z["shape"]), tuple(z["chunks"]))
 
 
