@@ -5,7 +5,7 @@
 Prints a table and writes JSON (bench/out/predicted_vs_hlo.json). Bytes are per device, "moved" by
 ring formulas from the collective's result size and replica-group size (see mshard.comm_report).
 Runs each model (mlp, transformer block, conv, embedding classifier) forward and as a training step (loss +
-gradients) in semi_auto_parallel and in auto_parallel with every search_mode (``--modes`` picks some; ilp is
+gradients) in data_parallel, semi_auto_parallel and in auto_parallel with every search_mode (``--modes`` picks some; ilp is
 slow and off unless named). ``within_10pct``: every collective kind's predicted bytes within 10% of the HLO's
 (collective-permute included: the cost model prices none, so any permute in the HLO misses).
 """
@@ -30,7 +30,8 @@ def grad_step(m, *a):
     return nnx.value_and_grad(lambda m, *a: jnp.sum(m(*a)))(m, *a)
 
 
-MODES = {"semi_auto": dict(parallel_mode="semi_auto_parallel"),
+MODES = {"data_parallel": dict(parallel_mode="data_parallel", gradients_mean=True),
+         "semi_auto": dict(parallel_mode="semi_auto_parallel"),
          "sharding_propagation": dict(parallel_mode="auto_parallel", search_mode="sharding_propagation"),
          "recursive_programming": dict(parallel_mode="auto_parallel", search_mode="recursive_programming"),
          "dynamic_programming": dict(parallel_mode="auto_parallel", search_mode="dynamic_programming"),
@@ -44,7 +45,7 @@ def within(pred: dict, real: dict, tol: float = 0.10) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", default="semi_auto,sharding_propagation,recursive_programming,dynamic_programming")
+    ap.add_argument("--modes", default="data_parallel,semi_auto,sharding_propagation,recursive_programming,dynamic_programming")
     args = ap.parse_args()
     rows = []
     for mode in args.modes.split(","):

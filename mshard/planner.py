@@ -1,6 +1,7 @@
-"""Plan a region: jaxpr -> searchers.Graph -> user strategies fixed -> searcher or semi_auto default -> Plan
-+ the layouts to emit. The one planning path (DESIGN's invariant 1) of semi_auto_parallel, auto_parallel and a
-loaded strategy file.
+"""Plan a region: jaxpr -> searchers.Graph -> user strategies fixed -> searcher or default -> Plan + the layouts
+to emit. The one planning path (DESIGN's invariant 1) of every mode: semi_auto_parallel, auto_parallel, a loaded
+strategy file, and data_parallel / stand_alone (MindSpore's data-parallel plan, :func:`searchers.baselines.
+data_parallel`: the batch split over every device, or over one, flowing through every op; parameters whole).
 
 The user's strategies are fixed first (the axis assignment of :mod:`mshard.assign`), the data inputs by
 dataset_strategy, the parameters with a parameter_plan by it. Then auto_parallel's searcher decides the rest;
@@ -36,6 +37,7 @@ from typing import Any
 from jax.extend import core as jcore
 
 from searchers import DeviceMesh, Graph
+from searchers.baselines import data_parallel
 from searchers.cost import CostParams, graph_cost, op_cost, redistribution_cost
 from searchers.dynamic_programming import dynamic_programming
 from searchers.follow import follow_operands
@@ -215,11 +217,22 @@ def _hold_state(graph: Graph, strategies) -> bool:
 
 
 def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx, algorithm: str,
-                  param_plans: Sequence[tuple[str, str, Any]] = ()) -> Planned:
-    """Plan a region with the searcher ``algorithm`` (a key of :data:`SEARCHERS`)."""
+                  param_plans: Sequence[tuple[str, str, Any]] = (), input_layout_hook: Callable | None = None
+                  ) -> Planned:
+    """Plan a region with the searcher ``algorithm`` (a key of :data:`SEARCHERS`, or ``"data_parallel"`` /
+    ``"stand_alone"``: MindSpore's data-parallel plan on every device / on one).
+
+    ``input_layout_hook(inputs, layouts) -> input layouts`` (a training step's optimizer-parallel layouts) is
+    applied to the data-parallel plan's inputs before the plan is made, so the plan prices and pins them."""
     n = ctx.devices
-    base = plan_region(closed, inputs, mode="semi_auto_parallel", device_num=n,
+    dp_mode = algorithm in ("data_parallel", "stand_alone")
+    base = plan_region(closed, inputs, mode=algorithm if dp_mode else "semi_auto_parallel",
+                       device_num=n if algorithm != "stand_alone" else 1,
                        dataset_strategy=ctx.dataset_strategy, param_plans=param_plans)
+    if dp_mode and input_layout_hook is not None:
+        hooked = list(input_layout_hook(inputs, base))
+        base.user_inputs = set(base.user_inputs) | {i for i, (a, b) in enumerate(zip(hooked, base.inputs)) if a != b}
+        base.inputs = hooked
     mesh = base.mesh
     cm = ctxmod.get_cost_model_context()
     algo = ctxmod.get_algo_parameters()
@@ -241,7 +254,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     # fixed: user inputs (data, parameter_plan), annotated marks, a loaded strategy file
     for i in range(len(inputs)):
         sliced = algorithm == "semi_auto" and inputs[i].kind == "param" and any(base.inputs[i])
-        if i in base.user_inputs or sliced:      # semi_auto: a parameter sliced as its first annotated use asks
+        if i in base.user_inputs or sliced or dp_mode:      # semi_auto: a parameter sliced as its first annotated use asks
             op = graph.ops[trace.input_ops[i]]
             op.fixed = _strategy_from_layout(op, base.inputs[i], mesh)
     for te in trace.eqns:
@@ -276,7 +289,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
                 if axes is not None and len(axes) == len(op.dims):   # data laid out as the saved region's was
                     op.fixed = tuple(tuple(mesh.names.index(a) for a in ax) for ax in axes)
             notes.append(f"strategy file {load}: {applied} op strategies and {stored} parameter layouts loaded")
-    searcher = SEARCHERS.get(algorithm)
+    searcher = data_parallel if dp_mode else SEARCHERS.get(algorithm)
     if searcher is None:
         notes.append(f"search_mode {algorithm!r} is not available yet; used sharding_propagation")
         searcher, algorithm = sharding_propagation, "sharding_propagation"

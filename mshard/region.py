@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 
 from . import annotate, dryrun
 from . import context as ctxmod
-from .assign import InputInfo, RegionLayouts, plan_region
+from .assign import InputInfo, RegionLayouts
 from .errors import DatasetStrategyError, RegionTypeError
 from .execute import emit
 from .guards import apply_guards
@@ -61,7 +61,7 @@ class _Compiled:
     module_out_shardings: list
     out_tree: Any
     changed: list          # indices of state leaves the region writes (only these come back)
-    plan: Any = None       # the searched Plan (auto modes), else built on demand by Region.plan
+    plan: Any = None       # the Plan this program runs (every mode)
     infos: Any = None
     param_plans: Any = None
 
@@ -156,7 +156,6 @@ class Region:
     # -- tracing and planning ---------------------------------------------------------------------
     def _build(self, graphdefs, states, flat_data, data_names, data_pos, treedef_args) -> _Compiled:
         ctx = ctxmod.current()
-        n = ctx.devices if ctx.parallel_mode != "stand_alone" else 1
         state_leaves, state_trees, param_names = [], [], []
         for gi, s in enumerate(states):
             leaves, tree = jax.tree.flatten_with_path(s)
@@ -215,30 +214,23 @@ class Region:
                         f"entry per data argument (modules not counted), or use 'data_parallel' / 'full_batch'.")
                 st = TensorStrategy(ctx.dataset_strategy[k])
             infos.append(InputInfo("data", tuple(x.shape), nm, st))
-        algorithm = search_algorithm(ctx)
-        planned = None
-        if algorithm is not None:
-            from .planner import search_region
-            planned = search_region(closed, infos, ctx=ctx, algorithm=algorithm, param_plans=trace.param_plans)
-            layouts = planned.layouts
-        else:
-            layouts = plan_region(closed, infos, mode=ctx.parallel_mode, device_num=n,
-                                  dataset_strategy=ctx.dataset_strategy, param_plans=trace.param_plans)
+        from .planner import search_region
+        # one planning path for every mode: data_parallel and stand_alone plan as the data-parallel default
+        planned = search_region(closed, infos, ctx=ctx, algorithm=search_algorithm(ctx) or ctx.parallel_mode,
+                                param_plans=trace.param_plans, input_layout_hook=self.input_layout_hook)
+        layouts = planned.layouts
         save = ctx.strategy_ckpt_config.get("save_file")
         if save and ctx.parallel_mode in ("semi_auto_parallel", "auto_parallel"):
-            from .planner import search_region
-            plan = planned.plan if planned else search_region(closed, infos, ctx=ctx, algorithm="semi_auto",
-                                                              param_plans=trace.param_plans).plan
-            plan.save(save)
+            planned.plan.save(save)
         if self.input_layout_hook is not None:
             layouts.inputs = list(self.input_layout_hook(infos, layouts))
         guarded = apply_guards(closed.jaxpr, layouts)     # layouts XLA miscompiles are realised safely
-        if guarded and planned is not None:
+        if guarded:
             planned = dataclasses.replace(planned, plan=dataclasses.replace(
                 planned.plan, notes=tuple(planned.plan.notes) + tuple(guarded)))
         mesh = layouts.mesh.jax_mesh()
         in_sh = [NamedSharding(mesh, spec_of(lay)) for lay in layouts.inputs]
-        run = emit(closed, layouts, planned.eqn_out if planned else None, planned.eqn_in if planned else None)
+        run = emit(closed, layouts, planned.eqn_out, planned.eqn_in)
         n_out = len(jax.tree.leaves(out_shape))
         n_user = n_out - n_state
         outvars, invars = closed.jaxpr.outvars, closed.jaxpr.invars
@@ -253,7 +245,7 @@ class Region:
         donate = tuple(changed) if self.donate_params else ()
         jitted = jax.jit(flat_fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
         return _Compiled(closed, layouts, jitted, in_sh, mod_out, out_tree, changed,
-                         planned.plan if planned else None, infos, list(trace.param_plans))
+                         planned.plan, infos, list(trace.param_plans))
 
     def _prepare(self, args, kwargs):
         modules, flat_data, data_names, data_pos, treedef_args = self._split_args(args, kwargs)
@@ -363,16 +355,9 @@ class Region:
         return self._prepare(args, {})[0].layouts
 
     def plan(self, *args):
-        """The Plan for these arguments (without executing): the plan the region runs in semi_auto and auto modes;
-        in data_parallel and stand_alone, which run unplanned, the layouts their data-parallel inputs give every op
-        (each op in the layout its operands arrive in)."""
-        comp = self._prepare(args, {})[0]
-        if comp.plan is None:
-            from .planner import search_region
-            ctx = ctxmod.current()
-            comp.plan = search_region(comp.closed, comp.infos, ctx=ctx, algorithm="semi_auto",
-                                      param_plans=comp.param_plans).plan
-        return comp.plan
+        """The Plan for these arguments (traced and planned, not run): the plan the region runs, in every mode
+        (data_parallel and stand_alone: MindSpore's data-parallel plan on every device / on one)."""
+        return self._prepare(args, {})[0].plan
 
     def jaxpr(self, *args):
         return self._prepare(args, {})[0].closed

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 from .cost import Cost, CostParams, graph_cost
 from .follow import follow_operands
@@ -70,6 +71,15 @@ def _per_op(graph: Graph, pick: Callable[[Op], Strategy]) -> dict[int, Strategy]
         else:
             st[op.id] = pick(op)
     return dict(enumerate(st))
+
+
+def data_parallel(graph: Graph, params: CostParams, **_: Any) -> SearchResult:
+    """MindSpore's data_parallel mode as a plan: the data inputs fixed at their batch split, parameters whole, every
+    other op computing in the layout its operands arrive in, its first operand's first (the batch flows on)."""
+    r = follow_operands(graph, params, first_operand_first=True)
+    return dataclasses.replace(r, algorithm="data_parallel", notes=[
+        "data_parallel: the batch is split over every device and flows through every op; parameters are whole "
+        "(MindSpore's data parallel)"])
 
 
 def baseline_plans(graph: Graph, params: CostParams, *, fully_use_devices: bool) -> dict[str, dict[int, Strategy]]:

@@ -32,9 +32,11 @@ from .graph import Graph, Op, Strategy, operand_layout, operand_tied_strategy, r
 from .result import SearchResult
 
 
-def follow_operands(graph: Graph, params: CostParams, *, fully_use_devices: bool = False) -> SearchResult:
+def follow_operands(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
+                    first_operand_first: bool = False) -> SearchResult:
     """semi_auto's default (module doc); ``fully_use_devices`` is accepted for the searcher signature and ignored:
-    semi_auto splits only what the user asked for."""
+    semi_auto splits only what the user asked for. ``first_operand_first`` takes the operands' axes in operand
+    order instead (MindSpore's data parallel: an op follows the batch split of its first operand)."""
     t0 = time.perf_counter()
     mesh = graph.mesh
     st: list[Strategy | None] = [None] * len(graph.ops)
@@ -48,7 +50,7 @@ def follow_operands(graph: Graph, params: CostParams, *, fully_use_devices: bool
         elif op.id in graph.operand_ties:
             st[op.id] = operand_tied_strategy(graph, op, st) or replicated(op)
         else:
-            st[op.id] = _follow(graph, op, st, mesh.shape)
+            st[op.id] = _follow(graph, op, st, mesh.shape, first_operand_first)
     for op in graph.ops:                      # an unfixed parameter: stored as its first fixed consumer computes
         if op.is_source and op.fixed is None and op.kind == "param":
             tid = op.outputs[0]
@@ -65,7 +67,8 @@ def follow_operands(graph: Graph, params: CostParams, *, fully_use_devices: bool
                          "(nothing new is split; the batch stays data parallel)"])
 
 
-def _follow(graph: Graph, op: Op, st: list[Strategy | None], shape: tuple[int, ...]) -> Strategy:
+def _follow(graph: Graph, op: Op, st: list[Strategy | None], shape: tuple[int, ...],
+            first_operand_first: bool = False) -> Strategy:
     sizes = dict(zip(op.dims, op.split_sizes()))
     arriving: list[tuple[int, int, int, tuple[tuple[int, ...], ...]]] = []
     for i, tid in enumerate(op.inputs):
@@ -73,7 +76,7 @@ def _follow(graph: Graph, op: Op, st: list[Strategy | None], shape: tuple[int, .
         s = st[prod.id]
         lay = result_layout(prod, s if s is not None else replicated(prod), prod.outputs.index(tid))
         n = math.prod(shape[a] for axes in lay for a in axes)
-        arriving.append((-n, -graph.tensors[tid].nbytes, i, lay))
+        arriving.append((i, 0, i, lay) if first_operand_first else (-n, -graph.tensors[tid].nbytes, i, lay))
     where: dict[str, tuple[int, ...]] = {}
     used: set[int] = set()
     for _, _, i, lay in sorted(arriving):

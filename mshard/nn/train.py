@@ -274,7 +274,8 @@ def _plan_step(probe: Region, data: tuple, net: nnx.Module, ctx) -> _StepPlan:
             break
     replicated = all(not any(dim for dim in l) for l in param_layouts.values())
     data_ok = all(not d or (tuple(d[0]) == dp_axes and not any(d[1:])) for d in data_lays)
-    marks = lay.honour_marks and any(v is not None for v in lay.marks.values())
+    marks = (ctx.parallel_mode not in ("data_parallel", "stand_alone") and lay.honour_marks
+             and any(v is not None for v in lay.marks.values()))
     no_search = ctx.parallel_mode == "data_parallel" or (
         ctx.parallel_mode == "semi_auto_parallel" and search_algorithm(ctx) is None)
     pure = bool(dp_axes) and replicated and data_ok and not marks and no_search
@@ -497,8 +498,9 @@ class _Runtime:
 
     # after planning the step: optimizer state follows its parameter (or its ZeRO layout)
     def hook(self, infos, layouts):
-        plan, self.pending = self.pending, None
-        self.last = plan
+        # called before a data-parallel plan is made and again after every plan: the second call sees the same plan
+        plan = self.pending if self.pending is not None else self.last
+        self.pending, self.last = None, plan
         inputs = list(layouts.inputs)
         idx = {info.name: i for i, info in enumerate(infos) if info.kind == "param"}
         params = {nm[len("network."):]: idx[nm] for nm in (plan.param_layouts if plan else {}) if nm in idx}
