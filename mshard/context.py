@@ -66,6 +66,8 @@ class ParallelContext:
     dataset_strategy: Any = "data_parallel"     # "data_parallel" | "full_batch" | tuple of split tuples
     gradients_mean: bool = False
     pipeline_stages: int = 1
+    pipeline_config: dict = field(default_factory=lambda: {"pipeline_interleave": False,
+                                                           "pipeline_scheduler": "1f1b"})
     enable_parallel_optimizer: bool = False
     parallel_optimizer_config: dict = field(default_factory=lambda: {
         "optimizer_weight_shard_size": -1, "parallel_optimizer_threshold": 64})
@@ -180,6 +182,18 @@ def _config_items(name: str, v: Any, defaults: dict) -> tuple[dict, list[tuple[s
     return dict(defaults), list(v.items())
 
 
+def _v_pconfig(v, ctx):
+    out, items = _config_items("pipeline_config", v, ParallelContext().pipeline_config)
+    for k, x in items:
+        if k == "pipeline_interleave":
+            _type(f"pipeline_config[{k!r}]", x, (bool,), "True or False")
+        else:
+            _type(f"pipeline_config[{k!r}]", x, (str,), "'1f1b' or 'gpipe'")
+            _one_of(f"pipeline_config[{k!r}]", x, ("1f1b", "gpipe"))
+        out[k] = x
+    return out
+
+
 def _v_popt(v, ctx):
     out, items = _config_items("parallel_optimizer_config", v, ParallelContext().parallel_optimizer_config)
     for k, x in items:
@@ -252,6 +266,7 @@ _VALIDATORS: dict[str, Callable[[Any, ParallelContext], Any]] = {
     "dataset_strategy": _v_dataset,
     "gradients_mean": _v_bool("gradients_mean"),
     "pipeline_stages": _v_stages,
+    "pipeline_config": _v_pconfig,
     "enable_parallel_optimizer": _v_bool("enable_parallel_optimizer"),
     "parallel_optimizer_config": _v_popt,
     "comm_fusion": _v_fusion,

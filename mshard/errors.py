@@ -110,3 +110,9 @@ __all__ = [
     "StrategyIgnoredWarning",
     "StrategyTypeError",
 ]
+
+
+class PipelineError(MshardError, ValueError):
+    """A pipeline setting that cannot run: ``micro_size`` smaller than ``pipeline_stages``, a ``pipeline_stage`` out
+    of range, an empty stage, a batch that does not split into the micro-batches, ``pipeline_stages > 1`` without a
+    ``PipelineCell``/``Pipeline``."""

@@ -82,7 +82,9 @@ class Emitter:
                 lay = replica_layout(lay, eqn.params["bdim"], eqn.params["replica_axes"])
             return self.wsc(invals[0], lay)
         params = eqn.params
-        has = self.planned or any(_has_marks(j) for j in jaxpr_params(params))
+        # a shard_map is a fixed boundary of the plan (mshard.trace): its body (manual axes, e.g. a pipeline's
+        # stages) is bound as traced, only its operands and results are constrained
+        has = prim.name != "shard_map" and (self.planned or any(_has_marks(j) for j in jaxpr_params(params)))
         inner = path + (id(eqn),)
         if has and prim.name in INLINE:
             body = params[CALLS[prim.name]]

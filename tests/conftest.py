@@ -51,6 +51,12 @@ SLOW = (
     "tests/test_user_axes.py::test_any_prefix_before_a_megatron_pair",
     "tests/searchers/test_dynamic_programming.py::test_training_graph_through_the_fallback_beats_propagation",
     "tests/test_fuzz.py::test_random_programs_equal_one_device",
+    "tests/test_pipeline.py::test_gpt_trains",
+    "tests/test_pipeline.py::test_interleaved",
+    "tests/test_pipeline.py::test_any_block_count",
+    "tests/test_pipeline.py::test_stage_helper",
+    "tests/test_pipeline.py::test_a_parameter_two_stages",
+    "tests/test_pipeline.py::test_pipeline_form",
 )
 
 

@@ -14,6 +14,8 @@ from .layers import ReLU as ReLU
 from .layers import TransformerBlock as TransformerBlock
 from .loss import MSELoss as MSELoss
 from .loss import SoftmaxCrossEntropyWithLogits as SoftmaxCrossEntropyWithLogits
+from .pipeline import Pipeline as Pipeline
+from .pipeline import PipelineCell as PipelineCell
 from .train import GradAccumulationCell as GradAccumulationCell
 from .train import MicroBatchInterleaved as MicroBatchInterleaved
 from .train import TrainOneStepCell as TrainOneStepCell

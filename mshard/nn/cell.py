@@ -239,4 +239,19 @@ class Cell(nnx.Module):
 
     @pipeline_stage.setter
     def pipeline_stage(self, stage: int) -> None:
-        self._mshard_stage = int(stage)
+        if not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
+            from ..errors import PipelineError
+            raise PipelineError(f"{type(self).__name__}.pipeline_stage = {stage!r}: a stage is an int >= 0.")
+        self._mshard_stage = stage
+
+    @property
+    def pipeline_segment(self) -> int:
+        """The chunk (virtual stage ``segment * pipeline_stages + pipeline_stage``) of the interleaved schedule."""
+        return getattr(self, "_mshard_segment", 0)
+
+    @pipeline_segment.setter
+    def pipeline_segment(self, segment: int) -> None:
+        if not isinstance(segment, int) or isinstance(segment, bool) or segment < 0:
+            from ..errors import PipelineError
+            raise PipelineError(f"{type(self).__name__}.pipeline_segment = {segment!r}: a segment is an int >= 0.")
+        self._mshard_segment = segment

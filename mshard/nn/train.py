@@ -88,6 +88,7 @@ from .cell import Cell
 from .cells import GradAccumulationCell, MicroBatchInterleaved, WithLossCell
 from .fastpath import _MISS, _FastPath
 from .grads import _by_key, _drop_axes, _no_fusion_reason, _reduce_in_buckets, _replica_axes, _run_replicas, _value_and_grad
+from .pipeline import check_pipeline, pipeline_grads
 from .step_plan import _plan_step, _StepPlan
 from .zero import _zero_layouts
 
@@ -113,6 +114,7 @@ class _Runtime:
         data = tuple(data)
         ctx = ctxmod.current()
         net, opt = cell.network, cell.optimizer
+        check_pipeline(ctx, net)
         plan = _plan_step(self.probe, data, net, ctx)
         if search_algorithm(ctx) is not None and not fusion.is_default(ctx):
             # a searched step with a fusion setting runs its data-parallel replicas side by side (see
@@ -132,7 +134,9 @@ class _Runtime:
                                  "reason": "enable_parallel_optimizer is False"}
         self.pending = plan
         token = None
-        if plan.pure_dp:
+        if ctx.pipeline_stages > 1:
+            loss, grads = self._pipeline_grads(net, data, plan, names, ctx)
+        elif plan.pure_dp:
             loss, grads, token = self._pure_dp_grads(net, data, plan, names, params, ctx)
         else:
             why = _no_fusion_reason(plan, ctx)
@@ -174,6 +178,17 @@ class _Runtime:
         if ctx.gradients_mean:
             reduced = [g / dp for g in reduced]
         return jnp.mean(losses), reduced, token
+
+    def _pipeline_grads(self, net, data, plan: _StepPlan, names, ctx):
+        """A PipelineCell's gradient: its schedule run over the stage axes (:mod:`mshard.nn.pipeline`)."""
+        loss, g, dp = pipeline_grads(net, data, plan.mesh, ctx)
+        scale = 1.0 if ctx.gradients_mean else float(dp)
+        grads = [x * scale if scale != 1.0 else x for x in jax.tree.leaves(g)]
+        mesh = plan.mesh.jax_mesh()
+        for i, nm in enumerate(names):
+            if nm in plan.zero:
+                grads[i] = jax.lax.with_sharding_constraint(grads[i], NamedSharding(mesh, spec_of(plan.zero[nm])))
+        return loss, grads
 
     def _global_grads(self, net, data, plan: _StepPlan, names, ctx):
         """The gradient of the global-batch loss (``jax.grad``; XLA's partitioner places the reductions)."""

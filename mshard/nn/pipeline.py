@@ -1,0 +1,148 @@
+"""Pipeline parallel with MindSpore's names: ``nn.PipelineCell(net_with_loss, micro_size)`` and
+``nn.Pipeline(net_with_loss, micro_size, stage_config={"blocks.0": 0, ...})``.
+
+>>> import jax.numpy as jnp, optax, mshard as ms
+>>> from flax import nnx
+>>> from mshard import nn
+>>> ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, pipeline_stages=2,
+...                              gradients_mean=True)
+>>> class Two(nn.Cell):
+...     def __init__(self):
+...         self.a, self.b = nn.Dense(4, 8, rngs=nnx.Rngs(0)), nn.Dense(8, 2, rngs=nnx.Rngs(1))
+...         self.a.pipeline_stage, self.b.pipeline_stage = 0, 1
+...     def __call__(self, x):
+...         return self.b(jnp.tanh(self.a(x)))
+>>> step = nn.TrainOneStepCell(nn.PipelineCell(nn.WithLossCell(Two(), nn.MSELoss()), micro_size=4), optax.sgd(0.1))
+>>> float(step(jnp.ones((16, 4)), jnp.zeros((16, 2)))) > 0
+True
+>>> ms.reset_auto_parallel_context()
+
+Under :class:`~mshard.nn.TrainOneStepCell` the devices split into ``pipeline_stages`` stage groups along mesh axes
+of the step's mesh (the first axes whose sizes multiply to the stage count); the rest of the mesh is data
+parallel inside each stage. The batch is cut into ``micro_size`` micro-batches (micro-batch ``k`` holds rows
+``k, k + micro_size, ...``, as :class:`~mshard.nn.GradAccumulationCell`), the network's forward is cut into stage
+functions (:mod:`mshard.pipeline.stages`) and the schedule of ``pipeline_config`` runs as one SPMD program
+(:mod:`mshard.pipeline.execute`): ``pipeline_scheduler="gpipe"`` or ``"1f1b"`` (default), and with
+``pipeline_interleave=True`` Megatron's interleaved 1F1B over the chunks that ``cell.pipeline_segment`` numbers.
+The step's loss is the mean of the micro-batch losses and its gradient that mean's gradient (for a mean-reduced
+loss: the full batch's, as one device computes), scaled as ``gradients_mean`` says.
+
+What this version does not do yet (issue 15): parameters are kept whole on every device (not only on their
+stage's devices), stages recompute their forward at backward time whatever the recompute setting, and the
+user's operator strategies inside a stage are not applied (the stage is data parallel).
+
+Called outside a training step, a PipelineCell runs its micro-batches one after another and returns the mean loss.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .. import context as ctxmod
+from ..errors import PipelineError
+from ..layout import choose_axes
+from ..pipeline.execute import run_pipeline
+from ..pipeline.schedule import make_schedule
+from ..pipeline.stages import cut
+from .cell import Cell
+
+__all__ = ["Pipeline", "PipelineCell"]
+
+
+class PipelineCell(Cell):
+    """``PipelineCell(network, micro_size)``: ``network`` (a network with loss) trained in ``pipeline_stages``
+    stages over ``micro_size`` micro-batches (module doc). ``micro_size`` must be at least ``pipeline_stages``."""
+
+    def __init__(self, network: nnx.Module, micro_size: int, stage_config: dict[str, int] | None = None):
+        if not isinstance(micro_size, int) or isinstance(micro_size, bool) or micro_size < 1:
+            raise PipelineError(f"PipelineCell: micro_size={micro_size!r} must be a positive int.")
+        self.network = network
+        self.micro_size = micro_size
+        # a hashable static attribute (it is part of the graph definition)
+        self.stage_config = tuple(sorted(stage_config.items())) if stage_config else None
+
+    def __call__(self, *inputs):
+        n = self.micro_size
+        for x in inputs:
+            if hasattr(x, "shape") and x.ndim and x.shape[0] % n:
+                raise PipelineError(_batch_message(x.shape, n))
+        outs = [self.network(*[x[k::n] if hasattr(x, "shape") and x.ndim else x for x in inputs]) for k in range(n)]
+        return jax.tree.map(lambda *o: sum(o[1:], o[0]) / n, *outs)
+
+
+class Pipeline(PipelineCell):
+    """``Pipeline(network, micro_size, stage_config)``: MindSpore's newer form, the stages given by cell path
+    (``{"embedding": 0, "blocks.0": 0, "blocks.1": 1, "head": 1}``) instead of ``cell.pipeline_stage``."""
+
+    def __init__(self, network: nnx.Module, micro_size: int, stage_config: dict[str, int]):
+        if not isinstance(stage_config, dict) or not stage_config:
+            raise PipelineError(f"nn.Pipeline: stage_config must be a non-empty dict of cell path -> stage, got "
+                                f"{stage_config!r}.")
+        super().__init__(network, micro_size, stage_config)
+
+
+def _batch_message(shape, n: int) -> str:
+    return (f"PipelineCell: the batch dim {shape[0]} (input shape {tuple(shape)}) is not divisible by micro_size "
+            f"{n}; use a batch size that is a multiple of {n}, or a micro_size that divides {shape[0]}.")
+
+
+def check_pipeline(ctx, cell: Any) -> None:
+    """The pipeline settings errors that do not need the network traced."""
+    S = ctx.pipeline_stages
+    if S > 1 and not isinstance(cell, PipelineCell):
+        raise PipelineError(f"pipeline_stages={S}, but the training step's network is a {type(cell).__name__}, not "
+                            f"a PipelineCell: wrap the network with loss, e.g. nn.TrainOneStepCell(nn.PipelineCell("
+                            f"net_with_loss, micro_size={2 * S}), optimizer), or set pipeline_stages=1.")
+    if isinstance(cell, PipelineCell) and cell.micro_size < S:
+        raise PipelineError(f"PipelineCell: micro_size={cell.micro_size} is smaller than pipeline_stages={S}; "
+                                f"every stage needs a micro-batch in flight: use micro_size >= {S} (2x or more "
+                                f"lowers the bubble (S-1)/(M+S-1)).")
+
+
+def pipeline_grads(cell: PipelineCell, data: tuple, mesh_plan, ctx) -> tuple[Any, Any, int]:
+    """-> (mean micro-batch loss, gradient pure State of ``cell``'s Params, data-parallel size inside a stage)."""
+    S, M = ctx.pipeline_stages, cell.micro_size
+    check_pipeline(ctx, cell)
+    for x in jax.tree.leaves(data):
+        if hasattr(x, "shape") and x.ndim and x.shape[0] % M:
+            raise PipelineError(_batch_message(x.shape, M))
+    rmesh = mesh_plan
+    stage_axes = choose_axes(S, list(rmesh.names), rmesh) if S > 1 else ()
+    if stage_axes is None:
+        raise PipelineError(f"pipeline_stages={S}: no mesh axes of the step's mesh {dict(zip(rmesh.names, rmesh.shape))} "
+                            f"multiply to {S}; use a stage count that divides the mesh, e.g. a power of two here.")
+    cfg = ctx.pipeline_config
+    net = cell.network
+    segments = [getattr(m, "_mshard_segment", 0) for _, m in nnx.iter_graph(net) if isinstance(m, nnx.Module)]
+    chunks = max(segments, default=0) + 1
+    if cfg["pipeline_interleave"] and chunks == 1:
+        raise PipelineError("pipeline_config pipeline_interleave=True, but no cell has a pipeline_segment > 0: give "
+                            "each cell its chunk (cell.pipeline_segment = c; virtual stage c * stages + stage).")
+    if not cfg["pipeline_interleave"] and chunks > 1:
+        raise PipelineError(f"cells have pipeline_segment up to {chunks - 1}, which only the interleaved schedule runs: "
+                            f"set pipeline_config={{'pipeline_interleave': True}} or remove the segments.")
+    name = "interleaved" if chunks > 1 else cfg["pipeline_scheduler"]
+    sched = make_schedule(name, stages=S, micro=M, chunks=chunks)
+    micro = [jnp.swapaxes(x.reshape(x.shape[0] // M, M, *x.shape[1:]), 0, 1) if hasattr(x, "ndim") and x.ndim else x
+             for x in data]
+    avals = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in micro]
+    prog = cut(net, lambda m, *d: m(*d), avals, stages=S, chunks=chunks, stage_config=dict(cell.stage_config or ()))
+    _, params, rest = nnx.split(net, nnx.Param, ...)
+    pure = nnx.as_pure(params)
+    p_leaves, p_tree = jax.tree.flatten(pure)
+    r_leaves = jax.tree.leaves(nnx.as_pure(rest))
+
+    # the other state (RNG keys, counts) rides along, not differentiated
+    loss, g = run_pipeline(prog.stage_fn, p_leaves, micro, prog.carry, sched, rmesh.jax_mesh(), tuple(stage_axes),
+                           consts=r_leaves)
+    dp = math.prod(rmesh.shape) // S
+    return loss, jax.tree.unflatten(p_tree, g), dp
+
+
+def current_stages() -> int:
+    return ctxmod.current().pipeline_stages

@@ -1,0 +1,142 @@
+"""Run a pipeline schedule as one SPMD program: a ``lax.scan`` over the schedule's ticks inside a ``jax.shard_map``
+that is manual over the stage mesh axes only (the other axes stay Auto: XLA's partitioner places the data- and
+model-parallel collectives inside each stage), activations and their cotangents sent to the next / previous stage
+with ``lax.ppermute`` every tick.
+
+Every tick each stage looks up its own entry of the table (:mod:`mshard.pipeline.schedule`) and runs one branch of a
+``lax.switch``: idle (nothing: bubble ticks are free by construction, no FLOPs), the forward of its virtual stage
+on one micro-batch, or its backward. The backward recomputes the stage's forward from the stage input it kept
+(``jax.vjp`` at backward time): stages are different functions (a ``lax.switch`` over them), whose residuals have
+no common structure to keep between ticks. Kept per stage: its inputs (a ring of ``K`` micro-batch slots per
+chunk, ``K`` the most the schedule keeps alive, :func:`ring_size`) and the cotangents received (the same).
+
+The gradient is the sum over micro-batches of ``d(loss_i / M) / d params`` (the mean loss's gradient) psum-ed
+over the stages, so a parameter two stages use (a tied embedding and head) gets both contributions, and every
+stage holds the same value after the update. The loss lives on the last stage and is psum-ed likewise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from .schedule import BWD, FWD, Schedule
+
+
+def ring_size(sched: Schedule) -> int:
+    """The fewest slots per chunk so that no stage input or cotangent is overwritten before its backward reads it
+    (a value arriving at tick ``a`` is written before that tick's compute)."""
+    when, V = sched.when(), sched.stages * sched.chunks
+    need = 1
+    for vs in range(V):
+        for i in range(sched.micro):
+            b = when[(BWD, i, vs)]
+            for k in range(1, sched.micro - i):
+                arrive_f = when[(FWD, i + k, vs - 1)] + 1 if vs > 0 else when[(FWD, i + k, vs)]
+                arrive_b = when[(BWD, i + k, vs + 1)] + 1 if vs < V - 1 else b + 1
+                if arrive_f <= b or arrive_b <= b:
+                    need = max(need, k + 1)
+    return need
+
+
+def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax.ShapeDtypeStruct],
+                 sched: Schedule, mesh: jax.sharding.Mesh, stage_axes: tuple[str, ...], consts: Any = ()):
+    """-> (mean loss over the micro-batches, gradient of it w.r.t. ``params``), both replicated over the stages.
+
+    ``stage_fn(vs, params, consts, carry, d) -> (carry, loss)`` runs virtual stage ``vs`` (static) on one
+    micro-batch ``d`` (``consts``: inputs not differentiated, e.g. RNG state); ``carry`` is a tuple of arrays
+    shaped as ``carry`` (what one stage hands the next); ``loss`` is a float32 scalar, used from the last virtual
+    stage only. ``data`` leaves are ``[M, ...]`` (micro-batch first).
+    """
+    S, M, v = sched.stages, sched.micro, sched.chunks
+    V = S * v
+    K = ring_size(sched)
+    table = np.asarray(sched.table)
+    fwd_perm = [(j, (j + 1) % S) for j in range(S)]
+    bwd_perm = [(j, (j - 1) % S) for j in range(S)]
+
+    def fwd_branch(vs):
+        def f(p, h, d, g_h):
+            h2, loss = stage_fn(vs, p, consts_in[0], h, d)
+            return h2, loss.astype(jnp.float32), jax.tree.map(jnp.zeros_like, p), tuple(map(jnp.zeros_like, h))
+        return f
+
+    def bwd_branch(vs):
+        def f(p, h, d, g_h):
+            (h2, loss), vjp = jax.vjp(lambda p, h: stage_fn(vs, p, consts_in[0], h, d), p, h)
+            last = vs == V - 1
+            g_out = tuple(jnp.zeros_like(x) for x in h2) if last else g_h
+            gp, gh = vjp((g_out, jnp.asarray(1.0 / M if last else 0.0, loss.dtype)))
+            return tuple(map(jnp.zeros_like, h2)), jnp.zeros((), jnp.float32), gp, gh
+        return f
+
+    branches_f = [fwd_branch(vs) for vs in range(V)]
+    branches_b = [bwd_branch(vs) for vs in range(V)]
+
+    consts_in: list = [None]
+
+    def local(p, cs, d):
+        consts_in[0] = cs
+        s = lax.axis_index(stage_axes)
+        tab = jnp.asarray(table)
+        ring_f = tuple(jnp.zeros((v, K) + c.shape, c.dtype) for c in carry)
+        ring_b = tuple(jnp.zeros((v, K) + c.shape, c.dtype) for c in carry)
+        zeros_c = tuple(jnp.zeros(c.shape, c.dtype) for c in carry)
+        gacc = jax.tree.map(jnp.zeros_like, p)
+
+        def store(ring, vals, ok, c, i):
+            slot = i % K
+            return tuple(r.at[c, slot].set(jnp.where(ok, x, r[c, slot])) for r, x in zip(ring, vals))
+
+        def tick(state, t):
+            ring_f, ring_b, gacc, lacc, recv_f, recv_b = state
+            prev = tab[jnp.maximum(t - 1, 0)]
+            started = t > 0
+            left, right = (s - 1) % S, (s + 1) % S
+            kf, i_f, c_f = prev[left, 0], prev[left, 1], prev[left, 2]
+            vs_left = c_f * S + left
+            ok_f = started & (kf == FWD) & (vs_left < V - 1)
+            ring_f = store(ring_f, recv_f, ok_f, jnp.where(s == 0, c_f + 1, c_f), i_f)
+            kb, i_b, c_b = prev[right, 0], prev[right, 1], prev[right, 2]
+            vs_right = c_b * S + right
+            ok_b = started & (kb == BWD) & (vs_right > 0)
+            ring_b = store(ring_b, recv_b, ok_b, jnp.where(s == S - 1, c_b - 1, c_b), i_b)
+            k, i, c = tab[t, s, 0], tab[t, s, 1], tab[t, s, 2]
+            vs = jnp.clip(c * S + s, 0, V - 1)
+            slot = i % K
+            h = tuple(r[c, slot] for r in ring_f)
+            g_h = tuple(r[c, slot] for r in ring_b)
+            di = jax.tree.map(lambda x: x[i], d)
+
+            def idle(p, h, di, g_h):
+                return zeros_c, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, p), zeros_c
+
+            def fwd(p, h, di, g_h):
+                return lax.switch(vs, branches_f, p, h, di, g_h)
+
+            def bwd(p, h, di, g_h):
+                return lax.switch(vs, branches_b, p, h, di, g_h)
+
+            send_f, loss, gp, send_b = lax.switch(k, [idle, fwd, bwd], p, h, di, g_h)
+            lacc = lacc + jnp.where((k == FWD) & (vs == V - 1), loss, 0.0)
+            gacc = jax.tree.map(jnp.add, gacc, gp)
+            recv_f = tuple(lax.ppermute(x, stage_axes, fwd_perm) for x in send_f)
+            recv_b = tuple(lax.ppermute(x, stage_axes, bwd_perm) for x in send_b)
+            return (ring_f, ring_b, gacc, lacc, recv_f, recv_b), None
+
+        init = (ring_f, ring_b, gacc, jnp.zeros((), jnp.float32), zeros_c, zeros_c)
+        (_, _, gacc, lacc, _, _), _ = lax.scan(tick, init, jnp.arange(sched.ticks))
+        return lax.psum(lacc, stage_axes) / M, jax.tree.map(lambda g: lax.psum(g, stage_axes), gacc)
+
+    spec_p = jax.tree.map(lambda _: P(), params)
+    spec_d = jax.tree.map(lambda _: P(), data)
+    spec_c = jax.tree.map(lambda _: P(), consts)
+    f = jax.shard_map(local, mesh=mesh, in_specs=(spec_p, spec_c, spec_d), out_specs=(P(), spec_p),
+                      axis_names=set(stage_axes), check_vma=False)
+    return f(params, consts, data)

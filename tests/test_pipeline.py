@@ -1,0 +1,198 @@
+"""Pipeline parallel (issue 15): training through nn.PipelineCell / nn.Pipeline equals one device, every schedule,
+heterogeneous stages (embedding first, head and loss last), any block count, tied parameters, the stage helper, and
+every setting that cannot run is a PipelineError.
+
+Tolerances. The loss of each step: rtol 1e-4, as examples/train_gpt.py (float32 sums over <= 512 tokens reordered by
+the micro-batching and the partitioning). Parameters after 3 AdamW steps: AdamW's update m/(sqrt(v)+eps) is
+Lipschitz in the gradient with constant ~1/eps, so the tests use eps = lr = 1e-3 (with the default 1e-8 a gradient
+within float32 rounding of zero may flip its whole step); each step then moves a parameter by at most the gradient's
+own error, which is float32 reordering of a sum over 512 token terms: 512 * 2**-24 * sum|terms| <= 3e-5 with
+|g| <= 1, so 3 steps stay within 1e-4.
+"""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mshard as ms
+from mshard import nn
+from mshard.errors import ContextError, PipelineError
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from reference import train_one_device
+from train_gpt import LOSS, make_gpt, synthetic_batches
+
+LR = 1e-3
+TX = optax.adamw(LR, eps=LR)
+
+
+def staged_gpt(layers: int, S: int, *, segments: int = 1):
+    """The GPT of examples/ with the embeddings on stage 0, the blocks spread evenly, the norm and head last."""
+    net = make_gpt(nnx.Rngs(0), layers=layers)
+    V = S * segments
+    net.embedding.pipeline_stage = net.position.pipeline_stage = 0
+    for i, b in enumerate(net.blocks):
+        vs = min(i * V // layers, V - 1)
+        b.pipeline_stage, b.pipeline_segment = vs % S, vs // S
+    net.final_norm.pipeline_stage = net.head.pipeline_stage = S - 1
+    net.final_norm.pipeline_segment = net.head.pipeline_segment = segments - 1
+    return net
+
+
+def train_both(net, S, M, *, sched="1f1b", interleave=False, mode="semi_auto_parallel", steps=3, **ctx):
+    data = synthetic_batches(steps)
+    _, _, ref_losses = ref_out = train_one_device(net, TX, data, LOSS, grad_scale=ctx.pop("grad_scale", 1.0))
+    with ms.parallel_context(parallel_mode=mode, device_num=8, pipeline_stages=S, gradients_mean=True,
+                             pipeline_config={"pipeline_scheduler": sched, "pipeline_interleave": interleave}, **ctx):
+        mine = nnx.clone(net)
+        step = nn.TrainOneStepCell(nn.PipelineCell(nn.WithLossCell(mine, LOSS), M), TX)
+        losses = [float(step(*b)) for b in data]
+        rep = ms.comm_report(step, *data[0])
+    return mine, losses, ref_out[0], ref_losses, rep
+
+
+def assert_equal_training(mine, losses, ref, ref_losses):
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    for a, b in zip(jax.tree.leaves(nnx.state(mine, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+
+
+@pytest.mark.parametrize("S,M,sched", [(2, 4, "1f1b"), (2, 8, "gpipe"), (4, 8, "1f1b"), (4, 4, "gpipe")])
+def test_gpt_trains_as_on_one_device(S, M, sched):
+    mine, losses, ref, ref_losses, rep = train_both(staged_gpt(4, S), S, M, sched=sched)
+    assert_equal_training(mine, losses, ref, ref_losses)
+    # the stages talk by collective-permute: one [micro-batch, seq, hidden] activation forward and its cotangent
+    # back per tick (the loop body holds each once), f32 [16 / M, 32, 64]
+    permutes = [c for c in rep.collectives if c.kind == "collective-permute"]
+    assert len(permutes) == 2 and all(c.nbytes == 16 // M * 32 * 64 * 4 for c in permutes)
+
+
+def test_interleaved_gpt_trains_as_on_one_device():
+    mine, losses, ref, ref_losses, _ = train_both(staged_gpt(4, 2, segments=2), 2, 4, interleave=True)
+    assert_equal_training(mine, losses, ref, ref_losses)
+
+
+@pytest.mark.parametrize("layers,S", [(5, 2), (7, 4)])
+def test_any_block_count(layers, S):
+    mine, losses, ref, ref_losses, _ = train_both(staged_gpt(layers, S), S, 2 * S)
+    assert_equal_training(mine, losses, ref, ref_losses)
+
+
+def test_stage_helper_balances_the_cells_when_none_has_a_stage():
+    from mshard.pipeline.stages import auto_stages
+    net = make_gpt(nnx.Rngs(0), layers=5)
+    ids = jax.ShapeDtypeStruct((4, 32), jnp.int32)
+    assign, cost = auto_stages(nn.WithLossCell(net, LOSS), lambda m, *d: m(*d), [ids, ids], 2)
+    # contiguous in call order: embeddings and the first blocks on 0, the rest with the head on 1
+    order = ["backbone.embedding", "backbone.position"] + [f"backbone.blocks.{i}" for i in range(5)] + \
+        ["backbone.final_norm", "backbone.head"]
+    stages = [assign[c] for c in order]
+    assert stages == sorted(stages) and set(stages) == {0, 1}
+    assert max(cost) <= 0.75 * sum(cost)        # five equal blocks and a head: no stage carries 3/4 of the work
+    mine, losses, ref, ref_losses, _ = train_both(net, 2, 4)
+    assert_equal_training(mine, losses, ref, ref_losses)
+
+
+class TiedLM(nn.Cell):
+    """An embedding on stage 0 whose table is also the head of stage 1 (a tied embedding and head)."""
+
+    def __init__(self):
+        self.embedding = nn.Embedding(64, 32, rngs=nnx.Rngs(0))
+        self.block = nn.Dense(32, 32, rngs=nnx.Rngs(1))
+        self.embedding.pipeline_stage, self.block.pipeline_stage = 0, 1
+
+    def __call__(self, ids):
+        h = jnp.tanh(self.block(self.embedding(ids)))
+        return h @ self.embedding.embedding_table[...].T
+
+
+def test_a_parameter_two_stages_use_stays_one_parameter():
+    data = synthetic_batches(3)
+    _, _, ref_losses = ref_out = train_one_device(TiedLM(), TX, data, LOSS)
+    with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8, pipeline_stages=2,
+                             gradients_mean=True):
+        net = TiedLM()
+        step = nn.TrainOneStepCell(nn.PipelineCell(nn.WithLossCell(net, LOSS), 4), TX)
+        losses = [float(step(*b)) for b in data]
+    # both stages' gradients reach the one table: it trains as on one device
+    assert_equal_training(net, losses, ref_out[0], ref_losses)
+
+
+def test_pipeline_form_with_stage_config_and_data_parallel_sum():
+    """nn.Pipeline(stage_config=...) and gradients_mean=False: MindSpore's sum over the data-parallel replicas, 4
+    inside each of the 2 stages on 8 devices."""
+    data = synthetic_batches(2)
+    net = make_gpt(nnx.Rngs(0), layers=2)
+    ref, _, ref_losses = train_one_device(net, optax.sgd(0.01), data, LOSS, grad_scale=4.0)
+    config = {"backbone.embedding": 0, "backbone.position": 0, "backbone.blocks.0": 0, "backbone.blocks.1": 1,
+              "backbone.final_norm": 1, "backbone.head": 1}
+    with ms.parallel_context(parallel_mode="data_parallel", device_num=8, pipeline_stages=2, gradients_mean=False):
+        mine = nnx.clone(net)
+        step = nn.TrainOneStepCell(nn.Pipeline(nn.WithLossCell(mine, LOSS), 4, stage_config=config), optax.sgd(0.01))
+        losses = [float(step(*b)) for b in data]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    # SGD: a parameter's error is lr * its gradient's error (4 x float32 reordering over 512 terms, <= 1.2e-4)
+    for a, b in zip(jax.tree.leaves(nnx.state(mine, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=0.01 * 1.2e-4 * 2)
+
+
+def _step(net, S=2, M=4, **ctx):
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, pipeline_stages=S, **ctx)
+    return nn.TrainOneStepCell(nn.PipelineCell(nn.WithLossCell(net, LOSS), M), TX)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("micro_size", r"micro_size=1 is smaller than pipeline_stages=2"),
+    ("stage_range", r"pipeline_stage of backbone.head is 3; with pipeline_stages=2"),
+    ("empty", r"stage\(s\) \[1\] of 2 have no cell"),
+    ("batch", r"batch dim 16 .* not divisible by micro_size 3"),
+    ("no_pipeline_cell", r"pipeline_stages=2, but the training step's network is a WithLossCell"),
+    ("order", r"uses a value computed on the later stage 1"),
+    ("interleave", r"pipeline_interleave=True, but no cell has a pipeline_segment"),
+    ("strategy", r"operator strategies inside pipeline stages are not applied yet"),
+])
+def test_settings_that_cannot_run_are_errors(case, match):
+    x, y = synthetic_batches(1)[0]
+    net = staged_gpt(2, 2)
+    try:
+        if case == "micro_size":
+            step = _step(net, M=1)
+        elif case == "stage_range":
+            net.head.pipeline_stage = 3
+            step = _step(net)
+        elif case == "empty":
+            for c in (net.blocks[1], net.final_norm, net.head):
+                c.pipeline_stage = 0
+            step = _step(net)
+        elif case == "batch":
+            step = _step(net, M=3)
+        elif case == "no_pipeline_cell":
+            ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, pipeline_stages=2)
+            step = nn.TrainOneStepCell(nn.WithLossCell(net, LOSS), TX)
+        elif case == "order":
+            net.embedding.pipeline_stage = 1
+            net.blocks[0].pipeline_stage = 0
+            step = _step(net)
+        elif case == "interleave":
+            step = _step(net, pipeline_config={"pipeline_interleave": True})
+        else:
+            net.blocks[0].shard_megatron(data_parallel=2, model_parallel=2)
+            step = _step(net)
+        with pytest.raises(PipelineError, match=match):
+            step(x, y)
+    finally:
+        ms.reset_auto_parallel_context()
+
+
+def test_stage_counts_that_do_not_divide_the_devices_are_refused():
+    with pytest.raises(ContextError, match="pipeline_stages=3 does not divide device_num=8"):
+        ms.set_auto_parallel_context(device_num=8, pipeline_stages=3)
+    with pytest.raises(ContextError, match="pipeline_scheduler"):
+        ms.set_auto_parallel_context(pipeline_config={"pipeline_scheduler": "zb"})
+    ms.reset_auto_parallel_context()
