@@ -267,8 +267,7 @@ class Region:
             # may_alias=False, one device -> replicated), and donating the placed array would delete arrays the
             # caller still holds (e.g. a clone of the initial model)
             copy = jnp.copy if self.donate_params else (lambda x: x)
-            placed = [x if getattr(x, "sharding", None) == sh else jax.device_put(copy(x), sh)
-                      for x, sh in zip(leaves, shs)]
+            placed = [x if getattr(x, "sharding", None) == sh else _put(copy(x), sh) for x, sh in zip(leaves, shs)]
             if any(p is not x for p, x in zip(placed, leaves)):
                 nnx.update(m, jax.tree.unflatten(tree, placed))
             flat.extend(placed)
@@ -434,6 +433,14 @@ class BoundRegion:
 
 
 _MISS = object()
+
+
+def _put(x, sh):
+    """``jax.device_put`` that also places an uncommitted PRNG key array on a sharding other processes share
+    (device_put refuses key arrays there: their key data is placed and wrapped again)."""
+    if jax.process_count() > 1 and jnp.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(jax.device_put(jax.random.key_data(x), sh), impl=jax.random.key_impl(x))
+    return jax.device_put(x, sh)
 
 
 def _module_classes(graphdefs) -> set:

@@ -29,6 +29,7 @@ def _fresh_mshard_context():
 # `bash scripts/test.sh -m "not slow"` (under 3 minutes). Module paths mark every test in them; node ids one test.
 SLOW = (
     "tests/test_multiprocess.py",
+    "tests/test_pipeline_multiprocess.py",
     "tests/test_train_multiprocess.py",
     "tests/test_checkpoint_multiprocess.py",
     "tests/test_launch.py::test_two_processes",

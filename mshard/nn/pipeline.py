@@ -104,6 +104,19 @@ def check_pipeline(ctx, cell: Any) -> None:
                                 f"lowers the bubble (S-1)/(M+S-1)).")
 
 
+def _stage_axes(rmesh, S: int) -> tuple[str, ...] | None:
+    """The stage axes: the outermost mesh axes whose sizes multiply to ``S`` (the axes between hosts, where the
+    slow links are: one process's devices stay in one stage), else any axes that do."""
+    prod = 1
+    for k, n in enumerate(rmesh.shape):
+        prod *= n
+        if prod == S:
+            return tuple(rmesh.names[:k + 1])
+        if prod > S:
+            break
+    return choose_axes(S, list(rmesh.names), rmesh)
+
+
 def pipeline_grads(cell: PipelineCell, data: tuple, mesh_plan, ctx) -> tuple[Any, Any, int]:
     """-> (mean micro-batch loss, gradient pure State of ``cell``'s Params, data-parallel size inside a stage)."""
     S, M = ctx.pipeline_stages, cell.micro_size
@@ -112,7 +125,7 @@ def pipeline_grads(cell: PipelineCell, data: tuple, mesh_plan, ctx) -> tuple[Any
         if hasattr(x, "shape") and x.ndim and x.shape[0] % M:
             raise PipelineError(_batch_message(x.shape, M))
     rmesh = mesh_plan
-    stage_axes = choose_axes(S, list(rmesh.names), rmesh) if S > 1 else ()
+    stage_axes = _stage_axes(rmesh, S)
     if stage_axes is None:
         raise PipelineError(f"pipeline_stages={S}: no mesh axes of the step's mesh {dict(zip(rmesh.names, rmesh.shape))} "
                             f"multiply to {S}; use a stage count that divides the mesh, e.g. a power of two here.")

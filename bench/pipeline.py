@@ -1,0 +1,166 @@
+"""Pipeline parallel: the bubble of each schedule, the memory of the compiled step, and the step time against the
+same model without stages.
+
+    python bench/pipeline.py [--out bench/out/pipeline.json] [--skip-time] [--repeats 5]
+
+- ``bubble``: for S in {2, 4}, M in {4, 8, 16} and each schedule (gpipe, 1f1b, interleaved with v = 2 chunks), the
+  idle stage-ticks over all stage-ticks of the tick table the executor runs (mshard.pipeline.schedule), beside the
+  textbook formula (S-1)/(M+S-1), interleaved (S-1)/(v*M+S-1).
+- ``memory``: the examples GPT (4 blocks, hidden 64, seq 32) trained through nn.PipelineCell with a fixed
+  micro-batch of 8 sequences (the batch is 8*M), S = 2 and 4, M = 4, 8, 16, gpipe and 1f1b: per-device
+  ``temp_size_in_bytes`` and ``argument_size_in_bytes`` of the compiled step (``memory_analysis()``), and the
+  parameter bytes one device holds, beside the same step without stages (data parallel on the 8 devices).
+- ``time``: seconds per step (median of ``--repeats`` after a warm-up) of the pipelined step and of the same step
+  without stages on the same devices, and their ratio, measured in the same run.
+
+On CPU the stages share 2 cores, so the time ratio says what the program costs, not what overlap a GPU gives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import _cpu8  # noqa: F401  (8 simulated CPU devices, before JAX)
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import mshard as ms
+from mshard import nn
+from mshard.pipeline.execute import ring_size
+from mshard.pipeline.schedule import bubble_formula, make_schedule
+
+MB = 8       # sequences per micro-batch
+
+
+def bubble_rows() -> list[dict]:
+    rows = []
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+        for S in (2, 4):
+            for M in (4, 8, 16):
+                s = make_schedule(name, stages=S, micro=M, chunks=v)
+                rows.append({"schedule": name, "S": S, "M": M, "chunks": v, "ticks": s.ticks, "bubble": s.bubble(),
+                             "formula": bubble_formula(name, S, M, v), "ring_slots": ring_size(s),
+                             "in_flight": s.in_flight()})
+    return rows
+
+
+def _gpt(S: int):
+    from train_gpt import LOSS, make_gpt
+    net = make_gpt(nnx.Rngs(0), layers=4)
+    if S > 1:
+        net.embedding.pipeline_stage = net.position.pipeline_stage = 0
+        for i, b in enumerate(net.blocks):
+            b.pipeline_stage = min(i * S // 4, S - 1)
+        net.final_norm.pipeline_stage = net.head.pipeline_stage = S - 1
+    return nn.WithLossCell(net, LOSS)
+
+
+def _batch(M: int):
+    """``M * MB`` sequences of the affine recurrence of examples/train_gpt.py (ids, next ids)."""
+    rng = np.random.default_rng(0)
+    x = np.empty((M * MB, 33), np.int32)
+    x[:, 0] = rng.integers(0, 64, M * MB)
+    for i in range(32):
+        x[:, i + 1] = (5 * x[:, i] + 3) % 64
+    return x[:, :-1], x[:, 1:]
+
+
+def _step(S: int, M: int, sched: str):
+    ctx = dict(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True, pipeline_stages=S,
+               pipeline_config={"pipeline_scheduler": sched})
+    ms.set_auto_parallel_context(**ctx)
+    net = _gpt(S)
+    cell = nn.PipelineCell(net, M) if S > 1 else net
+    return nn.TrainOneStepCell(cell, optax.sgd(0.01)), net
+
+
+def _param_bytes_per_device(net) -> int:
+    total = 0
+    for x in jax.tree.leaves(nnx.state(net, nnx.Param)):
+        shard = x.addressable_shards[0].data
+        total += shard.size * shard.dtype.itemsize
+    return total
+
+
+def memory_rows() -> list[dict]:
+    rows = []
+    for S in (2, 4):
+        for M in (4, 8, 16):
+            x, y = _batch(M)
+            for sched in ("gpipe", "1f1b") if S > 1 else ("none",):
+                step, net = _step(S, M, sched)
+                mem = step.lower(x, y).compile().memory_analysis()
+                step(x, y)
+                rows.append({"S": S, "M": M, "schedule": sched, "temp_bytes": int(mem.temp_size_in_bytes),
+                             "argument_bytes": int(mem.argument_size_in_bytes),
+                             "param_bytes_per_device": _param_bytes_per_device(net)})
+            step, net = _step(1, M, "1f1b")
+            mem = step.lower(x, y).compile().memory_analysis()
+            step(x, y)
+            rows.append({"S": S, "M": M, "schedule": "no stages", "temp_bytes": int(mem.temp_size_in_bytes),
+                         "argument_bytes": int(mem.argument_size_in_bytes),
+                         "param_bytes_per_device": _param_bytes_per_device(net)})
+    ms.reset_auto_parallel_context()
+    return rows
+
+
+def _time(step, x, y, repeats: int) -> float:
+    float(step(x, y))
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(step(x, y))
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def time_rows(repeats: int) -> list[dict]:
+    rows = []
+    for S, M in ((2, 8), (4, 8)):
+        x, y = _batch(M)
+        base, _ = _step(1, M, "1f1b")
+        t0 = _time(base, x, y, repeats)
+        for sched in ("gpipe", "1f1b"):
+            step, _ = _step(S, M, sched)
+            t = _time(step, x, y, repeats)
+            rows.append({"S": S, "M": M, "schedule": sched, "step_s": t, "no_stages_s": t0, "ratio": t / t0,
+                         "device": jax.devices()[0].platform})
+    ms.reset_auto_parallel_context()
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "pipeline.json"))
+    ap.add_argument("--skip-time", action="store_true")
+    ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args(argv)
+    out = {"bubble": bubble_rows()}
+    if not a.skip_memory:
+        out["memory"] = memory_rows()
+    if not a.skip_time:
+        out["time"] = time_rows(a.repeats)
+    from rich.console import Console
+    from rich.table import Table
+    for key, rows in out.items():
+        t = Table(title=key)
+        for c in rows[0]:
+            t.add_column(c)
+        for r in rows:
+            t.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in r.values()])
+        Console().print(t)
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps({"bubble_all_equal_formula": all(abs(r["bubble"] - r["formula"]) < 1e-12 for r in out["bubble"])}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,9 @@
+"""Pipeline parallel over 2 processes x 4 CPU devices (gloo), one stage per process, vs one device (issue 15)."""
+
+import pathlib
+
+from helpers import run_workers
+
+
+def test_one_stage_per_process_trains_as_on_one_device():
+    run_workers(pathlib.Path(__file__).parent / "mp" / "worker_pipeline.py", 2, timeout=300)
