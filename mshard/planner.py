@@ -222,14 +222,15 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     """Plan a region with the searcher ``algorithm`` (a key of :data:`SEARCHERS`, or ``"data_parallel"`` /
     ``"stand_alone"``: MindSpore's data-parallel plan on every device / on one).
 
-    ``input_layout_hook(inputs, layouts) -> input layouts`` (a training step's optimizer-parallel layouts) is
-    applied to the data-parallel plan's inputs before the plan is made, so the plan prices and pins them."""
+    ``input_layout_hook(inputs, layouts) -> input layouts`` (a training step's optimizer-parallel layouts, a
+    pipeline's parameter layouts inside its stages) is applied to the inputs of a data-parallel or pipelined plan
+    before the plan is made, so the plan prices and pins them."""
     n = ctx.devices
     dp_mode = algorithm in ("data_parallel", "stand_alone")
     base = plan_region(closed, inputs, mode=algorithm if dp_mode else "semi_auto_parallel",
                        device_num=n if algorithm != "stand_alone" else 1,
                        dataset_strategy=ctx.dataset_strategy, param_plans=param_plans)
-    if dp_mode and input_layout_hook is not None:
+    if (dp_mode or ctx.pipeline_stages > 1) and input_layout_hook is not None:
         hooked = list(input_layout_hook(inputs, base))
         base.user_inputs = set(base.user_inputs) | {i for i, (a, b) in enumerate(zip(hooked, base.inputs)) if a != b}
         base.inputs = hooked

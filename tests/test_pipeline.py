@@ -22,7 +22,7 @@ from flax import nnx
 
 import mshard as ms
 from mshard import nn
-from mshard.errors import ContextError, PipelineError
+from mshard.errors import ContextError, PipelineError, StrategyError
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 from reference import train_one_device
@@ -71,6 +71,25 @@ def test_gpt_trains_as_on_one_device(S, M, sched):
     # back per tick (the loop body holds each once), f32 [16 / M, 32, 64]
     permutes = [c for c in rep.collectives if c.kind == "collective-permute"]
     assert len(permutes) == 2 and all(c.nbytes == 16 // M * 32 * 64 * 4 for c in permutes)
+
+
+def test_megatron_inside_the_stages_dp_mp_pp_2x2x2():
+    """dp x mp x pp = 2 x 2 x 2: Megatron strategies (dp 2, mp 2) on every block, two stages of 4 devices. The
+    strategies are planned on one stage's devices and hold inside it: the weights are stored and updated in their
+    Megatron slices (nothing gathers them), the row-parallel products all-reduce over the 2 model-parallel devices of
+    a stage, and the stages exchange the activation by collective-permute."""
+    net = staged_gpt(4, 2)
+    for b in net.blocks:
+        b.shard_megatron(data_parallel=2, model_parallel=2)
+    mine, losses, ref, ref_losses, rep = train_both(net, 2, 4)
+    assert_equal_training(mine, losses, ref, ref_losses)
+    w = mine.blocks[0].output.mapping.weight[...]
+    assert w.sharding.shard_shape(w.shape) == (w.shape[0] // 2, w.shape[1]) or \
+        w.sharding.shard_shape(w.shape) == (w.shape[0], w.shape[1] // 2)        # a Megatron slice, not whole
+    reduces = [c for c in rep.collectives if c.kind == "all-reduce"]
+    assert reduces and all(c.group_size in (2, 4, 8) for c in reduces)
+    weight_bytes = {int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(nnx.state(mine.blocks[0], nnx.Param))}
+    assert not [c for c in rep.collectives if c.kind == "all-gather" and c.nbytes in weight_bytes]
 
 
 def test_interleaved_gpt_trains_as_on_one_device():
@@ -155,7 +174,7 @@ def _step(net, S=2, M=4, **ctx):
     ("no_pipeline_cell", r"pipeline_stages=2, but the training step's network is a WithLossCell"),
     ("order", r"uses a value computed on the later stage 1"),
     ("interleave", r"pipeline_interleave=True, but no cell has a pipeline_segment"),
-    ("strategy", r"operator strategies inside pipeline stages are not applied yet"),
+    ("strategy", r"must divide device_num=4"),
 ])
 def test_settings_that_cannot_run_are_errors(case, match):
     x, y = synthetic_batches(1)[0]
@@ -181,10 +200,11 @@ def test_settings_that_cannot_run_are_errors(case, match):
             step = _step(net)
         elif case == "interleave":
             step = _step(net, pipeline_config={"pipeline_interleave": True})
-        else:
-            net.blocks[0].shard_megatron(data_parallel=2, model_parallel=2)
+        else:          # a strategy for 8 devices, where a stage has 4
+            net.blocks[0].shard_megatron(data_parallel=2, model_parallel=4)
             step = _step(net)
-        with pytest.raises(PipelineError, match=match):
+        # a strategy for more devices than a stage has is the StrategyError of one stage's devices
+        with pytest.raises(StrategyError if case == "strategy" else PipelineError, match=match):
             step(x, y)
     finally:
         ms.reset_auto_parallel_context()

@@ -117,8 +117,9 @@ def _stage_axes(rmesh, S: int) -> tuple[str, ...] | None:
     return choose_axes(S, list(rmesh.names), rmesh)
 
 
-def pipeline_grads(cell: PipelineCell, data: tuple, mesh_plan, ctx) -> tuple[Any, Any, int]:
-    """-> (mean micro-batch loss, gradient pure State of ``cell``'s Params, data-parallel size inside a stage)."""
+def pipeline_grads(cell: PipelineCell, data: tuple, mesh_plan, ctx) -> tuple[Any, Any, int, list | None]:
+    """-> (mean micro-batch loss, gradient pure State of ``cell``'s Params, data-parallel size inside a stage, the
+    parameters' layouts inside a stage where the cells carry operator strategies (DimAxes per Param leaf))."""
     S, M = ctx.pipeline_stages, cell.micro_size
     check_pipeline(ctx, cell)
     for x in jax.tree.leaves(data):
@@ -144,17 +145,24 @@ def pipeline_grads(cell: PipelineCell, data: tuple, mesh_plan, ctx) -> tuple[Any
     micro = [jnp.swapaxes(x.reshape(x.shape[0] // M, M, *x.shape[1:]), 0, 1) if hasattr(x, "ndim") and x.ndim else x
              for x in data]
     avals = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in micro]
-    prog = cut(net, lambda m, *d: m(*d), avals, stages=S, chunks=chunks, stage_config=dict(cell.stage_config or ()))
+    jmesh = rmesh.jax_mesh()
+    inner = tuple(a for a in rmesh.names if a not in stage_axes)
+    prog = cut(net, lambda m, *d: m(*d), avals, stages=S, chunks=chunks, stage_config=dict(cell.stage_config or ()),
+               stage_mesh=(jmesh, inner), dataset_strategy=ctx.dataset_strategy)
     _, params, rest = nnx.split(net, nnx.Param, ...)
     pure = nnx.as_pure(params)
     p_leaves, p_tree = jax.tree.flatten(pure)
     r_leaves = jax.tree.leaves(nnx.as_pure(rest))
 
     # the other state (RNG keys, counts) rides along, not differentiated
-    loss, g = run_pipeline(prog.stage_fn, p_leaves, micro, prog.carry, sched, rmesh.jax_mesh(), tuple(stage_axes),
-                           consts=r_leaves)
+    specs = prog.marks["params"][:len(p_leaves)] if prog.marks else None
+    loss, g = run_pipeline(prog.stage_fn, p_leaves, micro, prog.carry, sched, jmesh, tuple(stage_axes),
+                           consts=r_leaves, param_specs=specs)
     dp = math.prod(rmesh.shape) // S
-    return loss, jax.tree.unflatten(p_tree, g), dp
+    dims = None if specs is None else [tuple(() if d is None else (d,) if isinstance(d, str) else tuple(d)
+                                             for d in (tuple(sp) + (None,) * (x.ndim - len(sp))))
+                                       for sp, x in zip(specs, p_leaves)]
+    return loss, jax.tree.unflatten(p_tree, g), dp, dims
 
 
 def current_stages() -> int:

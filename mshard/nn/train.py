@@ -181,10 +181,16 @@ class _Runtime:
 
     def _pipeline_grads(self, net, data, plan: _StepPlan, names, ctx):
         """A PipelineCell's gradient: its schedule run over the stage axes (:mod:`mshard.nn.pipeline`)."""
-        loss, g, dp = pipeline_grads(net, data, plan.mesh, ctx)
+        loss, g, dp, dims = pipeline_grads(net, data, plan.mesh, ctx)
         scale = 1.0 if ctx.gradients_mean else float(dp)
         grads = [x * scale if scale != 1.0 else x for x in jax.tree.leaves(g)]
         mesh = plan.mesh.jax_mesh()
+        if dims is not None:
+            # the parameters and their optimizer state are stored as the stages use them, and the gradients leave
+            # the stages in those layouts (the update then runs on the slices)
+            plan.param_layouts.update(zip(names, dims))
+            plan.pipeline_layouts = True
+            grads = [jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_of(d))) for x, d in zip(grads, dims)]
         for i, nm in enumerate(names):
             if nm in plan.zero:
                 grads[i] = jax.lax.with_sharding_constraint(grads[i], NamedSharding(mesh, spec_of(plan.zero[nm])))
@@ -283,6 +289,10 @@ class _Runtime:
         self.pending, self.last = None, plan
         inputs = list(layouts.inputs)
         idx = {info.name: i for i, info in enumerate(infos) if info.kind == "param"}
+        if plan is not None and plan.pipeline_layouts:
+            for nm, lay in plan.param_layouts.items():
+                if nm in idx:
+                    inputs[idx[nm]] = lay
         params = {nm[len("network."):]: idx[nm] for nm in (plan.param_layouts if plan else {}) if nm in idx}
         by_len = sorted(params, key=len, reverse=True)
         for name, j in idx.items():

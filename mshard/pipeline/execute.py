@@ -46,13 +46,16 @@ def ring_size(sched: Schedule) -> int:
 
 
 def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax.ShapeDtypeStruct],
-                 sched: Schedule, mesh: jax.sharding.Mesh, stage_axes: tuple[str, ...], consts: Any = ()):
+                 sched: Schedule, mesh: jax.sharding.Mesh, stage_axes: tuple[str, ...], consts: Any = (),
+                 param_specs: Sequence[Any] | None = None):
     """-> (mean loss over the micro-batches, gradient of it w.r.t. ``params``), both replicated over the stages.
 
     ``stage_fn(vs, params, consts, carry, d) -> (carry, loss)`` runs virtual stage ``vs`` (static) on one
     micro-batch ``d`` (``consts``: inputs not differentiated, e.g. RNG state); ``carry`` is a tuple of arrays
     shaped as ``carry`` (what one stage hands the next); ``loss`` is a float32 scalar, used from the last virtual
-    stage only. ``data`` leaves are ``[M, ...]`` (micro-batch first).
+    stage only. ``data`` leaves are ``[M, ...]`` (micro-batch first). ``param_specs`` (one PartitionSpec per
+    leaf of ``params``, over the axes inside a stage) lays the parameters and their gradient sums out inside the
+    stage as its operator strategies use them.
     """
     S, M, v = sched.stages, sched.micro, sched.chunks
     V = S * v
@@ -88,7 +91,11 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
         ring_f = tuple(jnp.zeros((v, K) + c.shape, c.dtype) for c in carry)
         ring_b = tuple(jnp.zeros((v, K) + c.shape, c.dtype) for c in carry)
         zeros_c = tuple(jnp.zeros(c.shape, c.dtype) for c in carry)
+        if param_specs is not None:
+            p = [lax.with_sharding_constraint(x, sp) for x, sp in zip(p, param_specs)]
         gacc = jax.tree.map(jnp.zeros_like, p)
+        if param_specs is not None:
+            gacc = [lax.with_sharding_constraint(x, sp) for x, sp in zip(gacc, param_specs)]
 
         def store(ring, vals, ok, c, i):
             slot = i % K

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.extend import core as jcore
+from jax.sharding import PartitionSpec as P
 
 from ..errors import PipelineError
 
@@ -120,6 +121,47 @@ def _trace(net: nnx.Module, loss_of: Any, data_avals: Sequence[Any], by_path: di
     with scopes:
         closed = jax.make_jaxpr(f)([aval(x) for x in p_leaves], [aval(x) for x in r_leaves], *data_avals)
     return closed, len(p_leaves), len(r_leaves)
+
+
+def _stage_marks(closed: jcore.ClosedJaxpr, n_state: int, data_avals: Sequence[Any], stage_mesh, dataset_strategy):
+    """Plan the annotated ops of one micro-batch's forward on one stage's devices; -> {mark outvar: PartitionSpec
+    over the real mesh's stage-local axes, "params": the parameters' and other state's specs}."""
+    from ..annotate import mark_p
+    from ..assign import InputInfo, exact_mark_key, mark_key, plan_region
+    if stage_mesh is None:
+        raise PipelineError("pipeline: operator strategies inside stages need the step's mesh")
+    mesh, axes = stage_mesh
+    sizes = [mesh.shape[a] for a in axes]
+    jaxpr = closed.jaxpr
+    infos = [InputInfo("param", tuple(v.aval.shape), f"p{i}") for i, v in enumerate(jaxpr.invars[:n_state])]
+    infos += [InputInfo("data", tuple(a.shape), f"data{i}") for i, a in enumerate(data_avals)]
+    n = 1
+    for z in sizes:
+        n *= z
+    lay = plan_region(closed, infos, mode="semi_auto_parallel", device_num=n, dataset_strategy=dataset_strategy)
+    # each axis of the planned mesh is a run of the stage's real axes whose sizes multiply to its size
+    groups, k = {}, 0
+    for name, size in zip(lay.mesh.names, lay.mesh.shape):
+        run, prod = [], 1
+        while prod < size and k < len(axes):
+            run.append(axes[k])
+            prod *= sizes[k]
+            k += 1
+        if prod != size:
+            raise PipelineError(f"pipeline: the stage's strategies plan a device matrix "
+                                f"{dict(zip(lay.mesh.names, lay.mesh.shape))} that the stage's mesh axes "
+                                f"{dict(zip(axes, sizes))} cannot hold; use strategies over {n} devices.")
+        groups[name] = tuple(run)
+    def spec(dims):
+        return P(*[tuple(r for a in d for r in groups[a]) or None for d in dims])
+    out = {"params": [spec(d) for d in lay.inputs[:n_state]]}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is not mark_p:
+            continue
+        got = lay.marks.get(exact_mark_key(eqn), lay.marks.get(mark_key(eqn)))
+        if got is not None:
+            out[eqn.outvars[0]] = spec(got)
+    return out
 
 
 def _annotated(jaxpr) -> list[str]:
@@ -221,6 +263,8 @@ class StageProgram:
     V: int
     auto: dict[str, int]               # the stage helper's assignment (cell path -> stage), when it made one
     auto_costs: list[float]            # and its forward FLOPs per stage
+    marks: dict[Any, Any]              # an annotated op's mark var -> its PartitionSpec inside the stage
+    mesh: Any = None
 
     @property
     def carry(self) -> list[jax.ShapeDtypeStruct]:
@@ -251,6 +295,9 @@ class StageProgram:
                 continue
             with eqn.ctx.manager:
                 out = eqn.primitive.bind(*[read(v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params))
+            spec = self.marks.get(eqn.outvars[0])
+            if spec is not None:
+                out = jax.lax.with_sharding_constraint(out, spec)     # inside the shard_map: its mesh
             for v, x in zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]):
                 env[v] = x
         if vs == self.V - 1:
@@ -269,8 +316,13 @@ def _prod(shape) -> int:
 
 
 def cut(net: nnx.Module, loss_of: Any, data_avals: Sequence[Any], *, stages: int, chunks: int,
-        stage_config: dict[str, int] | None = None) -> StageProgram:
-    """Trace ``loss_of(net, *data)`` for one micro-batch and cut it into ``stages * chunks`` virtual stages."""
+        stage_config: dict[str, int] | None = None, stage_mesh: tuple[Any, tuple[str, ...]] | None = None,
+        dataset_strategy: Any = "data_parallel") -> StageProgram:
+    """Trace ``loss_of(net, *data)`` for one micro-batch and cut it into ``stages * chunks`` virtual stages.
+
+    ``stage_mesh = (jax mesh, the axes of one stage)``: where the cells carry operator strategies, they are planned
+    on one stage's devices (semi_auto's axis assignment, :func:`mshard.assign.plan_region`, on a mesh of those
+    axes) and every annotated op is constrained to its planned layout inside the stage."""
     V = stages * chunks
     staged = module_stages(net, stage_config, stages)
     auto: dict[str, int] = {}
@@ -291,12 +343,8 @@ def cut(net: nnx.Module, loss_of: Any, data_avals: Sequence[Any], *, stages: int
                             f"(BatchNorm statistics or dropout RNG counts) in its forward; pipeline stages do not "
                             f"carry such updates yet. Put the cells in eval mode (cell.set_train(False)) or remove "
                             f"them from the pipelined network.")
-    annotated = _annotated(jaxpr)
-    if annotated:
-        raise PipelineError(f"pipeline: operator strategies inside pipeline stages are not applied yet ({annotated[:4]}"
-                            f"{' and more' if len(annotated) > 4 else ''}); a stage runs data parallel. Remove the "
-                            f"strategies from the pipelined cells, or set pipeline_stages=1 to use them.")
     closed = jcore.ClosedJaxpr(jaxpr.replace(outvars=[loss_var]), closed.consts)
+    marks = _stage_marks(closed, n_p + n_r, data_avals, stage_mesh, dataset_strategy) if _annotated(jaxpr) else {}
     jaxpr = closed.jaxpr
     producer: dict[Any, int] = {}
     stage: list[int] = []
@@ -354,4 +402,5 @@ def cut(net: nnx.Module, loss_of: Any, data_avals: Sequence[Any], *, stages: int
                 free = [len(slots) - 1]
             taken.append(free[0])
         slot_of.append(taken)
-    return StageProgram(closed, n_p, n_r, stage, needs, boundary, slots, slot_of, V, auto, costs)
+    return StageProgram(closed, n_p, n_r, stage, needs, boundary, slots, slot_of, V, auto, costs, marks,
+                        stage_mesh[0] if stage_mesh else None)
