@@ -105,6 +105,7 @@ class Plan:
     notes: tuple[str, ...] = ()
     graph_axes: dict[str, list[list[str]]] = field(default_factory=dict)   # trace op name -> axes per loop dim
     redistributions: tuple[Redistribution, ...] = ()
+    pipeline: Any = None      # a pipelined training step's stages (mshard.pipeline.report.PipelineReport)
     _explainer: Any = field(default=None, repr=False, compare=False)
 
     # -- queries -----------------------------------------------------------------------------
@@ -197,6 +198,8 @@ class Plan:
         if len(self.redistributions) > max_rows:
             lines.append(f"... {len(self.redistributions) - max_rows} more redistributions")
         lines += [f"note: {n}" for n in self.notes]
+        if self.pipeline is not None:
+            lines += self.pipeline.lines()
         renderables = (self.table(max_rows, group_by), *lines)
         console = Console(width=140, record=True, force_terminal=False, color_system=None)
         with console.capture() as cap:

@@ -216,3 +216,26 @@ def test_stage_counts_that_do_not_divide_the_devices_are_refused():
     with pytest.raises(ContextError, match="pipeline_scheduler"):
         ms.set_auto_parallel_context(pipeline_config={"pipeline_scheduler": "zb"})
     ms.reset_auto_parallel_context()
+
+
+def test_the_plan_shows_every_stage_and_what_crosses_between_them():
+    x, y = synthetic_batches(1)[0]
+    try:
+        step = _step(staged_gpt(4, 2), S=2, M=4)
+        step(x, y)
+        plan = step.plan(x, y)
+    finally:
+        ms.reset_auto_parallel_context()
+    rep = plan.pipeline
+    assert (rep.schedule, rep.stages, rep.micro_size, rep.ticks) == ("1f1b", 2, 4, 10)
+    assert rep.bubble == pytest.approx(1 / 5)                        # (S-1)/(M+S-1)
+    s0, s1 = rep.stage_info
+    assert {"backbone.embedding", "backbone.blocks.0"} <= set(s0.cells) and "backbone.head" in s1.cells
+    # the one activation crossing: [16 / 4 sequences, 32 tokens, 64 hidden] float32
+    (b,) = rep.boundaries
+    assert b.tensors == (((4, 32, 64), "float32"),) and b.nbytes == 4 * 32 * 64 * 4
+    # every op of the forward has a stage; the head's matmul is on the last one
+    assert all(st in (-1, 0, 1) for st in rep.op_stage.values())
+    assert any(st == 1 and "head" in name and "dot_general" in name for name, st in rep.op_stage.items())
+    text = plan.summary()
+    assert "stage 0 -> 1: float32[4, 32, 64]" in text and "pipeline: 1f1b, 2 stages" in text

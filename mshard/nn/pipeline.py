@@ -46,7 +46,8 @@ from flax import nnx
 from .. import context as ctxmod
 from ..errors import PipelineError
 from ..layout import choose_axes
-from ..pipeline.execute import run_pipeline
+from ..pipeline.execute import ring_size, run_pipeline
+from ..pipeline.report import build_report
 from ..pipeline.schedule import make_schedule
 from ..pipeline.stages import cut
 from .cell import Cell
@@ -117,9 +118,10 @@ def _stage_axes(rmesh, S: int) -> tuple[str, ...] | None:
     return choose_axes(S, list(rmesh.names), rmesh)
 
 
-def pipeline_grads(cell: PipelineCell, data: tuple, mesh_plan, ctx) -> tuple[Any, Any, int, list | None]:
+def pipeline_grads(cell: PipelineCell, data: tuple, mesh_plan, ctx) -> tuple[Any, Any, int, list | None, Any]:
     """-> (mean micro-batch loss, gradient pure State of ``cell``'s Params, data-parallel size inside a stage, the
-    parameters' layouts inside a stage where the cells carry operator strategies (DimAxes per Param leaf))."""
+    parameters' layouts inside a stage where the cells carry operator strategies (DimAxes per Param leaf), the
+    :class:`~mshard.pipeline.report.PipelineReport`)."""
     S, M = ctx.pipeline_stages, cell.micro_size
     check_pipeline(ctx, cell)
     for x in jax.tree.leaves(data):
@@ -159,10 +161,11 @@ def pipeline_grads(cell: PipelineCell, data: tuple, mesh_plan, ctx) -> tuple[Any
     loss, g = run_pipeline(prog.stage_fn, p_leaves, micro, prog.carry, sched, jmesh, tuple(stage_axes),
                            consts=r_leaves, param_specs=specs)
     dp = math.prod(rmesh.shape) // S
+    report = build_report(prog, sched, stage_axes, ring_size(sched), prog.cells or {})
     dims = None if specs is None else [tuple(() if d is None else (d,) if isinstance(d, str) else tuple(d)
                                              for d in (tuple(sp) + (None,) * (x.ndim - len(sp))))
                                        for sp, x in zip(specs, p_leaves)]
-    return loss, jax.tree.unflatten(p_tree, g), dp, dims
+    return loss, jax.tree.unflatten(p_tree, g), dp, dims, report
 
 
 def current_stages() -> int:

@@ -26,6 +26,7 @@ class _StepPlan:
     zero: dict[str, DimAxes] = field(default_factory=dict)      # ZeRO layouts of sharded parameters
     replicas: tuple[str, ...] = ()      # set when a model-parallel step computes per-replica gradients (fusion)
     info: dict[str, dict] = field(default_factory=dict)
+    pipeline_report: Any = None         # a PipelineCell's stages (mshard.pipeline.report.PipelineReport)
     pipeline_layouts: bool = False      # param_layouts set by a pipeline's stage plan (the region stores them so)
 
     @property

@@ -68,6 +68,7 @@ data-parallel size is an :class:`~mshard.errors.OptimizerParallelError`.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from typing import Any
@@ -181,7 +182,7 @@ class _Runtime:
 
     def _pipeline_grads(self, net, data, plan: _StepPlan, names, ctx):
         """A PipelineCell's gradient: its schedule run over the stage axes (:mod:`mshard.nn.pipeline`)."""
-        loss, g, dp, dims = pipeline_grads(net, data, plan.mesh, ctx)
+        loss, g, dp, dims, plan.pipeline_report = pipeline_grads(net, data, plan.mesh, ctx)
         scale = 1.0 if ctx.gradients_mean else float(dp)
         grads = [x * scale if scale != 1.0 else x for x in jax.tree.leaves(g)]
         mesh = plan.mesh.jax_mesh()
@@ -369,5 +370,9 @@ class TrainOneStepCell(Cell):
         return self._rt.region.layouts(*data, self)
 
     def plan(self, *data):
-        """The step's Plan (``plan.summary()``, ``plan.param_specs``)."""
-        return self._rt.region.plan(*data, self)
+        """The step's Plan (``plan.summary()``, ``plan.param_specs``; ``plan.pipeline`` for a PipelineCell)."""
+        plan = self._rt.region.plan(*data, self)
+        last = self._rt.last
+        if last is not None and last.pipeline_report is not None:
+            plan = dataclasses.replace(plan, pipeline=last.pipeline_report)
+        return plan

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from ..errors import PipelineError
 
 _SCOPE = "mshard_pp_stage_"
-_RE = re.compile(_SCOPE + r"(\d+)")
+_RE = re.compile(_SCOPE + r"(\d+)_c(\d+)")
 
 
 def module_stages(net: nnx.Module, stage_config: dict[str, int] | None, stages: int) -> dict[int, tuple[str, int]]:
@@ -84,7 +84,7 @@ class _stage_scopes:
                 label = self.labels.get(id(self_))
                 if label is None:
                     return _orig(self_, *a, **k)
-                with jax.named_scope(f"{_SCOPE}{label}"):
+                with jax.named_scope(f"{_SCOPE}{label[0]}_c{label[1]}"):
                     return _orig(self_, *a, **k)
             self.saved.append((cls, orig, own))
             cls.__call__ = call
@@ -106,13 +106,14 @@ def _trace(net: nnx.Module, loss_of: Any, data_avals: Sequence[Any], by_path: di
     r_leaves, r_tree = jax.tree.flatten(nnx.as_pure(rest))
     mods = {".".join(map(str, p)): m for p, m in nnx.iter_graph(net) if isinstance(m, nnx.Module)}
     scopes = _stage_scopes(type(mods[k]) for k in by_path)
+    index = {name: i for i, name in enumerate(by_path)}
 
     def f(p, r, *d):
         m = nnx.merge(gdef, jax.tree.unflatten(p_tree, p), jax.tree.unflatten(r_tree, r))
         for path, sub in nnx.iter_graph(m):      # the merged copy's modules, by the same paths
             name = ".".join(map(str, path))
             if isinstance(sub, nnx.Module) and name in by_path:
-                scopes.labels[id(sub)] = by_path[name]
+                scopes.labels[id(sub)] = (by_path[name], index[name])
         loss = loss_of(m, *d)
         new_rest = jax.tree.leaves(nnx.as_pure(nnx.state(m, nnx.Not(nnx.Param))))
         return loss, new_rest
@@ -183,8 +184,15 @@ def _annotated(jaxpr) -> list[str]:
 
 
 def _label(eqn) -> int | None:
+    """The innermost labelled cell's label (its stage) on ``eqn``'s name stack."""
     marks = _RE.findall(str(eqn.source_info.name_stack))
-    return int(marks[-1]) if marks else None
+    return int(marks[-1][0]) if marks else None
+
+
+def cell_of(eqn) -> int | None:
+    """The innermost labelled cell (its index in the labelling ``by_path``) on ``eqn``'s name stack."""
+    marks = _RE.findall(str(eqn.source_info.name_stack))
+    return int(marks[-1][1]) if marks else None
 
 
 def _flops(eqn) -> float:
@@ -265,6 +273,7 @@ class StageProgram:
     auto_costs: list[float]            # and its forward FLOPs per stage
     marks: dict[Any, Any]              # an annotated op's mark var -> its PartitionSpec inside the stage
     mesh: Any = None
+    cells: dict[str, int] | None = None    # cell path -> virtual stage
 
     @property
     def carry(self) -> list[jax.ShapeDtypeStruct]:
@@ -403,4 +412,4 @@ def cut(net: nnx.Module, loss_of: Any, data_avals: Sequence[Any], *, stages: int
             taken.append(free[0])
         slot_of.append(taken)
     return StageProgram(closed, n_p, n_r, stage, needs, boundary, slots, slot_of, V, auto, costs, marks,
-                        stage_mesh[0] if stage_mesh else None)
+                        stage_mesh[0] if stage_mesh else None, dict(by_path))

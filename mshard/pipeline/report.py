@@ -1,0 +1,94 @@
+"""What a pipelined step's plan says about its stages: the cells and ops of every stage, their forward FLOPs and
+parameter bytes, the activations that cross each stage boundary, and the schedule.
+
+``TrainOneStepCell.plan(*data).pipeline`` is one of these; ``plan.summary()`` prints it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_SCOPE = re.compile(r"mshard_pp_stage_\d+_c\d+/?")
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    stage: int                       # virtual stage (segment * stages + stage)
+    cells: tuple[str, ...]           # the cells given this stage (by the user or the stage helper)
+    ops: int                         # top-level ops it computes
+    flops: float                     # their forward FLOPs, one micro-batch
+    param_bytes: int                 # bytes of the parameters it reads
+
+
+@dataclass(frozen=True)
+class Boundary:
+    src: int
+    dst: int
+    tensors: tuple[tuple[tuple[int, ...], str], ...]      # (shape, dtype) per activation handed on
+    nbytes: int                                           # per micro-batch, whole (before any in-stage split)
+
+
+@dataclass(frozen=True)
+class PipelineReport:
+    schedule: str
+    stages: int
+    chunks: int
+    micro_size: int
+    stage_axes: tuple[str, ...]
+    ticks: int
+    bubble: float
+    ring_slots: int
+    stage_info: tuple[StageInfo, ...]
+    boundaries: tuple[Boundary, ...]
+    op_stage: dict = field(default_factory=dict)          # "name/primitive#index" -> virtual stage (-1: every stage)
+    auto_assigned: bool = False
+
+    def lines(self) -> list[str]:
+        out = [f"pipeline: {self.schedule}, {self.stages} stages x {self.chunks} chunk(s) over mesh axes "
+               f"{self.stage_axes}, {self.micro_size} micro-batches, {self.ticks} ticks, bubble {self.bubble:.3f} "
+               f"(idle stage-ticks), input ring {self.ring_slots} slot(s)"
+               + ("; stages placed by the stage helper" if self.auto_assigned else "")]
+        for s in self.stage_info:
+            cells = ", ".join(s.cells[:6]) + (" ..." if len(s.cells) > 6 else "")
+            out.append(f"  stage {s.stage}: {s.ops} ops, {s.flops:,.0f} forward FLOPs/micro-batch, parameters "
+                       f"{s.param_bytes:,} B; cells {cells}")
+        for b in self.boundaries:
+            t = ", ".join(f"{dt}{list(sh)}" for sh, dt in b.tensors)
+            out.append(f"  stage {b.src} -> {b.dst}: {t} ({b.nbytes:,} B per micro-batch, collective-permute)")
+        return out
+
+
+def build_report(prog, sched, stage_axes, ring_slots: int, cells: dict[str, int]) -> PipelineReport:
+    """From a :class:`~mshard.pipeline.stages.StageProgram`, its schedule and the cell -> stage map."""
+    from .stages import _flops, cell_of
+    names = list(cells)
+    jaxpr = prog.closed.jaxpr
+    op_stage = {}
+    ops = [0] * prog.V
+    flops = [0.0] * prog.V
+    reads: list[set] = [set() for _ in range(prog.V)]
+    n_p = prog.n_params
+    params = {v: i for i, v in enumerate(jaxpr.invars[:n_p])}
+    for j, eqn in enumerate(jaxpr.eqns):
+        st = prog.stage[j]
+        c = cell_of(eqn)
+        name = "/".join(x for x in ([names[c]] if c is not None else []) + [_SCOPE.sub("", str(eqn.source_info.name_stack))]
+                        if x)
+        op_stage[f"{name + '/' if name else ''}{eqn.primitive.name}#{j}"] = st
+        where = range(prog.V) if st < 0 else (st,)
+        for k in where:
+            if st < 0 and j not in prog.needs[k]:
+                continue
+            ops[k] += 1
+            flops[k] += _flops(eqn)
+            reads[k].update(params[v] for v in eqn.invars if not hasattr(v, "val") and v in params)
+    sizes = [int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in jaxpr.invars[:n_p]]
+    info = tuple(StageInfo(k, tuple(c for c, s in cells.items() if s == k), ops[k], flops[k],
+                           sum(sizes[i] for i in reads[k])) for k in range(prog.V))
+    bounds = tuple(Boundary(k, k + 1, tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in b), n)
+                   for k, (b, n) in enumerate(zip(prog.boundary, prog.activation_bytes())))
+    return PipelineReport(sched.name, sched.stages, sched.chunks, sched.micro, tuple(stage_axes), sched.ticks,
+                          sched.bubble(), ring_slots, info, bounds, op_stage, bool(prog.auto))
