@@ -1,4 +1,4 @@
-"""examples/train_mlp.py and examples/train_gpt.py run and check themselves against one device."""
+"""examples/train_mlp.py, train_gpt.py and train_gpt_pipeline.py run and check themselves against one device."""
 
 import os
 import pathlib
@@ -28,3 +28,9 @@ def test_train_gpt_example_three_modes():
     for mode in ("data_parallel", "semi_auto_parallel", "auto_parallel"):
         assert f"{mode}: loss" in text and "matches one device step for step" in text
     assert "mshard plan" in text and "collectives in compiled HLO" in text
+
+
+def test_train_gpt_pipeline_example_megatron_in_two_stages():
+    text = run("train_gpt_pipeline.py", "--steps", "3", "--megatron")
+    assert "train_gpt_pipeline OK (1f1b, 2 stages, 4 micro-batches)" in text
+    assert "stage 0 -> 1: float32[4, 32, 64]" in text and "collective-permute" in text
