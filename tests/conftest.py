@@ -56,6 +56,7 @@ SLOW = (
     "tests/test_pipeline.py::test_interleaved",
     "tests/test_pipeline.py::test_megatron_inside",
     "tests/test_pipeline.py::test_the_plan_shows",
+    "tests/test_pipeline.py::test_composes_with",
     "tests/test_pipeline.py::test_any_block_count",
     "tests/test_pipeline.py::test_stage_helper",
     "tests/test_pipeline.py::test_a_parameter_two_stages",
