@@ -7,7 +7,8 @@ same model without stages.
   idle stage-ticks over all stage-ticks of the tick table the executor runs (mshard.pipeline.schedule), beside the
   textbook formula (S-1)/(M+S-1), interleaved (S-1)/(v*M+S-1).
 - ``memory``: the examples GPT (4 blocks, hidden 64, seq 32) trained through nn.PipelineCell with a fixed
-  micro-batch of 8 sequences (the batch is 8*M), S = 2 and 4, M = 4, 8, 16, gpipe and 1f1b: per-device
+  micro-batch of 8 sequences (the batch is 8*M), S = 2 and 4, M = 4, 8, 16, gpipe (keeping residuals),
+  gpipe+recompute (blocks with ``recompute()``: stage inputs kept, forwards recomputed) and 1f1b: per-device
   ``temp_size_in_bytes`` and ``argument_size_in_bytes`` of the compiled step (``memory_analysis()``), and the
   parameter bytes one device holds, beside the same step without stages (data parallel on the 8 devices).
 - ``time``: seconds per step (median of ``--repeats`` after a warm-up) of the pipelined step and of the same step
@@ -72,10 +73,14 @@ def _batch(M: int):
 
 
 def _step(S: int, M: int, sched: str):
+    """``sched``: gpipe (keeps residuals), gpipe+recompute (blocks recomputed: the recomputing executor), 1f1b."""
     ctx = dict(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True, pipeline_stages=S,
-               pipeline_config={"pipeline_scheduler": sched})
+               pipeline_config={"pipeline_scheduler": sched.split("+")[0]})
     ms.set_auto_parallel_context(**ctx)
     net = _gpt(S)
+    if sched.endswith("+recompute"):
+        for b in net.backbone.blocks:
+            b.recompute()
     cell = nn.PipelineCell(net, M) if S > 1 else net
     return nn.TrainOneStepCell(cell, optax.sgd(0.01)), net
 
@@ -93,7 +98,7 @@ def memory_rows() -> list[dict]:
     for S in (2, 4):
         for M in (4, 8, 16):
             x, y = _batch(M)
-            for sched in ("gpipe", "1f1b") if S > 1 else ("none",):
+            for sched in ("gpipe", "gpipe+recompute", "1f1b"):
                 step, net = _step(S, M, sched)
                 mem = step.lower(x, y).compile().memory_analysis()
                 step(x, y)
@@ -126,7 +131,7 @@ def time_rows(repeats: int) -> list[dict]:
         x, y = _batch(M)
         base, _ = _step(1, M, "1f1b")
         t0 = _time(base, x, y, repeats)
-        for sched in ("gpipe", "1f1b"):
+        for sched in ("gpipe", "gpipe+recompute", "1f1b"):
             step, _ = _step(S, M, sched)
             t = _time(step, x, y, repeats)
             rows.append({"S": S, "M": M, "schedule": sched, "step_s": t, "no_stages_s": t0, "ratio": t / t0,

@@ -92,13 +92,15 @@ def test_megatron_inside_the_stages_dp_mp_pp_2x2x2():
     assert not [c for c in rep.collectives if c.kind == "all-gather" and c.nbytes in weight_bytes]
 
 
-def test_composes_with_optimizer_parallel_and_recompute():
+@pytest.mark.parametrize("sched", ["1f1b", "gpipe"])
+def test_composes_with_optimizer_parallel_and_recompute(sched):
     """ZeRO-1 (every parameter's optimizer state sharded over the data-parallel devices) and recomputed blocks
-    inside the stages: the same training."""
+    inside the stages (for gpipe: the recomputing executor instead of the one keeping residuals): the same
+    training."""
     net = staged_gpt(4, 2)
     for b in net.blocks:
         b.recompute()
-    mine, losses, ref, ref_losses, _ = train_both(net, 2, 4, enable_parallel_optimizer=True,
+    mine, losses, ref, ref_losses, _ = train_both(net, 2, 4, sched=sched, enable_parallel_optimizer=True,
                                                   parallel_optimizer_config={"parallel_optimizer_threshold": 0})
     assert_equal_training(mine, losses, ref, ref_losses)
 

@@ -27,9 +27,14 @@ functions (:mod:`mshard.pipeline.stages`) and the schedule of ``pipeline_config`
 The step's loss is the mean of the micro-batch losses and its gradient that mean's gradient (for a mean-reduced
 loss: the full batch's, as one device computes), scaled as ``gradients_mean`` says.
 
-What this version does not do yet (issue 15): parameters are kept whole on every device (not only on their
-stage's devices), stages recompute their forward at backward time whatever the recompute setting, and the
-user's operator strategies inside a stage are not applied (the stage is data parallel).
+The cells' operator strategies hold inside a stage: they are planned on one stage's devices, and the parameters,
+their optimizer state and gradients are stored in those layouts. ``gpipe`` keeps every forward's residuals until
+its backward unless a cell has ``recompute()`` set; then, as ``1f1b`` always does, a stage keeps its inputs and
+recomputes its forward at backward time (the stages are different functions, whose residuals have no common
+structure to carry between ticks).
+
+Not yet (issue 15): a parameter is stored on every stage's devices (in its in-stage layout), not only on its own
+stage's, so parameter memory does not drop with the stage count.
 
 Called outside a training step, a PipelineCell runs its micro-batches one after another and returns the mean loss.
 """
@@ -46,7 +51,7 @@ from flax import nnx
 from .. import context as ctxmod
 from ..errors import PipelineError
 from ..layout import choose_axes
-from ..pipeline.execute import ring_size, run_pipeline
+from ..pipeline.execute import ring_size, run_gpipe_keeping_residuals, run_pipeline
 from ..pipeline.report import build_report
 from ..pipeline.schedule import make_schedule
 from ..pipeline.stages import cut
@@ -158,7 +163,10 @@ def pipeline_grads(cell: PipelineCell, data: tuple, mesh_plan, ctx) -> tuple[Any
 
     # the other state (RNG keys, counts) rides along, not differentiated
     specs = prog.marks["params"][:len(p_leaves)] if prog.marks else None
-    loss, g = run_pipeline(prog.stage_fn, p_leaves, micro, prog.carry, sched, jmesh, tuple(stage_axes),
+    recompute = any(getattr(m, "_mshard_recompute", False) for _, m in nnx.iter_graph(net)
+                    if isinstance(m, nnx.Module))
+    runner = run_gpipe_keeping_residuals if name == "gpipe" and not recompute else run_pipeline
+    loss, g = runner(prog.stage_fn, p_leaves, micro, prog.carry, sched, jmesh, tuple(stage_axes),
                            consts=r_leaves, param_specs=specs)
     dp = math.prod(rmesh.shape) // S
     report = build_report(prog, sched, stage_axes, ring_size(sched), prog.cells or {})

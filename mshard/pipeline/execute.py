@@ -147,3 +147,53 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
     f = jax.shard_map(local, mesh=mesh, in_specs=(spec_p, spec_c, spec_d), out_specs=(P(), spec_p),
                       axis_names=set(stage_axes), check_vma=False)
     return f(params, consts, data)
+
+
+def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax.ShapeDtypeStruct],
+                                sched: Schedule, mesh: jax.sharding.Mesh, stage_axes: tuple[str, ...],
+                                consts: Any = (), param_specs: Sequence[Any] | None = None):
+    """GPipe without recomputation: the forward ticks of the schedule (every forward, in its table order) as one
+    scan, differentiated by JAX (``jax.value_and_grad`` of the ``shard_map``; the backward is the scan's
+    transpose, ``ppermute`` transposes to the reverse permute). Each stage keeps the residuals of its forwards
+    until the backward, instead of their inputs: no forward is recomputed, memory grows with the micro-batches.
+    A bubble tick runs the idle branch of a ``lax.switch`` (nothing). Same contract as :func:`run_pipeline`."""
+    S, M = sched.stages, sched.micro
+    fwd_ticks = M + S - 1
+    table = np.asarray(sched.table)[:fwd_ticks]
+    assert sched.name == "gpipe" and sched.chunks == 1 and np.all(table[:, :, 0] != BWD)
+    fwd_perm = [(j, j + 1) for j in range(S - 1)]
+
+    def local(p, cs, d):
+        s = lax.axis_index(stage_axes)
+        tab = jnp.asarray(table)
+        if param_specs is not None:
+            p = [lax.with_sharding_constraint(x, sp) for x, sp in zip(p, param_specs)]
+        zeros_c = tuple(jnp.zeros(c.shape, c.dtype) for c in carry)
+        branches = [lambda p, h, di, vs=vs: _as_f32(stage_fn(vs, p, cs, h, di)) for vs in range(S)]
+
+        def idle(p, h, di):
+            return zeros_c, jnp.zeros((), jnp.float32)
+
+        def tick(state, t):
+            recv, lacc = state
+            k, i = tab[t, s, 0], tab[t, s, 1]
+            di = jax.tree.map(lambda x: x[i], d)
+            out, loss = lax.switch(jnp.where(k == FWD, s + 1, 0), [idle] + branches, p, recv, di)
+            lacc = lacc + jnp.where((k == FWD) & (s == S - 1), loss, 0.0)
+            return (tuple(lax.ppermute(x, stage_axes, fwd_perm) for x in out), lacc), None
+
+        vary = lambda x: lax.pcast(x, stage_axes, to="varying")
+        init = (tuple(vary(x) for x in zeros_c), vary(jnp.zeros((), jnp.float32)))
+        (_, lacc), _ = lax.scan(tick, init, jnp.arange(fwd_ticks))
+        return lax.psum(lacc, stage_axes) / M
+
+    spec_p = jax.tree.map(lambda _: P(), params)
+    f = jax.shard_map(local, mesh=mesh, in_specs=(spec_p, jax.tree.map(lambda _: P(), consts),
+                                                  jax.tree.map(lambda _: P(), data)),
+                      out_specs=P(), axis_names=set(stage_axes), check_vma=False)
+    return jax.value_and_grad(lambda p: f(p, consts, data))(params)
+
+
+def _as_f32(out):
+    h, loss = out
+    return tuple(h), loss.astype(jnp.float32)
