@@ -10,6 +10,9 @@ on one micro-batch, or its backward. The backward recomputes the stage's forward
 no common structure to keep between ticks. Kept per stage: its inputs (a ring of ``K`` micro-batch slots per
 chunk, ``K`` the most the schedule keeps alive, :func:`ring_size`) and the cotangents received (the same).
 
+:func:`run_gpipe_keeping_residuals` is the other executor: gpipe's forward ticks as one scan that JAX
+differentiates, so every forward's residuals are kept until its backward (no recompute; memory grows with M).
+
 The gradient is the sum over micro-batches of ``d(loss_i / M) / d params`` (the mean loss's gradient) psum-ed
 over the stages, so a parameter two stages use (a tied embedding and head) gets both contributions, and every
 stage holds the same value after the update. The loss lives on the last stage and is psum-ed likewise.
