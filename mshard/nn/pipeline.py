@@ -48,7 +48,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .. import context as ctxmod
 from ..errors import PipelineError
 from ..layout import choose_axes
 from ..pipeline.execute import ring_size, run_gpipe_keeping_residuals, run_pipeline
@@ -175,6 +174,3 @@ def pipeline_grads(cell: PipelineCell, data: tuple, mesh_plan, ctx) -> tuple[Any
                                        for sp, x in zip(specs, p_leaves)]
     return loss, jax.tree.unflatten(p_tree, g), dp, dims, report
 
-
-def current_stages() -> int:
-    return ctxmod.current().pipeline_stages
