@@ -105,8 +105,8 @@ class Plan:
     notes: tuple[str, ...] = ()
     graph_axes: dict[str, list[list[str]]] = field(default_factory=dict)   # trace op name -> axes per loop dim
     redistributions: tuple[Redistribution, ...] = ()
-    pipeline: Any = None      # a pipelined training step's stages (mshard.pipeline.report.PipelineReport)
     _explainer: Any = field(default=None, repr=False, compare=False)
+    pipeline: Any = None      # a pipelined training step's stages (mshard.pipeline.report.PipelineReport)
 
     # -- queries -----------------------------------------------------------------------------
     @property
