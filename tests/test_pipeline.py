@@ -45,7 +45,8 @@ def staged_gpt(layers: int, S: int, *, segments: int = 1):
     return net
 
 
-def train_both(net, S, M, *, sched="1f1b", interleave=False, mode="semi_auto_parallel", steps=3, **ctx):
+def train_both(net, S, M, *, sched="1f1b", interleave=False, mode="semi_auto_parallel", steps=3, report=False,
+               **ctx):
     data = synthetic_batches(steps)
     _, _, ref_losses = ref_out = train_one_device(net, TX, data, LOSS, grad_scale=ctx.pop("grad_scale", 1.0))
     with ms.parallel_context(parallel_mode=mode, device_num=8, pipeline_stages=S, gradients_mean=True,
@@ -53,7 +54,7 @@ def train_both(net, S, M, *, sched="1f1b", interleave=False, mode="semi_auto_par
         mine = nnx.clone(net)
         step = nn.TrainOneStepCell(nn.PipelineCell(nn.WithLossCell(mine, LOSS), M), TX)
         losses = [float(step(*b)) for b in data]
-        rep = ms.comm_report(step, *data[0])
+        rep = ms.comm_report(step, *data[0]) if report else None
     return mine, losses, ref_out[0], ref_losses, rep
 
 
@@ -65,7 +66,7 @@ def assert_equal_training(mine, losses, ref, ref_losses):
 
 @pytest.mark.parametrize("S,M,sched", [(2, 4, "1f1b"), (2, 8, "gpipe"), (4, 8, "1f1b"), (4, 4, "gpipe")])
 def test_gpt_trains_as_on_one_device(S, M, sched):
-    mine, losses, ref, ref_losses, rep = train_both(staged_gpt(4, S), S, M, sched=sched)
+    mine, losses, ref, ref_losses, rep = train_both(staged_gpt(4 if S > 2 else 2, S), S, M, sched=sched, report=True)
     assert_equal_training(mine, losses, ref, ref_losses)
     # the stages talk by collective-permute: one [micro-batch, seq, hidden] activation forward and its cotangent
     # back per tick (the loop body holds each once), f32 [16 / M, 32, 64]
@@ -81,7 +82,7 @@ def test_megatron_inside_the_stages_dp_mp_pp_2x2x2():
     net = staged_gpt(4, 2)
     for b in net.blocks:
         b.shard_megatron(data_parallel=2, model_parallel=2)
-    mine, losses, ref, ref_losses, rep = train_both(net, 2, 4)
+    mine, losses, ref, ref_losses, rep = train_both(net, 2, 4, report=True)
     assert_equal_training(mine, losses, ref, ref_losses)
     w = mine.blocks[0].output.mapping.weight[...]
     assert w.sharding.shard_shape(w.shape) == (w.shape[0] // 2, w.shape[1]) or \
@@ -92,7 +93,7 @@ def test_megatron_inside_the_stages_dp_mp_pp_2x2x2():
     assert not [c for c in rep.collectives if c.kind == "all-gather" and c.nbytes in weight_bytes]
 
 
-@pytest.mark.parametrize("sched", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("sched", ["1f1b"])     # gpipe with recompute runs the same (recomputing) executor
 def test_composes_with_optimizer_parallel_and_recompute(sched):
     """ZeRO-1 (every parameter's optimizer state sharded over the data-parallel devices) and recomputed blocks
     inside the stages (for gpipe: the recomputing executor instead of the one keeping residuals): the same
@@ -110,7 +111,7 @@ def test_interleaved_gpt_trains_as_on_one_device():
     assert_equal_training(mine, losses, ref, ref_losses)
 
 
-@pytest.mark.parametrize("layers,S", [(5, 2), (7, 4)])
+@pytest.mark.parametrize("layers,S", [(7, 4)])      # 5 blocks on 2 stages: the stage helper's test below
 def test_any_block_count(layers, S):
     mine, losses, ref, ref_losses, _ = train_both(staged_gpt(layers, S), S, 2 * S)
     assert_equal_training(mine, losses, ref, ref_losses)

@@ -31,6 +31,6 @@ def test_train_gpt_example_three_modes():
 
 
 def test_train_gpt_pipeline_example_megatron_in_two_stages():
-    text = run("train_gpt_pipeline.py", "--steps", "3", "--megatron")
+    text = run("train_gpt_pipeline.py", "--steps", "3", "--layers", "2", "--megatron")
     assert "train_gpt_pipeline OK (1f1b, 2 stages, 4 micro-batches)" in text
     assert "stage 0 -> 1: float32[4, 32, 64]" in text and "collective-permute" in text
