@@ -48,6 +48,11 @@ def _loop(call, cache, tok0, n):
     return np.concatenate([np.asarray(t) for t in out], axis=1)
 
 
+def _plain(fn, *args):
+    with ms.parallel_context(parallel_mode="stand_alone"):
+        return fn(*args)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=24)
@@ -84,8 +89,10 @@ def main() -> None:
     calls = {
         "mshard": (lambda c, t, p: region(net, c, t, p), jax.device_put(ex.new_cache(a.batch), cache_sh)),
         "mshard_bound": (bound, jax.device_put(ex.new_cache(a.batch), cache_sh)),
-        "jax_jit": (lambda c, t, p: hand(state, c, t, p), jax.device_put(ex.new_cache(a.batch), cache_sh)),
-        "one_device": (lambda c, t, p: single(state1, c, t, p), jax.device_put(ex.new_cache(a.batch), one_dev)),
+        # plain JAX (stand_alone: the model's strategies would otherwise apply inside these jax.jit programs)
+        "jax_jit": (lambda c, t, p: _plain(hand, state, c, t, p), jax.device_put(ex.new_cache(a.batch), cache_sh)),
+        "one_device": (lambda c, t, p: _plain(single, state1, c, t, p),
+                       jax.device_put(ex.new_cache(a.batch), one_dev)),
     }
     best: dict[str, float] = {}
     tokens: dict[str, np.ndarray] = {}

@@ -111,9 +111,10 @@ def generate_reference(net: GPT, prompt: np.ndarray, new: int) -> np.ndarray:
     ids[:, :prompt.shape[1]] = prompt
     fwd = jax.jit(lambda m, i: nnx.merge(*m)(i))
     parts = nnx.split(net)
-    for t in range(prompt.shape[1], prompt.shape[1] + new):
-        logits = fwd(parts, jnp.asarray(ids))
-        ids[:, t] = np.asarray(jnp.argmax(logits[:, t - 1], axis=-1))
+    with ms.parallel_context(parallel_mode="stand_alone"):      # the strategies would apply inside a jax.jit
+        for t in range(prompt.shape[1], prompt.shape[1] + new):
+            logits = fwd(parts, jnp.asarray(ids))
+            ids[:, t] = np.asarray(jnp.argmax(logits[:, t - 1], axis=-1))
     return ids[:, :prompt.shape[1] + new]
 
 

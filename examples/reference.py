@@ -1,5 +1,7 @@
 """The single-device reference every training example, test and benchmark compares mshard against:
-plain flax.nnx + optax on one device, no mshard code inside.
+plain flax.nnx + optax on one device. A model's mshard strategies (``Cell.shard``, ``ms.shard``, primitives with a
+strategy) apply inside a ``jax.jit`` too, so the reference runs under ``parallel_mode="stand_alone"``, where mshard
+ignores them: the model is plain JAX on one device.
 
 >>> import jax.numpy as jnp, numpy as np, optax
 >>> from flax import nnx
@@ -29,6 +31,12 @@ def train_one_device(net: nnx.Module, tx: optax.GradientTransformation, data: Se
     ``grad_scale`` multiplies the gradient (MindSpore's sum over data-parallel replicas is ``dp`` times
     the gradient of a mean loss). Returns ``(trained copy, optax state, loss of each step)``.
     """
+    import mshard as ms
+    with ms.parallel_context(parallel_mode="stand_alone"):
+        return _train(net, tx, data, loss_fn, grad_scale, device)
+
+
+def _train(net, tx, data, loss_fn, grad_scale, device):
     net = nnx.clone(net)
     dev = device or jax.local_devices()[0]
     nnx.update(net, jax.device_put(nnx.state(net), dev))

@@ -102,6 +102,7 @@ def mark(x: Any, note: OpNote, role: str, index: int) -> Any:
 class _TraceState(threading.local):
     def __init__(self) -> None:
         self.region = None            # the RegionTrace being traced, or None (eager / plain JAX)
+        self.plain = False            # inside tracing_region(None): mshard traces plain JAX on purpose
         self.replica_axes: tuple[str, ...] | None = None     # set while replicas are vmapped (see _mark_batch)
 
 
@@ -176,11 +177,12 @@ class tracing_region:
         self.trace = trace
 
     def __enter__(self) -> RegionTrace:
-        self.saved, _state.region = _state.region, self.trace
+        self.saved = (_state.region, _state.plain)
+        _state.region, _state.plain = self.trace, self.trace is None
         return self.trace
 
     def __exit__(self, *exc) -> None:
-        _state.region = self.saved
+        _state.region, _state.plain = self.saved
 
 
 class replica_axes:
@@ -213,6 +215,12 @@ def traced(args: Any) -> bool:
     (not an mshard region), where a sharded function or Cell runs as plain JAX instead of as its own region."""
     import jax
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+
+
+def in_user_trace(args: Any) -> bool:
+    """Whether a call is traced by the user's own ``jax.jit`` / ``grad`` / ``vmap`` (tracers, outside any mshard
+    region and outside mshard's own plain tracing): see :mod:`mshard.traced`."""
+    return _state.region is None and not _state.plain and traced(args)
 
 
 def annotate_call(fn, args: Sequence[Any], note: OpNote, n_out: int | None = None):

@@ -214,10 +214,14 @@ class Region:
                         f"entry per data argument (modules not counted), or use 'data_parallel' / 'full_batch'.")
                 st = TensorStrategy(ctx.dataset_strategy[k])
             infos.append(InputInfo("data", tuple(x.shape), nm, st))
+        from .flax_meta import annotated_plans
         from .planner import search_region
         # one planning path for every mode: data_parallel and stand_alone plan as the data-parallel default
+        # flax's own annotations (nnx.with_partitioning) first: a parameter_plan entry for the same parameter wins
+        honour = ctx.parallel_mode in ("semi_auto_parallel", "auto_parallel")
+        param_plans = (annotated_plans(states, param_names) if honour else []) + list(trace.param_plans)
         planned = search_region(closed, infos, ctx=ctx, algorithm=search_algorithm(ctx) or ctx.parallel_mode,
-                                param_plans=trace.param_plans, input_layout_hook=self.input_layout_hook)
+                                param_plans=param_plans, input_layout_hook=self.input_layout_hook)
         layouts = planned.layouts
         save = ctx.strategy_ckpt_config.get("save_file")
         if save and ctx.parallel_mode in ("semi_auto_parallel", "auto_parallel"):
@@ -245,7 +249,7 @@ class Region:
         donate = tuple(changed) if self.donate_params else ()
         jitted = jax.jit(flat_fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
         return _Compiled(closed, layouts, jitted, in_sh, mod_out, out_tree, changed,
-                         planned.plan, infos, list(trace.param_plans))
+                         planned.plan, infos, param_plans)
 
     def _prepare(self, args, kwargs):
         modules, flat_data, data_names, data_pos, treedef_args = self._split_args(args, kwargs)

@@ -22,12 +22,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from flax import nnx
 
 from . import annotate
 from .annotate import OpNote, annotate_call
 from .errors import StrategyError
 from .layout import check_fits, normalize_in_strategy
 from .region import Region
+from .traced import call_in_user_trace
 
 
 def _out_strategy(out_strategy, where: str):
@@ -70,7 +72,10 @@ class ShardedFunction:
     def __call__(self, *args):
         trace = annotate.current_region()
         if trace is None:
-            if annotate.traced(args):              # inside a plain jax.jit / grad: plain JAX
+            if annotate.in_user_trace(args):       # inside the user's own jax.jit / grad / vmap
+                return call_in_user_trace(self, f"shard({self.name})", lambda: self.region()(*args),
+                                          lambda: self.fn(*args))
+            if annotate.traced(args):              # mshard's own plain tracing (a data-parallel replica)
                 return self.fn(*args)
             if self._region is None:
                 self._region = Region(self, data_strategy=self.in_strategy, name=self.name)
@@ -120,8 +125,12 @@ class ShardedModule:
         return sf(*args)
 
     def __call__(self, *args):
+        if annotate.in_user_trace(args) or annotate.in_user_trace(nnx.state(self.module)):
+            # inside the user's own jax.jit / grad / vmap
+            return call_in_user_trace(self, f"shard({self.name})", lambda: self._region(self.module, *args),
+                                      lambda: self.module(*args))
         if annotate.traced(args) and annotate.current_region() is None:
-            return self.module(*args)             # inside the user's own jax.jit / grad: plain JAX
+            return self.module(*args)             # mshard's own plain tracing
         return self._region(self.module, *args)
 
     def region(self) -> Region:
@@ -154,7 +163,6 @@ def shard(fn: Callable | None = None, in_strategy: Any = None, out_strategy: Any
     (16,)
     >>> ms.reset_auto_parallel_context()
     """
-    from flax import nnx
     if fn is None:
         return lambda f: shard(f, in_strategy, out_strategy, parameter_plan)
     if in_strategy is None:

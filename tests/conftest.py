@@ -5,7 +5,28 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import atexit
+import shutil
+import tempfile
+
 import pytest
+
+# One JAX compilation cache for the session, in a fresh directory removed at exit: many tests compile the same
+# program (the one-device reference training of one model, the same region under another test's name), and a
+# cache hit skips XLA's compile. Set through jax.config, not the environment, so the multi-process tests' workers
+# do not share it. Programs and results are unchanged: a hit is the executable of identical HLO.
+_CACHE = tempfile.mkdtemp(prefix="mshard-tests-jax-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+
+
+def _jax_compilation_cache():
+    import jax
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+_jax_compilation_cache()
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +78,6 @@ SLOW = (
     "tests/test_pipeline.py::test_megatron_inside",
     "tests/test_pipeline.py::test_the_plan_shows",
     "tests/test_pipeline.py::test_composes_with",
-    "tests/test_pipeline.py::test_any_block_count",
     "tests/test_pipeline.py::test_stage_helper",
     "tests/test_pipeline.py::test_a_parameter_two_stages",
     "tests/test_pipeline.py::test_pipeline_form",

@@ -11,9 +11,12 @@ ATOL = 1e-5
 
 
 def on_one_device(fn, *args):
-    """The same computation on one device (plain JAX, no mshard region)."""
+    """The same computation on one device (plain JAX: stand_alone, where mshard ignores strategies even inside a
+    jax.jit)."""
+    import mshard as ms
     dev = jax.devices()[0]
-    return jax.jit(fn)(*[jax.device_put(a, dev) if hasattr(a, "shape") else a for a in args])
+    with ms.parallel_context(parallel_mode="stand_alone"):
+        return jax.jit(fn)(*[jax.device_put(a, dev) if hasattr(a, "shape") else a for a in args])
 
 
 def assert_close(a, b, rtol=RTOL, atol=ATOL):

@@ -30,14 +30,16 @@ def test_an_eager_primitive_with_a_strategy_runs_sharded_and_keeps_its_layout():
     assert len(mm._eager_region._cache) == n                              # compiled once per shapes
 
 
-def test_outside_the_strategy_modes_or_under_jax_jit_it_is_plain_jax():
+def test_outside_the_strategy_modes_it_is_plain_jax_and_under_jax_jit_it_keeps_its_strategy():
     mm = ops.MatMul().shard(((2, 1), (1, 4)))
     ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8)
     assert len(mm(X, W).sharding.device_set) == 1
-    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
-    y = jax.jit(lambda a, b: mm(a, b))(X, W)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(X) @ np.asarray(W), rtol=TOL, atol=TOL)
+    assert len(jax.jit(lambda a, b: mm(a, b))(X, W).sharding.device_set) == 1
     assert "_eager_region" not in mm.__dict__
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
+    y = jax.jit(lambda a, b: mm(a, b))(X, W)            # its region, traced into the user's program
+    np.testing.assert_allclose(np.asarray(y), np.asarray(X) @ np.asarray(W), rtol=TOL, atol=TOL)
+    assert y.sharding.shard_shape(y.shape) == (X.shape[0] // 2, W.shape[1] // 4)
 
 
 def test_a_partition_spec_strategy_needs_a_region_and_says_so_when_called_eagerly():

@@ -40,11 +40,11 @@ def _wrap_call(call: Callable) -> Callable:
         if trace is None:
             if cfg is not None and not kwargs and not annotate.traced(args):
                 return _cell_region(self)(self, *args)
-            policy = getattr(self, "_mshard_recompute", None)
-            if policy is not None and annotate.traced(args):
-                # traced outside a region (a data-parallel replica, the user's own jax.jit/grad): still recomputed
-                return _remat(self, call, "", None, policy or None)(*args, **kwargs)
-            return call(self, *args, **kwargs)
+            if cfg is not None and not kwargs and annotate.in_user_trace(args):
+                from ..traced import call_in_user_trace     # the user's own jax.jit / grad / vmap
+                return call_in_user_trace(self, f"Cell {type(self).__name__}", lambda: _cell_region(self)(self, *args),
+                                          lambda: _plain(self, call, args, kwargs))
+            return _plain(self, call, args, kwargs)
         path = trace.module_paths.get(id(self), "")
         scope = trace.scope_of(path) if path else None
         body = functools.partial(call, self)
@@ -64,6 +64,15 @@ def _wrap_call(call: Callable) -> Callable:
             trace.scope_stack.pop()
     __call__._mshard_wrapped = True
     return __call__
+
+
+def _plain(self, call, args, kwargs):
+    """A Cell's call outside any region, as plain JAX (recomputed where it asks, also when traced outside a
+    region: a data-parallel replica, the user's own jax.jit / grad)."""
+    policy = getattr(self, "_mshard_recompute", None)
+    if policy is not None and annotate.traced(args):
+        return _remat(self, call, "", None, policy or None)(*args, **kwargs)
+    return call(self, *args, **kwargs)
 
 
 class _null:

@@ -5,8 +5,9 @@ tuple each, as in MindSpore; its iteration space (``spec``) says how the inputs'
 map to loop dims, so the strategy is checked (divisibility, device count, shared dims agreeing,
 dims the op cannot split) when it is called inside a region, before JAX sees anything.
 Called eagerly (concrete arrays, no region) in semi_auto/auto_parallel, a primitive with a strategy runs as its
-own region, MindSpore's PyNative ``shard``, and its result keeps the planned layout; otherwise (no strategy,
-data_parallel/stand_alone, or traced by the user's own ``jax.jit``) it runs as plain JAX.
+own region, MindSpore's PyNative ``shard``, and its result keeps the planned layout; traced by the user's own
+``jax.jit`` / ``grad`` / ``vmap`` its region is constrained into that program (:mod:`mshard.traced`); otherwise
+(no strategy, data_parallel/stand_alone) it runs as plain JAX.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ class Primitive:
                 if self._self_contained():
                     return self._eager(*args)          # PyNative: the op runs as its own sharded region
                 self._warn_unresolved()
+            elif self.in_strategy is not None and self._self_contained() and annotate.in_user_trace(tuple(tensors)):
+                from ..traced import call_in_user_trace     # the user's own jax.jit / grad / vmap
+                return call_in_user_trace(self, self._where(), lambda: self._region()(*args), lambda: fn(*tensors))
             return fn(*tensors)
         shapes = [tuple(jax.numpy.shape(t)) for t in tensors]
         in_dims, out_dims, fixed = self.spec(shapes, attrs)
@@ -115,12 +119,17 @@ class Primitive:
         """An eager call of a primitive with a strategy, in semi_auto/auto_parallel: MindSpore's PyNative
         ``shard`` — the op alone is a region (planned from its strategy, compiled once per shapes), so its result
         keeps the planned layout."""
-        from ..region import Region
         bound = self.__dict__.get("_eager_bound")
         if bound is None:
-            self._eager_region = Region(lambda *a: self(*a), name=self.name or self.kind)
-            bound = self._eager_bound = self._eager_region.bind()     # repeated calls skip re-keying the region
+            bound = self._eager_bound = self._region().bind()     # repeated calls skip re-keying the region
         return bound(*args)
+
+    def _region(self):
+        """The op alone as a region (its eager calls, and its calls traced by the user's own jax.jit)."""
+        from ..region import Region
+        if self.__dict__.get("_eager_region") is None:
+            self._eager_region = Region(lambda *a: self(*a), name=self.name or self.kind)
+        return self._eager_region
 
     def _check_outputs(self, note: OpNote, out) -> None:
         """A split carried to an output dim must divide it (e.g. MindSpore's reshape rule)."""

@@ -1,0 +1,101 @@
+"""flax's own sharding API as user strategies (issue 16): a model whose parameters carry ``nnx.with_partitioning``
+names runs in mshard unchanged, without a global mesh at the call, its parameters stored as the names ask and its
+values equal to one device; names no mesh can size are an error, and a parameter_plan wins over the names."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import assert_close
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import mshard as ms
+from mshard.errors import ParameterPlanError
+
+MESH = dict(axis_shapes=(2, 4), axis_names=("data", "model"))
+
+
+def _mesh():
+    return jax.make_mesh(MESH["axis_shapes"], MESH["axis_names"], axis_types=(AxisType.Auto,) * 2)
+
+
+class FlaxMLP(nnx.Module):
+    """A Megatron MLP written for flax's sharding API only (the public flax examples' style, no mshard code)."""
+
+    def __init__(self, rngs, mesh=None):
+        init = nnx.initializers.lecun_normal()
+        kw = {} if mesh is None else {"mesh": mesh}
+        self.l1 = nnx.Linear(32, 128, kernel_init=nnx.with_partitioning(init, (None, "model"), **kw), rngs=rngs)
+        self.l2 = nnx.Linear(128, 32, kernel_init=nnx.with_partitioning(init, ("model", None), **kw), rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def _x():
+    return jnp.asarray(np.random.default_rng(0).normal(size=(16, 32)), jnp.float32)
+
+
+def _reference(model, x):
+    k1, b1 = np.asarray(model.l1.kernel[...]), np.asarray(model.l1.bias[...])
+    k2, b2 = np.asarray(model.l2.kernel[...]), np.asarray(model.l2.bias[...])
+    return np.maximum(np.asarray(x) @ k1 + b1, 0) @ k2 + b2
+
+
+def _check_megatron(model, out, compiled_text):
+    assert model.l1.kernel[...].sharding.shard_shape((32, 128)) == (32, 32)      # (None, "model"): 4 column slices
+    assert model.l2.kernel[...].sharding.shard_shape((128, 32)) == (32, 32)      # ("model", None): 4 row slices
+    assert compiled_text.count("all-reduce(") + compiled_text.count("all-reduce-start(") == 1   # Megatron's one
+    assert "all-gather" not in compiled_text                                    # nothing gathers a weight
+
+
+def test_a_model_created_under_a_mesh_runs_as_its_names_ask_without_the_mesh():
+    # the batch on the mesh's 2-way "data" axis, as the flax examples lay it out (the 4-way "model" axis is the
+    # weights')
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, dataset_strategy=((2, 1),))
+    with jax.set_mesh(_mesh()):
+        model = FlaxMLP(nnx.Rngs(0))
+    x = _x()
+    ref = _reference(model, x)
+    f = ms.jit(lambda m, x: m(x))                       # no mesh around the call
+    out = f(model, x)
+    # 128-term sums reordered by the row split and the all-reduce: ~sqrt(128) * 2**-24 relative, inside 1e-5
+    assert_close(out, ref)
+    _check_megatron(model, out, f.lower(model, x).compile().as_text())
+
+
+def test_names_with_their_mesh_in_the_metadata_need_no_mesh_anywhere():
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    with nnx.use_eager_sharding(False):                 # flax places nothing: the values are on one device
+        model = FlaxMLP(nnx.Rngs(0), mesh=_mesh())
+    assert len(model.l1.kernel[...].sharding.device_set) == 1
+    x = _x()
+    f = ms.shard(model, in_strategy=((2, 1),))
+    out = f(x)
+    assert_close(out, _reference(model, x))
+    _check_megatron(model, out, f.lower(x).compile().as_text())
+    assert f.plan(x).param_specs["l1.kernel"] == P(None, "model")
+
+
+def test_names_no_mesh_sizes_are_an_error_naming_the_parameter_and_the_fixes():
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    with nnx.use_eager_sharding(False):
+        model = FlaxMLP(nnx.Rngs(0))
+    with pytest.raises(ParameterPlanError, match=r"l1\.kernel.*\(None, 'model'\).*mesh="):
+        ms.jit(lambda m, x: m(x))(model, _x())
+    ms.set_auto_parallel_context(parallel_mode="data_parallel")      # data_parallel ignores strategies: it runs
+    assert_close(ms.jit(lambda m, x: m(x))(model, _x()), _reference(model, _x()))
+
+
+def test_a_parameter_plan_wins_over_the_names():
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    with nnx.use_eager_sharding(False):
+        model = FlaxMLP(nnx.Rngs(0), mesh=_mesh())
+    f = ms.shard(model, in_strategy=((2, 1),), parameter_plan={"l1.kernel": P(None, None), "l2.kernel": P(None, None)})
+    x = _x()
+    out = f(x)
+    assert_close(out, _reference(model, x))
+    assert model.l1.kernel[...].sharding.shard_shape((32, 128)) == (32, 128)
+    assert model.l2.kernel[...].sharding.shard_shape((128, 32)) == (128, 32)
