@@ -49,7 +49,7 @@ def _names(meta: dict) -> tuple | None:
 def _ambient_mesh():
     """The concrete mesh set around the call (``jax.set_mesh`` / ``jax.sharding.use_mesh``), or None."""
     try:
-        from jax._src import mesh as mesh_lib       # JAX 0.10 exposes no public getter for the concrete mesh
+        from jax._src import mesh as mesh_lib  # JAX 0.10 exposes no public getter for the concrete mesh
         m = mesh_lib.get_concrete_mesh()
     except Exception:
         return None

@@ -41,7 +41,7 @@ def _wrap_call(call: Callable) -> Callable:
             if cfg is not None and not kwargs and not annotate.traced(args):
                 return _cell_region(self)(self, *args)
             if cfg is not None and not kwargs and annotate.in_user_trace(args):
-                from ..traced import call_in_user_trace     # the user's own jax.jit / grad / vmap
+                from ..traced import call_in_user_trace  # the user's own jax.jit / grad / vmap
                 return call_in_user_trace(self, f"Cell {type(self).__name__}", lambda: _cell_region(self)(self, *args),
                                           lambda: _plain(self, call, args, kwargs))
             return _plain(self, call, args, kwargs)

@@ -82,7 +82,7 @@ class Primitive:
                     return self._eager(*args)          # PyNative: the op runs as its own sharded region
                 self._warn_unresolved()
             elif self.in_strategy is not None and self._self_contained() and annotate.in_user_trace(tuple(tensors)):
-                from ..traced import call_in_user_trace     # the user's own jax.jit / grad / vmap
+                from ..traced import call_in_user_trace  # the user's own jax.jit / grad / vmap
                 return call_in_user_trace(self, self._where(), lambda: self._region()(*args), lambda: fn(*tensors))
             return fn(*tensors)
         shapes = [tuple(jax.numpy.shape(t)) for t in tensors]
