@@ -154,15 +154,16 @@ class CommReport:
 
     def __str__(self) -> str:
         from rich.console import Console
-        console = Console(width=100, record=True, force_terminal=False)
+        console = Console(width=100, record=True, force_terminal=False, force_jupyter=False, color_system=None)
         with console.capture() as cap:
             console.print(self.table())
         return cap.get()
 
     def _repr_html_(self) -> str:
-        rows = "".join(f"<tr><td>{k}</td><td>{v['count']}</td><td>{v['bytes']:,}</td></tr>"
-                       for k, v in self.by_kind.items()) or "<tr><td>(none)</td><td>0</td><td>0</td></tr>"
-        return f"<table><tr><th>kind</th><th>count</th><th>bytes</th></tr>{rows}</table>"
+        rows = "".join(f"<tr><td>{k}</td><td>{v['count']}</td><td>{v['bytes']:,}</td><td>{v['moved']:,.0f}</td></tr>"
+                       for k, v in self.by_kind.items()) or "<tr><td>(none)</td><td>0</td><td>0</td><td>0</td></tr>"
+        return ("<b>collectives in compiled HLO (per device)</b><table><tr><th>kind</th><th>count</th><th>bytes</th>"
+                f"<th>moved (ring est.)</th></tr>{rows}</table>")
 
 
 def hlo_text(f: Callable, *args) -> str:

@@ -201,21 +201,51 @@ class Plan:
         if self.pipeline is not None:
             lines += self.pipeline.lines()
         renderables = (self.table(max_rows, group_by), *lines)
-        console = Console(width=140, record=True, force_terminal=False, color_system=None)
+        console = Console(width=140, record=True, force_terminal=False, force_jupyter=False, color_system=None)
         with console.capture() as cap:
             for r in renderables:
                 console.print(r)
         out = PlanSummary(cap.get())
         out._renderables = renderables
-        out._html = self._repr_html_() + "".join(f"<div>{html.escape(x)}</div>" for x in lines)
+        out._html = self._html_table(max_rows, group_by) + "".join(f"<div>{html.escape(x)}</div>" for x in lines)
         return out
 
+    def _html_table(self, max_rows: int = 200, group_by: str | None = None) -> str:
+        """The table of :meth:`table` as one HTML table (what a notebook shows; no ANSI, names escaped)."""
+        e = html.escape
+        if group_by == "module":
+            head = ("module", "pass", "ops", "strategies", "fixed", "comm bytes")
+            rows = [(r["module"], r["pass"], r["ops"], "; ".join(map(str, r["strategies"][:3])), r["fixed"] or "",
+                     f"{r['comm_bytes']:,.0f}") for r in self.by_module()]
+        else:
+            head = ("op", "kind", "strategy", "fixed", "comm bytes")
+            rows = [(o.name, o.kind, o.strategy, "user" if o.fixed else "",
+                     f"{sum(o.cost.communication.values()):,.0f}") for o in self.ops]
+        more = len(rows) - max_rows
+        body = "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in r) + "</tr>" for r in rows[:max_rows])
+        if more > 0:
+            body += f"<tr><td colspan='{len(head)}'>... {more} more</td></tr>"
+        return (f"<b>mshard plan ({e(self.algorithm)})</b> on mesh "
+                f"{e(str(dict(zip(self.mesh.names, self.mesh.shape))))}<table><tr>"
+                + "".join(f"<th>{h}</th>" for h in head) + f"</tr>{body}</table>")
+
     def _repr_html_(self) -> str:
-        rows = "".join(f"<tr><td>{o.name}</td><td>{o.kind}</td><td>{o.strategy}</td><td>{'user' if o.fixed else ''}"
-                       f"</td><td>{sum(o.cost.communication.values()):,.0f}</td></tr>" for o in self.ops[:200])
-        return (f"<b>mshard plan ({self.algorithm})</b> mesh {dict(zip(self.mesh.names, self.mesh.shape))}"
-                f"<table><tr><th>op</th><th>kind</th><th>strategy</th><th>fixed</th><th>comm bytes</th></tr>"
-                f"{rows}</table>")
+        return self._html_table()
+
+    def show(self):
+        """The per-op strategy graph of a small region (:class:`mshard.plan_graph.PlanGraph`): an SVG in Jupyter,
+        text from ``str()``; redistributed edges are red with what they move.
+
+        >>> import jax.numpy as jnp, mshard as ms
+        >>> ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+        >>> f = ms.shard(lambda x, w: jnp.tanh(x @ w), in_strategy=((2, 1), (1, 4)))
+        >>> g = f.region().plan(jnp.ones((8, 16)), jnp.ones((16, 8))).show()
+        >>> [n for n, *_ in g.nodes][-1], g._repr_svg_().startswith("<svg")
+        ('tanh', True)
+        >>> ms.reset_auto_parallel_context()
+        """
+        from .plan_graph import plan_graph
+        return plan_graph(self)
 
     def explain(self, pattern: str, alternatives: int = 3) -> str:
         """Why the first op matching ``pattern`` got its strategy: its cost terms and the best alternatives

@@ -267,11 +267,14 @@ class Region:
             leaves, tree = jax.tree.flatten(s)
             shs = comp.in_shardings[off:off + len(leaves)]
             off += len(leaves)
-            # a donating region places copies: device_put may alias the caller's buffer (even with
-            # may_alias=False, one device -> replicated), and donating the placed array would delete arrays the
-            # caller still holds (e.g. a clone of the initial model)
-            copy = jnp.copy if self.donate_params else (lambda x: x)
-            placed = [x if getattr(x, "sharding", None) == sh else _put(copy(x), sh) for x, sh in zip(leaves, shs)]
+            # a donating region places copies, also of arrays already in their planned layout: device_put may
+            # alias the caller's buffer (even with may_alias=False, one device -> replicated), and an array placed
+            # by another region may be shared with a clone of the model; donating it would delete arrays the
+            # caller still holds. (Only this slow path copies; a training step's repeated calls take the fast path.)
+            if self.donate_params:
+                placed = [_put(jnp.copy(x), sh) for x, sh in zip(leaves, shs)]
+            else:
+                placed = [x if getattr(x, "sharding", None) == sh else _put(x, sh) for x, sh in zip(leaves, shs)]
             if any(p is not x for p, x in zip(placed, leaves)):
                 nnx.update(m, jax.tree.unflatten(tree, placed))
             flat.extend(placed)

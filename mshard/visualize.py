@@ -68,7 +68,7 @@ class ShardingView:
 
     def __str__(self) -> str:
         from rich.console import Console
-        console = Console(width=140, record=True, force_terminal=False, color_system=None)
+        console = Console(width=140, record=True, force_terminal=False, force_jupyter=False, color_system=None)
         with console.capture() as cap:
             console.print(self.__rich__())
         return cap.get()

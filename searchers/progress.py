@@ -1,9 +1,11 @@
 """A progress bar for long searches: shown only when a search runs longer than ``delay`` seconds.
 
 The bar is drawn by ``rich`` (imported only when a bar is shown) on standard error, and is
-transient: it disappears when the search ends. It is shown only on an interactive terminal
-or in Jupyter, never under pytest (``PYTEST_CURRENT_TEST`` is set), and never when the
-environment variable ``MSHARD_PROGRESS`` is ``0`` (``1`` forces it on).
+transient: it disappears when the search ends. It is drawn on an interactive terminal and in Jupyter
+with ``ipywidgets``; elsewhere (a plain log, a notebook without ipywidgets, where rich's live display
+cannot draw) the search writes one line on standard error when it has run ``delay`` seconds and one
+when it ends. Never under pytest (``PYTEST_CURRENT_TEST`` is set), and never when the environment
+variable ``MSHARD_PROGRESS`` is ``0`` (``1`` forces it on).
 
 >>> with Progress("searching", total=3, enabled=False) as bar:
 ...     bar.advance(3)
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 
@@ -24,12 +27,16 @@ def progress_enabled() -> bool:
     flag = os.environ.get("MSHARD_PROGRESS", "").strip().lower()
     if flag in ("0", "false", "no", "off"):
         return False
-    if "PYTEST_CURRENT_TEST" in os.environ:
-        return False
     if flag in ("1", "true", "yes", "on"):
         return True
+    return "PYTEST_CURRENT_TEST" not in os.environ
+
+
+def _can_draw() -> bool:
+    """Whether rich can draw a live bar here: a terminal, or Jupyter with ipywidgets."""
     if "ipykernel" in sys.modules:
-        return True
+        import importlib.util
+        return importlib.util.find_spec("ipywidgets") is not None
     try:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):
@@ -54,6 +61,7 @@ class Progress:
         self._timer: threading.Timer | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._lines: float | None = None      # line mode: when the search started
 
     def __enter__(self) -> Progress:
         if self.enabled:
@@ -68,6 +76,11 @@ class Progress:
     def _start(self) -> None:
         with self._lock:
             if self._closed or self._bar is not None:
+                return
+            if self.console is None and not _can_draw():
+                self._lines = time.perf_counter() - self.delay
+                print(f"mshard: {self.description}: searching ...", file=sys.stderr, flush=True)
+                self.shown = True
                 return
             from rich.console import Console
             from rich.progress import BarColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -104,3 +117,6 @@ class Progress:
                 self._timer.cancel()
             if self._bar is not None:
                 self._bar.stop()
+            if self._lines is not None:
+                print(f"mshard: {self.description}: done in {time.perf_counter() - self._lines:.1f} s",
+                      file=sys.stderr, flush=True)

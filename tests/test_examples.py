@@ -41,3 +41,22 @@ def test_infer_gpt_example_generates_like_one_device():
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "infer_gpt OK" in out.stdout and "same 8 tokens as one device" in out.stdout
+
+
+def test_search_and_plan_notebook_executes():
+    """notebooks/02: a plain flax MiniGPT through the four searchers beside data parallel, the pictures, and a few
+    training steps equal to one device (the notebook asserts that itself). A notebook shows clean HTML/SVG: no
+    ANSI escapes, no empty blocks."""
+    nb = nbformat.read(ROOT / "notebooks" / "02_search_and_plan.ipynb", as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    html = [o["data"]["text/html"] for o in outputs if "text/html" in o.get("data", {})]
+    table = next(h for h in html if "<th>search s</th>" in h)
+    for name in ("data_parallel", "recursive_programming", "sharding_propagation", "dynamic_programming", "ilp"):
+        assert f"<td>{name}</td>" in table
+    assert any("<th>module</th>" in h for h in html)                      # summary(group_by="module")
+    assert any("8 shard(s)" in h for h in html)                           # ms.visualize of a (2, 4) layout
+    assert any("image/svg+xml" in o.get("data", {}) for o in outputs)     # plan.show()
+    assert all("\x1b[" not in h and h.strip() and "<pre" not in h for h in html)
+    assert any("match one device" in o.get("text", "") for o in outputs)

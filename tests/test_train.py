@@ -6,6 +6,7 @@ tests use SGD with momentum: the attention key bias has an exactly-zero gradient
 whose float noise (~1e-9, different for every partitioning) Adam would scale up to full-size updates.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -355,3 +356,21 @@ def test_sens_scales_the_gradients():
     for b in data:
         step(*b)
     assert_params_close(net, ref)
+
+
+def test_training_a_clone_never_deletes_the_arrays_of_the_model_it_was_cloned_from():
+    """A step donates its parameters' buffers; a model placed by another region (its arrays already in the planned
+    layout) and then cloned shares those arrays with the clone. Training the clone must not delete the original's
+    (found by notebooks/02: the one-device reference of the original model failed with 'Array has been deleted')."""
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8)
+    model = MLP(nnx.Rngs(0))
+    x, y = batches(1, [(16, 16), (16, 8)])[0]
+    ms.jit(lambda m, x: m(x))(model, x)                  # places the parameters
+    before = [np.asarray(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    step = nn.TrainOneStepCell(nn.WithLossCell(nnx.clone(model), mse), optax.adam(1e-3))
+    step(x, y)
+    step(x, y)
+    assert not any(a.is_deleted() for a in jax.tree.leaves(nnx.state(model)))
+    after = jax.tree.leaves(nnx.state(model, nnx.Param))
+    for a, b in zip(after, before):
+        np.testing.assert_array_equal(np.asarray(a), b)     # untouched
