@@ -77,9 +77,7 @@ class ShardedFunction:
                                           lambda: self.fn(*args))
             if annotate.traced(args):              # mshard's own plain tracing (a data-parallel replica)
                 return self.fn(*args)
-            if self._region is None:
-                self._region = Region(self, data_strategy=self.in_strategy, name=self.name)
-            return self._region(*args)
+            return self.region()(*args)
         note = self._note(args, trace.device_num)
         trace.param_plans.extend((self.cell_path, k, v) for k, v in self.parameter_plan.items())
         out = annotate_call(self.fn, args, note)
@@ -95,11 +93,10 @@ class ShardedFunction:
 
     # the region API, for a shard-wrapped function used directly
     def lower(self, *args):
-        if self._region is None:
-            self._region = Region(self, data_strategy=self.in_strategy, name=self.name)
-        return self._region.lower(*args)
+        return self.region().lower(*args)
 
     def region(self) -> Region:
+        """The region this function runs as when called outside one (made once)."""
         if self._region is None:
             self._region = Region(self, data_strategy=self.in_strategy, name=self.name)
         return self._region
