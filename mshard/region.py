@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -379,6 +380,20 @@ def raw_ok(v: nnx.Variable) -> bool:
         and not meta.get("hijax") and isinstance(v._raw_value, jax.Array)
 
 
+def unshare_donated(vals: list, donated) -> None:
+    """Replace, in ``vals``, each array a donating call would delete while someone else still holds it.
+
+    A fast path reads a Variable's array and passes it to a step that donates it. If the same array is also held
+    by a clone of the model (``nnx.clone`` shares arrays), by another Variable, or by a name the user kept
+    (``w = net.fc.kernel.value``), donation would delete the user's array: such an array is copied first and the
+    copy donated. Held only by its Variable, the array is donated as is (no copy, the usual training step).
+    The holders are counted with ``sys.getrefcount``: the Variable, the ``vals`` list and the call's argument.
+    """
+    for i in donated:
+        if sys.getrefcount(vals[i]) > 3:
+            vals[i] = jnp.copy(vals[i])
+
+
 class BoundRegion:
     """A region with its module arguments bound (:meth:`Region.bind`)."""
 
@@ -426,6 +441,8 @@ class BoundRegion:
         vals = [v._raw_value if r else v.get_value() for v, r in zip(variables, raw)]
         if any(isinstance(x, jax.core.Tracer) for x in vals + flat):
             return _MISS
+        if self.region.donate_params:
+            unshare_donated(vals, comp.changed)
         try:
             outs = comp.jitted(*vals, *_follow_plan(flat, shardings))
         except (ValueError, TypeError):             # a value of another layout: the region places it

@@ -374,3 +374,31 @@ def test_training_a_clone_never_deletes_the_arrays_of_the_model_it_was_cloned_fr
     after = jax.tree.leaves(nnx.state(model, nnx.Param))
     for a, b in zip(after, before):
         np.testing.assert_array_equal(np.asarray(a), b)     # untouched
+
+
+def test_a_clone_or_a_kept_array_taken_between_fast_steps_survives_the_next_step():
+    """Repeated steps take the fast path, which donates the Variables' arrays. A snapshot taken between steps
+    (``best = nnx.clone(net)``, or ``w = net.fc1.weight.get_value()``) shares those arrays: the next step must copy what
+    someone else holds and donate only what the model alone holds. Found as data loss: every parameter of ``best``
+    was deleted by the next step."""
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8)
+    net = MLP(nnx.Rngs(0))
+    x, y = batches(1, [(16, 16), (16, 8)])[0]
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
+    step(x, y)
+    step(x, y)                                           # from here on, the fast path
+    best = nnx.clone(net)
+    kept = net.fc1.weight.get_value()
+    # read copies: np.asarray of a CPU array keeps a view of its buffer, which would itself stop the donation
+    snapshot = [np.asarray(jnp.copy(a)) for a in jax.tree.leaves(nnx.state(best, nnx.Param))]
+    kept_before = np.asarray(jnp.copy(kept))
+    step(x, y)
+    step(x, y)
+    assert not kept.is_deleted()
+    np.testing.assert_array_equal(np.asarray(kept), kept_before)
+    params = jax.tree.leaves(nnx.state(best, nnx.Param))
+    assert not any(a.is_deleted() for a in params)
+    for a, b in zip(params, snapshot):
+        np.testing.assert_array_equal(np.asarray(a), b)     # the snapshot is the model after two steps
+    moved = [not np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), snapshot)]
+    assert all(moved)                                    # and the model went on training

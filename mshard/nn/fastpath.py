@@ -11,7 +11,7 @@ from flax import nnx
 
 from .. import annotate
 from .. import context as ctxmod
-from ..region import Region, raw_ok
+from ..region import Region, raw_ok, unshare_donated
 
 if TYPE_CHECKING:
     from .train import TrainOneStepCell
@@ -67,6 +67,7 @@ class _FastPath:
         flat = [jax.device_put(x, sh) if isinstance(x, jax.Array) and x.committed and x.sharding != sh else x
                 for x, sh in zip(flat, self.shardings)]
         vals = [v._raw_value if r else v.get_value() for v, r in zip(self.variables, self.raw)]
+        unshare_donated(vals, self.changed)           # the step donates them: never an array someone else holds
         try:
             outs = self.comp.jitted(*vals, *flat)
         except (ValueError, TypeError):
