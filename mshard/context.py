@@ -284,6 +284,12 @@ def current() -> ParallelContext:
     return _current
 
 
+def snapshot() -> tuple:
+    """The current context, algorithm parameters and cost-model context, in one call (a fast path's check that
+    nothing it was built under has changed: each is replaced, never mutated, when a setter runs)."""
+    return _current, _algo, _cost
+
+
 def _with(base: ParallelContext, **kwargs: Any) -> ParallelContext:
     for k in kwargs:
         if k not in _VALIDATORS:

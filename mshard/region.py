@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ from . import context as ctxmod
 from .assign import InputInfo, RegionLayouts
 from .errors import DatasetStrategyError, RegionTypeError
 from .execute import emit
+from .fastcall import MISS, InputsChanged, fast_call, follow_plan, graph_structure, module_variables, same_objects
 from .guards import apply_guards
 from .layout import TensorStrategy, normalize_in_strategy, spec_of
 
@@ -243,7 +243,13 @@ class Region:
         mod_out = [in_sh[j] for j in changed]
         out_sh = [None] * n_user + mod_out
 
+        expected = [(tuple(v.aval.shape), v.aval.dtype) for v in invars]
+
         def flat_fn(*flat):
+            # traced once per input signature: a fast path's call with other shapes/dtypes must not reuse this
+            # plan (it was made for these shapes), so it is refused here and the call goes through the region
+            if any((tuple(x.shape), x.dtype) != e for x, e in zip(flat, expected)):
+                raise InputsChanged(f"region {self.name!r}: called with other input shapes/dtypes")
             outs = run(*flat)
             return list(outs[:n_user]) + [outs[n_user + j] for j in changed]
 
@@ -293,7 +299,7 @@ class Region:
             flat = [wsc(x, sh) for x, sh in zip(leaves + list(flat_data), comp.in_shardings)]
             return self._finish(comp, modules, states, comp.jitted(*flat))
         flat_state = self._place(comp, modules, states)
-        flat_data = _follow_plan(flat_data, comp.in_shardings[len(flat_state):])
+        flat_data = follow_plan(flat_data, comp.in_shardings[len(flat_state):])
         outs = comp.jitted(*flat_state, *flat_data)
         return self._finish(comp, modules, states, outs)
 
@@ -370,93 +376,45 @@ class Region:
         return self._prepare(args, {})[0].closed
 
 
-def raw_ok(v: nnx.Variable) -> bool:
-    """Whether a Variable's array can be read/written directly (``_raw_value``: no get/set hooks, not a ref);
-    otherwise the fast paths use ``get_value``/``set_value`` (about 10 us each)."""
-    meta = getattr(v, "_var_metadata", None)
-    if not isinstance(meta, dict) or not hasattr(v, "_raw_value"):
-        return False
-    return not any(k in meta for k in ("on_get_value", "on_set_value")) and not meta.get("ref") \
-        and not meta.get("hijax") and isinstance(v._raw_value, jax.Array)
-
-
-def unshare_donated(vals: list, donated) -> None:
-    """Replace, in ``vals``, each array a donating call would delete while someone else still holds it.
-
-    A fast path reads a Variable's array and passes it to a step that donates it. If the same array is also held
-    by a clone of the model (``nnx.clone`` shares arrays), by another Variable, or by a name the user kept
-    (``w = net.fc.kernel.value``), donation would delete the user's array: such an array is copied first and the
-    copy donated. Held only by its Variable, the array is donated as is (no copy, the usual training step).
-    The holders are counted with ``sys.getrefcount``: the Variable, the ``vals`` list and the call's argument.
-    """
-    for i in donated:
-        if sys.getrefcount(vals[i]) > 3:
-            vals[i] = jnp.copy(vals[i])
-
-
 class BoundRegion:
-    """A region with its module arguments bound (:meth:`Region.bind`)."""
+    """A region with its module arguments bound (:meth:`Region.bind`). With ``check_structure`` (the unbound
+    call of ``ms.shard(module)``), each call first compares the modules' :func:`graph_structure` with the one
+    the fast path was built on, so a Variable or sub-module assigned between calls is seen."""
 
-    def __init__(self, region: Region, modules: tuple):
+    def __init__(self, region: Region, modules: tuple, check_structure: bool = False):
         self.region, self.modules = region, tuple(modules)
-        self._fast: tuple | None = None
+        self.check_structure = check_structure
+        self._fast: Callable | None = None
+        self._structure: list | None = None
 
     def __call__(self, *data):
-        fast = self._fast
-        if fast is not None:
-            out = self._call_fast(fast, data)
-            if out is not _MISS:
-                return out
+        out = self.call_fast(data)
+        if out is not MISS:
+            return out
         out = self.region(*self.modules, *data)
         self._fast = self._build_fast(data)
+        if self.check_structure and self._fast is not None:
+            self._structure = graph_structure(self.modules)
         return out
 
-    def _tokens(self):
-        return (ctxmod.current(), ctxmod.get_algo_parameters(), ctxmod.get_cost_model_context(), annotate.epoch())
+    def call_fast(self, data: tuple):
+        """The fast path's result, or ``MISS`` where the call must go through the region."""
+        fast = self._fast
+        if fast is None:
+            return MISS
+        if self.check_structure and not same_objects(graph_structure(self.modules), self._structure):
+            self._fast = None
+            return MISS
+        return fast(data)
 
-    def _build_fast(self, data: tuple):
-        flat, tree = jax.tree.flatten(data)
-        if not all(isinstance(x, (jax.Array, np.ndarray)) for x in flat):
-            return None
+    def _build_fast(self, data: tuple) -> Callable | None:
         comp = self.region._prepare((*self.modules, *data), {})[0]       # the program just run (a cache hit)
-        variables = []
-        for m in self.modules:
-            _, state = nnx.split(m)
-            vs = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-            if len(vs) != len(jax.tree.leaves(state)) or not all(isinstance(v, nnx.Variable) for v in vs):
-                return None
-            variables += vs
-        avals = [(x.shape, x.dtype) for x in flat]
-        raw = [raw_ok(v) for v in variables]
-        return (comp, variables, raw, tree, avals, comp.in_shardings[len(variables):], self._tokens())
-
-    def _call_fast(self, fast, data: tuple):
-        comp, variables, raw, tree, avals, shardings, tokens = fast
-        if any(a is not b for a, b in zip(self._tokens()[:3], tokens[:3])) or annotate.epoch() != tokens[3]:
-            return _MISS
-        flat, t = jax.tree.flatten(data)
-        if t != tree or any(not isinstance(x, (jax.Array, np.ndarray)) or (x.shape, x.dtype) != a
-                            for x, a in zip(flat, avals)):
-            return _MISS
-        vals = [v._raw_value if r else v.get_value() for v, r in zip(variables, raw)]
-        if any(isinstance(x, jax.core.Tracer) for x in vals + flat):
-            return _MISS
-        if self.region.donate_params:
-            unshare_donated(vals, comp.changed)
-        try:
-            outs = comp.jitted(*vals, *_follow_plan(flat, shardings))
-        except (ValueError, TypeError):             # a value of another layout: the region places it
-            return _MISS
-        n_user = len(outs) - len(comp.changed)
-        for i, x in zip(comp.changed, outs[n_user:]):
-            if raw[i]:
-                variables[i]._raw_value = x
-            else:
-                variables[i].set_value(x)
-        return jax.tree.unflatten(comp.out_tree.children()[0], list(outs[:n_user]))
+        variables = module_variables(self.modules)
+        if variables is None:
+            return None
+        return fast_call(comp, variables, data, donate=self.region.donate_params)
 
 
-_MISS = object()
 
 
 def _put(x, sh):
@@ -471,27 +429,6 @@ def _module_classes(graphdefs) -> set:
     """The nnx Module classes in these graphdefs (for :class:`annotate.module_scopes`)."""
     return {n.type for g in graphdefs for n in getattr(g, "nodes", ()) or ()
             if isinstance(getattr(n, "type", None), type) and issubclass(n.type, nnx.Module)}
-
-
-def _follow_plan(flat_data: list, shardings: list) -> list:
-    """Data arrays already committed to another layout (e.g. ``ms.dataset.shard_batch`` by dataset_strategy,
-    where the region lays the input out as its first annotated consumer asks) are resharded to the plan;
-    jax.jit would reject them."""
-    multi = jax.process_count() > 1
-    if multi:
-        host = [x for x in flat_data if not isinstance(x, jax.Array)]
-        if host:   # every process must hold the same full value; shapes that differ would train on garbage
-            from .dataset import _agree
-            _agree([tuple(np.shape(x)) for x in host], [np.asarray(x).dtype for x in host])
-    out = []
-    for x, sh in zip(flat_data, shardings):
-        if isinstance(x, jax.Array):
-            x = jax.device_put(x, sh) if x.committed and x.sharding != sh else x
-        elif multi:   # a host value every process holds in full: each process fills its own devices' slices
-            host = np.asarray(x)
-            x = jax.make_array_from_callback(host.shape, sh, lambda idx, host=host: host[idx])
-        out.append(x)
-    return out
 
 
 def search_algorithm(ctx) -> str | None:

@@ -27,8 +27,9 @@ from flax import nnx
 from . import annotate
 from .annotate import OpNote, annotate_call
 from .errors import StrategyError
+from .fastcall import MISS
 from .layout import check_fits, normalize_in_strategy
-from .region import Region
+from .region import BoundRegion, Region
 from .traced import call_in_user_trace
 
 
@@ -115,6 +116,7 @@ class ShardedModule:
         self.name = type(module).__name__
         inner = normalize_in_strategy(in_strategy, None, f"shard({self.name})")
         self._region = Region(self._body, data_strategy=(None, *inner), name=self.name)
+        self._bound = BoundRegion(self._region, (module,), check_structure=True)
 
     def _body(self, module, *args):
         sf = ShardedFunction(lambda *a: module(*a), self.in_strategy, self.out_strategy, self.parameter_plan,
@@ -122,13 +124,18 @@ class ShardedModule:
         return sf(*args)
 
     def __call__(self, *args):
+        # a repeated eager call: the compiled program on the module's Variables, no graph split (its structure is
+        # compared instead, so an assigned sub-module or Variable goes through the region again); tracers miss
+        out = self._bound.call_fast(args)
+        if out is not MISS:
+            return out
         if annotate.in_user_trace(args) or annotate.in_user_trace(nnx.state(self.module)):
             # inside the user's own jax.jit / grad / vmap
             return call_in_user_trace(self, f"shard({self.name})", lambda: self._region(self.module, *args),
                                       lambda: self.module(*args))
         if annotate.traced(args) and annotate.current_region() is None:
             return self.module(*args)             # mshard's own plain tracing
-        return self._region(self.module, *args)
+        return self._bound(*args)
 
     def region(self) -> Region:
         return self._region

@@ -50,3 +50,35 @@ def test_a_partition_spec_strategy_needs_a_region_and_says_so_when_called_eagerl
     with pytest.warns(ms.errors.StrategyIgnoredWarning, match="names mesh axes only an enclosing region defines"):
         y = mm(X, W)
     np.testing.assert_allclose(np.asarray(y), np.asarray(X) @ np.asarray(W), rtol=TOL, atol=TOL)
+
+
+def test_a_partition_spec_strategy_under_the_users_jax_jit_runs_plain_and_warns_once():
+    import pytest
+    from jax.sharding import PartitionSpec as P
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    mm = ops.MatMul().shard((P("dp", None), P(None, "mp")))
+    with pytest.warns(ms.errors.StrategyIgnoredWarning, match="under your own jax.jit") as rec:
+        y = jax.jit(lambda a, b: mm(a, b) + mm(a, b))(X, W)
+    assert sum(issubclass(r.category, ms.errors.StrategyIgnoredWarning) for r in rec) == 1
+    np.testing.assert_allclose(np.asarray(y), 2 * (np.asarray(X) @ np.asarray(W)), rtol=TOL, atol=TOL)
+
+
+def test_repeated_eager_calls_replan_for_a_new_shape_and_take_an_input_of_another_layout():
+    """The cached path of an eager op: a new shape is planned again (not run with the plan of the old one); an
+    input committed to another layout (another eager op's result) is laid out as this op's plan asks."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    mm = ops.MatMul().shard(((2, 1), (1, 4)))
+    ref = np.asarray(X) @ np.asarray(W)
+    for _ in range(2):
+        mm(X, W)
+    X2 = jnp.concatenate([X, 2 * X])
+    for x, want in ((X2, np.concatenate([ref, 2 * ref])), (X, ref), (X2, np.concatenate([ref, 2 * ref]))):
+        y = mm(x, W)
+        np.testing.assert_allclose(np.asarray(y), want, rtol=TOL, atol=TOL)
+        assert y.sharding.shard_shape(y.shape) == (x.shape[0] // 2, W.shape[1] // 4)
+    rows = ops.ReLU().shard(((8, 1),))(X)                  # committed: split 8 ways on rows
+    assert rows.sharding.shard_shape(rows.shape) == (2, 8)
+    for _ in range(2):
+        y = mm(rows, W)
+        np.testing.assert_allclose(np.asarray(y), np.maximum(np.asarray(X), 0) @ np.asarray(W), rtol=TOL, atol=TOL)
+        assert y.sharding.shard_shape(y.shape) == (8, 8)

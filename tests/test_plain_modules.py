@@ -54,6 +54,27 @@ def test_a_flax_mlp_with_megatron_plan_compiles_to_one_all_reduce_and_equals_one
     assert net.l2.kernel[...].sharding.shard_shape((256, 64)) == (64, 64)
 
 
+def test_repeated_unbound_calls_see_written_values_and_assigned_sub_modules():
+    """``f = ms.shard(net, ...)``; ``f(x)`` repeatedly takes a cached path (no graph split per call): a value
+    written into a Variable, a Variable assigned, and a sub-module assigned between calls are each seen."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    net = MLP(nnx.Rngs(0))
+    f = ms.shard(net, in_strategy=((2, 1),), parameter_plan={"l1.kernel": (1, 4)})
+    for _ in range(2):
+        f(X)
+    changes = (
+        lambda: net.l2.bias.set_value(net.l2.bias.get_value() + 1.0),              # a value written
+        lambda: setattr(net.l2, "bias", nnx.Param(jnp.full((64,), 3.0))),         # a Variable assigned
+        lambda: setattr(net, "l2", nnx.Linear(256, 64, rngs=nnx.Rngs(7))),        # a sub-module assigned
+    )
+    for change in changes:
+        change()
+        want = np.asarray(ms.shard(nnx.clone(net), in_strategy=((2, 1),))(X))
+        for _ in range(2):
+            np.testing.assert_allclose(np.asarray(f(X)), want, rtol=RTOL, atol=ATOL)
+    assert net.l1.kernel[...].sharding.shard_shape((64, 256)) == (64, 64)
+
+
 def test_an_ambiguous_or_unknown_key_is_an_error_naming_the_parameters():
     class Both(nnx.Module):
         def __init__(self, rngs):

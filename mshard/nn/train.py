@@ -71,6 +71,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -83,11 +84,11 @@ from jax.sharding import NamedSharding
 from .. import annotate, fusion
 from .. import context as ctxmod
 from ..errors import CellTypeError, CommFusionWarning, StrategyError
+from ..fastcall import MISS, fast_call, module_variables
 from ..layout import spec_of
 from ..region import Region, search_algorithm
 from .cell import Cell
 from .cells import GradAccumulationCell, MicroBatchInterleaved, WithLossCell
-from .fastpath import _MISS, _FastPath
 from .grads import _by_key, _drop_axes, _no_fusion_reason, _reduce_in_buckets, _replica_axes, _run_replicas, _value_and_grad
 from .pipeline import check_pipeline, pipeline_grads
 from .step_plan import _plan_step, _StepPlan
@@ -107,7 +108,7 @@ class _Runtime:
         self.pending: _StepPlan | None = None
         self.last: _StepPlan | None = None
         self.warned = False
-        self.fast: _FastPath | None = None
+        self.fast: Callable | None = None     # repeated steps: the compiled step on the Variables' arrays
 
     # traced once per (shapes, context): fn(*data, cell)
     def step_fn(self, *args):
@@ -344,11 +345,21 @@ class TrainOneStepCell(Cell):
         fast = rt.fast
         if fast is not None:
             out = fast(data)
-            if out is not _MISS:
+            if out is not MISS:
                 return out
         loss = rt.region(*data, self)
-        rt.fast = _FastPath.build(rt.region, self, data)
+        rt.fast = self._fast_step(rt.region, data)
         return loss
+
+    def _fast_step(self, region: Region, data: tuple) -> Callable | None:
+        """Repeated steps without the region's per-call ``nnx.split``/``nnx.update`` (tens of ms for a model
+        with a few hundred Variables), valid while the context, algorithm/cost-model parameters, strategy epoch
+        and the data's structure, shapes and dtypes are unchanged. As MindSpore compiles a training graph once,
+        Cells or Variables *assigned* to the network after the first step are not seen (values written into its
+        Variables, e.g. by ``nnx.update``, are)."""
+        comp = region._prepare((*data, self), {})[0]        # the compiled step just used (a cache hit)
+        variables = module_variables([self])
+        return None if variables is None else fast_call(comp, variables, data, donate=True)
 
     @property
     def opt_state(self) -> Any:

@@ -22,6 +22,7 @@ import jax
 from .. import annotate
 from ..annotate import OpNote
 from ..errors import StrategyError, StrategyIgnoredWarning
+from ..fastcall import MISS
 from ..layout import TensorStrategy, check_fits, normalize_in_strategy
 
 Dims = tuple[str | None, ...]
@@ -72,6 +73,14 @@ class Primitive:
 
     # -- calling -----------------------------------------------------------------------------------
     def __call__(self, *args):
+        bound = self.__dict__.get("_eager_bound")
+        fast = bound._fast if bound is not None else None
+        if fast is not None and annotate._state.region is None:
+            # a repeated eager call: the op's compiled region, valid while the context, strategies (epoch) and
+            # the arguments' shapes/dtypes are those it was built for (else, or on tracers: MISS and the full path)
+            out = fast(args)
+            if out is not MISS:
+                return out
         k = len(args) if self.n_tensors is None else self.n_tensors
         tensors, attrs = list(args[:k]), args[k:]
         trace = annotate.current_region()
@@ -81,9 +90,13 @@ class Primitive:
                 if self._self_contained():
                     return self._eager(*args)          # PyNative: the op runs as its own sharded region
                 self._warn_unresolved()
-            elif self.in_strategy is not None and self._self_contained() and annotate.in_user_trace(tuple(tensors)):
-                from ..traced import call_in_user_trace  # the user's own jax.jit / grad / vmap
-                return call_in_user_trace(self, self._where(), lambda: self._region()(*args), lambda: fn(*tensors))
+            elif self.in_strategy is not None and annotate.in_user_trace(tuple(tensors)):
+                if self._self_contained():
+                    from ..traced import call_in_user_trace  # the user's own jax.jit / grad / vmap
+                    return call_in_user_trace(self, self._where(), lambda: self._region()(*args),
+                                              lambda: fn(*tensors))
+                if _eager_sharded():
+                    self._warn_unresolved()
             return fn(*tensors)
         shapes = [tuple(jax.numpy.shape(t)) for t in tensors]
         in_dims, out_dims, fixed = self.spec(shapes, attrs)
@@ -111,7 +124,8 @@ class Primitive:
         if self.__dict__.get("_warned_eager"):
             return
         self._warned_eager = True
-        warnings.warn(f"{self._where()}: called eagerly, its PartitionSpec strategy names mesh axes only an "
+        warnings.warn(f"{self._where()}: called outside any region (eagerly, or under your own jax.jit / grad / "
+                      f"vmap), its PartitionSpec strategy names mesh axes only an "
                       f"enclosing region defines, so it runs unsharded; give it a Layout or NamedSharding, or call "
                       f"it inside ms.jit / a sharded Cell.", StrategyIgnoredWarning, stacklevel=3)
 
