@@ -14,6 +14,7 @@ is marked: primitive objects and Cells run as plain JAX (PyNative style).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections.abc import Sequence
@@ -130,8 +131,9 @@ class RegionTrace:
 
 class module_scopes:
     """While a region traces, every call of a plain nnx module (one with no mshard code) of ``classes`` opens
-    a ``jax.named_scope`` of its path, as Cells do, so plan op names carry the module path. The classes' own
-    ``__call__`` is restored on exit."""
+    a ``jax.named_scope`` of its path, as Cells do, so plan op names carry the module path, and a module given
+    strategies by ``ms.shard(module, ...)`` runs under them (its inputs, outputs and ``parameter_plan``, whose
+    keys are relative to the module), as a sharded Cell does. The classes' own ``__call__`` is restored on exit."""
 
     def __init__(self, trace: RegionTrace, classes):
         self.trace, self.classes = trace, [c for c in classes if not getattr(c.__call__, "_mshard_wrapped", False)]
@@ -149,12 +151,19 @@ class module_scopes:
                 if path is None or current_region() is not trace:
                     return _orig(self_, *a, **k)
                 scope = trace.scope_of(path)
+                body = functools.partial(_orig, self_)
+                cfg = getattr(self_, "_mshard_shard", None)
+                if cfg is not None and not k:
+                    from .shard import ShardedFunction
+                    in_s, out_s, plan = cfg
+                    body = ShardedFunction(body, in_s, out_s, dict(plan), name=path or type(self_).__name__,
+                                           cell_path=path)
                 trace.scope_stack.append(path)
                 try:
                     if scope:
                         with jax.named_scope(scope):
-                            return _orig(self_, *a, **k)
-                    return _orig(self_, *a, **k)
+                            return body(*a, **k)
+                    return body(*a, **k)
                 finally:
                     trace.scope_stack.pop()
             self.saved.append((cls, orig))

@@ -107,7 +107,12 @@ class ShardedModule:
     """``ms.shard(module, in_strategy, out_strategy, parameter_plan)`` for a plain nnx module (a flax layer or
     model with no mshard code): calling it runs ``module(*args)`` as its own region with the module as the
     region's parameter argument, so ``parameter_plan`` keys are the module's own parameter paths (``kernel``,
-    ``l1.kernel``; MindSpore names such as ``l1.weight`` where they map to one parameter)."""
+    ``l1.kernel``; MindSpore names such as ``l1.weight`` where they map to one parameter).
+
+    As MindSpore's ``shard`` of a Cell, the strategies are also recorded on the module (a static attribute,
+    kept by ``nnx.clone``/``split``/``merge``): wherever the module is called inside a region (``ms.jit``, a
+    ``TrainOneStepCell`` over a model that contains it) its inputs and parameters are laid out as given.
+    """
 
     def __init__(self, module, in_strategy, out_strategy=None, parameter_plan=None):
         self.module = module
@@ -115,13 +120,15 @@ class ShardedModule:
         self.parameter_plan = dict(parameter_plan or {})
         self.name = type(module).__name__
         inner = normalize_in_strategy(in_strategy, None, f"shard({self.name})")
+        module._mshard_shard = (tuple(in_strategy) if isinstance(in_strategy, (tuple, list)) else (in_strategy,),
+                                None if out_strategy is None else tuple(out_strategy),
+                                tuple(sorted(self.parameter_plan.items())))
+        annotate.bump_epoch()
         self._region = Region(self._body, data_strategy=(None, *inner), name=self.name)
         self._bound = BoundRegion(self._region, (module,), check_structure=True)
 
     def _body(self, module, *args):
-        sf = ShardedFunction(lambda *a: module(*a), self.in_strategy, self.out_strategy, self.parameter_plan,
-                             name=self.name)
-        return sf(*args)
+        return module(*args)             # its recorded strategies apply (annotate.module_scopes)
 
     def __call__(self, *args):
         # a repeated eager call: the compiled program on the module's Variables, no graph split (its structure is

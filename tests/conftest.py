@@ -87,9 +87,16 @@ SLOW = (
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: the slow tier (multi-process, notebooks, examples, whole training "
                                        "steps); deselect with -m 'not slow'")
+    config.addinivalue_line("markers", "heavy(seconds): a case whose search alone takes tens of seconds on 2 cores, "
+                                       "beyond CI's 15-minute budget; skipped (and listed as skipped) unless "
+                                       "MSHARD_HEAVY=1")
 
 
 def pytest_collection_modifyitems(config, items):
+    heavy = os.environ.get("MSHARD_HEAVY") == "1"
     for item in items:
         if item.nodeid.startswith(SLOW):
             item.add_marker(pytest.mark.slow)
+        mark = item.get_closest_marker("heavy")
+        if mark is not None and not heavy:
+            item.add_marker(pytest.mark.skip(reason=f"heavy (~{mark.args[0]} s on 2 cores): run with MSHARD_HEAVY=1"))

@@ -4,6 +4,7 @@ as its own sharded region and its result keeps the layout; elsewhere it is plain
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import mshard as ms
 from mshard import ops
@@ -43,7 +44,6 @@ def test_outside_the_strategy_modes_it_is_plain_jax_and_under_jax_jit_it_keeps_i
 
 
 def test_a_partition_spec_strategy_needs_a_region_and_says_so_when_called_eagerly():
-    import pytest
     from jax.sharding import PartitionSpec as P
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
     mm = ops.MatMul().shard((P("dp", None), P(None, "mp")))
@@ -53,7 +53,6 @@ def test_a_partition_spec_strategy_needs_a_region_and_says_so_when_called_eagerl
 
 
 def test_a_partition_spec_strategy_under_the_users_jax_jit_runs_plain_and_warns_once():
-    import pytest
     from jax.sharding import PartitionSpec as P
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
     mm = ops.MatMul().shard((P("dp", None), P(None, "mp")))
@@ -82,3 +81,39 @@ def test_repeated_eager_calls_replan_for_a_new_shape_and_take_an_input_of_anothe
         y = mm(rows, W)
         np.testing.assert_allclose(np.asarray(y), np.maximum(np.asarray(X), 0) @ np.asarray(W), rtol=TOL, atol=TOL)
         assert y.sharding.shard_shape(y.shape) == (8, 8)
+
+
+@pytest.mark.parametrize("with_region", [
+    False,
+    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
+        "known defect: for the same (2, 4) strategy, an ms.shard function's region lays its data input out as "
+        "P('d2', ('d0', 'd1')) and an eager primitive's region as P('d0', ('d1', 'd2')): the chain reshards "
+        "between them (2 device_puts per pass) although the strategies agree"))),
+])
+def test_eager_ops_and_a_region_in_a_chain_move_nothing_outside_their_programs(with_region):
+    """Mixing eager ops and a sharded region: each result is already in the layout the next one's plan asks, so
+    after the first (compiling) pass nothing is placed or resharded between the programs (no jax.device_put),
+    and no program holds a collective (column-parallel matmul, elementwise ops on its layout)."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    mm = ops.MatMul().shard(((2, 1), (1, 4)))
+    relu = ops.ReLU().shard(((2, 4),))
+    scale = ms.shard(lambda y: y * 2.0, in_strategy=((2, 4),)) if with_region else ops.Mul().shard(((2, 4), ()))
+    xs = ops.ReLU().shard(((2, 1),))(X)                   # the batch split mm's plan asks of its first input
+    w = jax.device_put(W, mm._region()._prepare((xs, W), {})[0].in_shardings[1])        # placed once
+
+    def chain():
+        return relu(scale(relu(mm(xs, w)), *(() if with_region else (2.0,))))
+    ref = np.maximum(np.maximum(np.asarray(X), 0) @ np.asarray(W), 0) * 2
+    chain()
+    puts = []
+    real = jax.device_put
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax, "device_put", lambda *a, **k: puts.append(a) or real(*a, **k))
+        for _ in range(3):
+            out = chain()
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=TOL, atol=TOL)
+    assert out.sharding.shard_shape(out.shape) == (8, 8)
+    y = mm(xs, w)
+    assert ms.comm_report(mm._eager_region, xs, w).total_count == 0
+    assert ms.comm_report(relu._eager_region, y).total_count == 0
+    assert len(puts) == 0, f"{len(puts)} device_put(s) between the programs"
