@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax._src.array import ArrayImpl
 
 from . import annotate
 from . import context as ctxmod
@@ -28,7 +29,9 @@ class InputsChanged(ValueError):
     """Raised while a region's compiled program is traced again for inputs of other shapes or dtypes than those
     it was planned for (a fast path's call with a new shape): the call goes through the region instead."""
 
-_ARRAYS = frozenset({type(jnp.zeros(())), np.ndarray})    # concrete values (a tracer's type is never one)
+# concrete values (a tracer's type is never one); ArrayImpl named, not made: creating an array at import would
+# start the XLA backend before a multi-process job's jax.distributed.initialize
+_ARRAYS = frozenset({ArrayImpl, np.ndarray})
 _LEAF = jax.tree.structure(0)
 
 
