@@ -35,9 +35,9 @@ def _check(case, allowed):
     assert outcome in allowed, f"{describe(case)}\n{detail}\n--- replay ---\n{script(case, detail)}"
 
 
-# CI's share of the campaign (bench/fuzz.py runs thousands, 10,000 seeds in bench/out/fuzz-*.json): 28 programs
+# CI's share of the campaign (bench/fuzz.py runs thousands, 10,000 seeds in bench/out/fuzz-*.json): 20 programs
 # keep the suite inside its 15 minutes
-@settings(FAST, max_examples=28)
+@settings(FAST, max_examples=20)
 @given(seed=SEEDS)
 @example(seed=158)    # two valid strategies whose splits meet in an unannotated mul and cannot be disjoint
 def test_random_programs_equal_one_device(seed):

@@ -303,18 +303,6 @@ def test_repeated_steps_see_written_values_and_context_changes():
     assert ms.comm_report(step, *data[2]).count("all-reduce") == 3
 
 
-@pytest.mark.parametrize("search_mode", ["sharding_propagation", "dynamic_programming", "recursive_programming", "ilp"])
-def test_auto_parallel_every_search_mode_trains_like_one_device(search_mode):
-    ms.set_auto_parallel_context(parallel_mode="auto_parallel", device_num=8, gradients_mean=True,
-                                 search_mode=search_mode)
-    data = batches(2, [(32, 16), (32, 8)], seed=15)
-    net = MLP(nnx.Rngs(15))
-    ref, ref_opt, _ = reference_train(net, optax.adam(1e-2), data, mse)
-    step, _ = run(net, optax.adam(1e-2), data)
-    assert_params_close(net, ref)
-    assert_trees_close(step.opt_state, ref_opt)
-
-
 def test_searched_megatron_step_communicates_no_more_than_its_strategies_alone():
     """The semi_auto step (the Megatron strategies, XLA's propagation elsewhere) is a plan in the search space
     of the same step in auto_parallel with the same strategies fixed, so a good search must not compile to
