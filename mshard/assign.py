@@ -199,7 +199,10 @@ class Assigner:
             return st.axes
         out: list[tuple[str, ...]] = [()] * st.rank
         used: set[str] = set()
-        order = sorted(range(st.rank), key=lambda d: -st.counts[d])
+        # dims in order, as a primitive's loop letters are placed (assign_op), so the same counts get the same axes
+        # from a function region and a primitive's; on a mesh with composite axes the largest split goes first,
+        # where it still finds an axis of its size
+        order = list(range(st.rank)) if self.mesh.all_prime else sorted(range(st.rank), key=lambda d: -st.counts[d])
         for d in order:
             c = st.counts[d]
             if c == 1:

@@ -60,6 +60,11 @@ class RegionMesh:
     def size(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def all_prime(self) -> bool:
+        """Every axis has a prime size: any split whose product divides the size fits in any order."""
+        return all(s == 1 or prime_factors(s) == [s] for s in self.shape)
+
     def axis_size(self, name: str) -> int:
         return self.shape[self.names.index(name)]
 

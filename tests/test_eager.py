@@ -83,13 +83,7 @@ def test_repeated_eager_calls_replan_for_a_new_shape_and_take_an_input_of_anothe
         assert y.sharding.shard_shape(y.shape) == (8, 8)
 
 
-@pytest.mark.parametrize("with_region", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-        "known defect: for the same (2, 4) strategy, an ms.shard function's region lays its data input out as "
-        "P('d2', ('d0', 'd1')) and an eager primitive's region as P('d0', ('d1', 'd2')): the chain reshards "
-        "between them (2 device_puts per pass) although the strategies agree"))),
-])
+@pytest.mark.parametrize("with_region", [False, True])
 def test_eager_ops_and_a_region_in_a_chain_move_nothing_outside_their_programs(with_region):
     """Mixing eager ops and a sharded region: each result is already in the layout the next one's plan asks, so
     after the first (compiling) pass nothing is placed or resharded between the programs (no jax.device_put),
