@@ -110,3 +110,29 @@ def pytest_collection_modifyitems(config, items):
         mark = item.get_closest_marker("heavy")
         if mark is not None and not heavy:
             item.add_marker(pytest.mark.skip(reason=f"heavy (~{mark.args[0]} s on 2 cores): run with MSHARD_HEAVY=1"))
+    _keep_shard(config, items)
+
+
+def _keep_shard(config, items) -> None:
+    """``MSHARD_TEST_SHARD=k/n`` (set by scripts/test.sh, which runs n pytest processes at once on a bare run): keep
+    the test files of shard k. Whole files, so a module's fixtures are built once; files are dealt largest first
+    (seconds on 2 cores from tests/durations.json, the median for a file not listed) to the least loaded shard.
+    Every process collects the same files, so the shards are disjoint and cover them all."""
+    spec = os.environ.get("MSHARD_TEST_SHARD")
+    if not spec:
+        return
+    import json
+    import statistics
+    k, n = (int(v) for v in spec.split("/"))
+    with open(os.path.join(os.path.dirname(__file__), "durations.json")) as fh:
+        weights = json.load(fh)
+    files = sorted({item.nodeid.split("::")[0] for item in items})
+    default = statistics.median(weights.values())
+    load, owner = [0.0] * n, {}
+    for f in sorted(files, key=lambda f: (-weights.get(f, default), f)):
+        s = min(range(n), key=lambda i: (load[i], i))
+        owner[f] = s
+        load[s] += weights.get(f, default)
+    keep = [item for item in items if owner[item.nodeid.split("::")[0]] == k]
+    config.hook.pytest_deselected(items=[item for item in items if owner[item.nodeid.split("::")[0]] != k])
+    items[:] = keep
