@@ -25,7 +25,7 @@ from . import context as ctxmod
 from .assign import InputInfo, RegionLayouts
 from .errors import DatasetStrategyError, RegionTypeError
 from .execute import emit
-from .fastcall import MISS, InputsChanged, fast_call, follow_plan, graph_structure, module_variables, same_objects
+from .fastcall import MISS, InputsChanged, fast_call, follow_plan, graph_structure, module_variables, same_structure
 from .guards import apply_guards
 from .layout import TensorStrategy, normalize_in_strategy, spec_of
 
@@ -378,7 +378,7 @@ class Region:
 
 class BoundRegion:
     """A region with its module arguments bound (:meth:`Region.bind`). With ``check_structure`` (the unbound
-    call of ``ms.shard(module)``), each call first compares the modules' :func:`graph_structure` with the one
+    call of ``ms.shard(module)``), each call first checks the modules' :func:`graph_structure` against the one
     the fast path was built on, so a Variable or sub-module assigned between calls is seen."""
 
     def __init__(self, region: Region, modules: tuple, check_structure: bool = False):
@@ -402,7 +402,7 @@ class BoundRegion:
         fast = self._fast
         if fast is None:
             return MISS
-        if self.check_structure and not same_objects(graph_structure(self.modules), self._structure):
+        if self.check_structure and not same_structure(self._structure):
             self._fast = None
             return MISS
         return fast(data)

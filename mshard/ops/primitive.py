@@ -39,6 +39,7 @@ class Primitive:
     """Base class; subclasses define ``compute`` and ``spec`` (and ``n_tensors`` if they take attributes)."""
 
     n_tensors: int | None = None      # leading tensor arguments; the rest are attributes (None: all)
+    _eager_fast = None                # the eager region's fast path (mshard.fastcall), set after an eager call
 
     def __init__(self, name: str | None = None):
         self.name = name
@@ -73,8 +74,7 @@ class Primitive:
 
     # -- calling -----------------------------------------------------------------------------------
     def __call__(self, *args):
-        bound = self.__dict__.get("_eager_bound")
-        fast = bound._fast if bound is not None else None
+        fast = self._eager_fast
         if fast is not None and annotate._state.region is None:
             # a repeated eager call: the op's compiled region, valid while the context, strategies (epoch) and
             # the arguments' shapes/dtypes are those it was built for (else, or on tracers: MISS and the full path)
@@ -136,7 +136,9 @@ class Primitive:
         bound = self.__dict__.get("_eager_bound")
         if bound is None:
             bound = self._eager_bound = self._region().bind()     # repeated calls skip re-keying the region
-        return bound(*args)
+        out = bound(*args)
+        self._eager_fast = bound._fast
+        return out
 
     def _region(self):
         """The op alone as a region (its eager calls, and its calls traced by the user's own jax.jit)."""
