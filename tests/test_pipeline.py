@@ -46,13 +46,13 @@ def staged_gpt(layers: int, S: int, *, segments: int = 1):
 
 
 def train_both(net, S, M, *, sched="1f1b", interleave=False, mode="semi_auto_parallel", steps=3, report=False,
-               **ctx):
+               wrap=lambda cell: cell, **ctx):
     data = synthetic_batches(steps)
     _, _, ref_losses = ref_out = train_one_device(net, TX, data, LOSS, grad_scale=ctx.pop("grad_scale", 1.0))
     with ms.parallel_context(parallel_mode=mode, device_num=8, pipeline_stages=S, gradients_mean=True,
                              pipeline_config={"pipeline_scheduler": sched, "pipeline_interleave": interleave}, **ctx):
         mine = nnx.clone(net)
-        step = nn.TrainOneStepCell(nn.PipelineCell(nn.WithLossCell(mine, LOSS), M), TX)
+        step = nn.TrainOneStepCell(wrap(nn.PipelineCell(nn.WithLossCell(mine, LOSS), M)), TX)
         losses = [float(step(*b)) for b in data]
         rep = ms.comm_report(step, *data[0]) if report else None
     return mine, losses, ref_out[0], ref_losses, rep
@@ -107,6 +107,22 @@ def test_composes_with_optimizer_parallel_and_recompute(sched):
         b.recompute()
     mine, losses, ref, ref_losses, _ = train_both(net, 2, 4, sched=sched, enable_parallel_optimizer=True,
                                                   parallel_optimizer_config={"parallel_optimizer_threshold": 0})
+    assert_equal_training(mine, losses, ref, ref_losses)
+
+
+@pytest.mark.parametrize("wrapper", ["micro_batch_interleaved", "grad_accumulation"])
+def test_composes_with_micro_batch_interleaved_and_gradient_accumulation(wrapper):
+    """MicroBatchInterleaved inside the PipelineCell (each micro-batch runs as two interleaved slices), and
+    GradAccumulationCell outside it (two whole pipeline passes per step, gradients averaged): the same training
+    as one device on the full batch (both average a mean loss over equal row sets)."""
+    if wrapper == "micro_batch_interleaved":
+        def wrap(pc):
+            pc.network = nn.MicroBatchInterleaved(pc.network, 2)
+            return pc
+    else:
+        def wrap(pc):
+            return nn.GradAccumulationCell(pc, 2)
+    mine, losses, ref, ref_losses, _ = train_both(staged_gpt(2, 2), 2, 4, wrap=wrap)
     assert_equal_training(mine, losses, ref, ref_losses)
 
 
@@ -187,6 +203,7 @@ def _step(net, S=2, M=4, **ctx):
     ("order", r"uses a value computed on the later stage 1"),
     ("interleave", r"pipeline_interleave=True, but no cell has a pipeline_segment"),
     ("strategy", r"must divide device_num=4"),
+    ("accumulation_inside", r"GradAccumulationCell \(the network\) inside a PipelineCell"),
 ])
 def test_settings_that_cannot_run_are_errors(case, match):
     x, y = synthetic_batches(1)[0]
@@ -212,6 +229,10 @@ def test_settings_that_cannot_run_are_errors(case, match):
             step = _step(net)
         elif case == "interleave":
             step = _step(net, pipeline_config={"pipeline_interleave": True})
+        elif case == "accumulation_inside":
+            ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, pipeline_stages=2)
+            step = nn.TrainOneStepCell(nn.PipelineCell(nn.GradAccumulationCell(nn.WithLossCell(net, LOSS), 2), 4),
+                                       TX)
         else:          # a strategy for 8 devices, where a stage has 4
             net.blocks[0].shard_megatron(data_parallel=2, model_parallel=4)
             step = _step(net)

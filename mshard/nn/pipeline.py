@@ -33,6 +33,10 @@ its backward unless a cell has ``recompute()`` set; then, as ``1f1b`` always doe
 recomputes its forward at backward time (the stages are different functions, whose residuals have no common
 structure to carry between ticks).
 
+Composition: :class:`~mshard.nn.MicroBatchInterleaved` goes inside the PipelineCell (each micro-batch runs as
+interleaved slices); :class:`~mshard.nn.GradAccumulationCell` goes outside it (``n`` whole pipeline passes per
+step, gradients averaged); inside it would loop over micro-batches across the stages, which is an error.
+
 Not yet (issue 15): a parameter is stored on every stage's devices (in its in-stage layout), not only on its own
 stage's, so parameter memory does not drop with the stage count.
 
@@ -55,6 +59,7 @@ from ..pipeline.report import build_report
 from ..pipeline.schedule import make_schedule
 from ..pipeline.stages import cut
 from .cell import Cell
+from .cells import GradAccumulationCell, _split_rows
 
 __all__ = ["Pipeline", "PipelineCell"]
 
@@ -96,9 +101,23 @@ def _batch_message(shape, n: int) -> str:
             f"{n}; use a batch size that is a multiple of {n}, or a micro_size that divides {shape[0]}.")
 
 
+def _accumulated_pipeline(cell: Any) -> bool:
+    return isinstance(cell, GradAccumulationCell) and isinstance(cell.network, PipelineCell)
+
+
 def check_pipeline(ctx, cell: Any) -> None:
     """The pipeline settings errors that do not need the network traced."""
     S = ctx.pipeline_stages
+    if _accumulated_pipeline(cell):
+        cell = cell.network
+    if isinstance(cell, PipelineCell):
+        for path, m in nnx.iter_graph(cell.network):
+            if isinstance(m, GradAccumulationCell):
+                where = ".".join(map(str, path)) or "the network"
+                raise PipelineError(
+                    f"a GradAccumulationCell ({where}) inside a PipelineCell: its micro-batch loop would span the "
+                    f"stages. Put it outside, nn.TrainOneStepCell(nn.GradAccumulationCell(nn.PipelineCell("
+                    f"net_with_loss, micro_size), n), optimizer) (n pipeline passes per step), or raise micro_size.")
     if S > 1 and not isinstance(cell, PipelineCell):
         raise PipelineError(f"pipeline_stages={S}, but the training step's network is a {type(cell).__name__}, not "
                             f"a PipelineCell: wrap the network with loss, e.g. nn.TrainOneStepCell(nn.PipelineCell("
@@ -125,7 +144,13 @@ def _stage_axes(rmesh, S: int) -> tuple[str, ...] | None:
 def pipeline_grads(cell: PipelineCell, data: tuple, mesh_plan, ctx) -> tuple[Any, Any, int, list | None, Any]:
     """-> (mean micro-batch loss, gradient pure State of ``cell``'s Params, data-parallel size inside a stage, the
     parameters' layouts inside a stage where the cells carry operator strategies (DimAxes per Param leaf), the
-    :class:`~mshard.pipeline.report.PipelineReport`)."""
+    :class:`~mshard.pipeline.report.PipelineReport`).
+
+    ``cell`` may be a ``GradAccumulationCell(PipelineCell(...), n)``: the batch is cut into ``n`` parts (part
+    ``k`` holds rows ``k, k + n, ...``), each runs one whole pipeline pass (a ``lax.scan`` over the parts, one
+    compiled pass), and the loss and gradient are the mean over the parts (the full batch's, for a mean loss)."""
+    if _accumulated_pipeline(cell):
+        return _accumulate_passes(cell, data, mesh_plan, ctx)
     S, M = ctx.pipeline_stages, cell.micro_size
     check_pipeline(ctx, cell)
     for x in jax.tree.leaves(data):
@@ -174,3 +199,23 @@ def pipeline_grads(cell: PipelineCell, data: tuple, mesh_plan, ctx) -> tuple[Any
                                        for sp, x in zip(specs, p_leaves)]
     return loss, jax.tree.unflatten(p_tree, g), dp, dims, report
 
+
+
+def _accumulate_passes(acc: GradAccumulationCell, data: tuple, mesh_plan, ctx):
+    n = acc.micro_size
+    parts = [_split_rows(x, n, "GradAccumulationCell") for x in data]
+    scanned = [x for x in parts if x is not None]
+    static: dict = {}
+
+    def body(carry, d):
+        g_acc, l_acc = carry
+        it = iter(d)
+        args = tuple(next(it) if x is not None else a for x, a in zip(parts, data))
+        loss, g, *static["rest"] = pipeline_grads(acc.network, args, mesh_plan, ctx)
+        return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss.astype(jnp.float32)), None
+
+    _, params, _ = nnx.split(acc.network.network, nnx.Param, ...)
+    zeros = jax.tree.map(jnp.zeros_like, nnx.as_pure(params))
+    (g, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), scanned)
+    dp, dims, report = static["rest"]
+    return loss / n, jax.tree.map(lambda x: x / n, g), dp, dims, report
