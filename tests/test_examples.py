@@ -60,3 +60,26 @@ def test_search_and_plan_notebook_executes():
     assert any("image/svg+xml" in o.get("data", {}) for o in outputs)     # plan.show()
     assert all("\x1b[" not in h and h.strip() and "<pre" not in h for h in html)
     assert any("match one device" in o.get("text", "") for o in outputs)
+
+
+def test_pipeline_notebook_executes():
+    """notebooks/03: the GPT in 2 stages trains equal to one device (the notebook asserts it, also with Megatron
+    inside the stages), its per-stage plan and the three schedules render as HTML with the bubble equal to its
+    formula, and the compiled step sends the stage boundary with a collective-permute."""
+    nb = nbformat.read(ROOT / "notebooks" / "03_pipeline.ipynb", as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    html = [o["data"]["text/html"] for o in outputs if "text/html" in o.get("data", {})]
+    report = next(h for h in html if h.startswith("<b>pipeline</b>"))
+    sys.path.insert(0, str(ROOT / "examples"))
+    from train_gpt import BATCH, HIDDEN, SEQ
+    # what crosses the boundary: one block's output for one of the 4 micro-batches, [BATCH / 4, SEQ, HIDDEN]
+    assert "backbone.blocks.0" in report and f"float32[{BATCH // 4}, {SEQ}, {HIDDEN}]" in report
+    # the bubble of each schedule, from its table, against (S-1)/(M+S-1) and (S-1)/(v*M+S-1) for S=2, M=4, v=2
+    for name, bubble in (("gpipe", "0.200"), ("1f1b", "0.200"), ("interleaved", "0.111")):
+        assert any(h.startswith(f"<b>{name}</b>") and f"bubble {bubble} (formula {bubble})" in h for h in html)
+    assert any("<td>collective-permute</td>" in h for h in html)
+    assert all("\x1b[" not in h for h in html)
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "match one device" in text and "dp x mp x pp losses match one device" in text

@@ -6,6 +6,7 @@ parameter bytes, the activations that cross each stage boundary, and the schedul
 
 from __future__ import annotations
 
+import html
 import re
 from dataclasses import dataclass, field
 
@@ -45,6 +46,29 @@ class PipelineReport:
     boundaries: tuple[Boundary, ...]
     op_stage: dict = field(default_factory=dict)          # "name/primitive#index" -> virtual stage (-1: every stage)
     auto_assigned: bool = False
+
+    def schedule_table(self):
+        """The schedule this step runs (:class:`~mshard.pipeline.schedule.Schedule`: ``.timeline()``, and a
+        picture in a notebook)."""
+        from .schedule import make_schedule
+        return make_schedule(self.schedule, stages=self.stages, micro=self.micro_size, chunks=self.chunks)
+
+    def _repr_html_(self) -> str:
+        """The stages (cells, ops, FLOPs, parameter bytes), the activations crossing each boundary, and the
+        schedule's picture: what a notebook shows for ``step.plan(*batch).pipeline``."""
+        e = html.escape
+        stages = "".join(f"<tr><td>{s.stage}</td><td>{e(', '.join(s.cells))}</td><td>{s.ops}</td>"
+                         f"<td>{s.flops:,.0f}</td><td>{s.param_bytes:,}</td></tr>" for s in self.stage_info)
+        bounds = "".join(f"<tr><td>{b.src} &rarr; {b.dst}</td><td>"
+                         f"{e(', '.join(f'{dt}{list(sh)}' for sh, dt in b.tensors))}</td><td>{b.nbytes:,}</td>"
+                         f"<td>collective-permute</td></tr>" for b in self.boundaries)
+        return (f"<b>pipeline</b>: {e(self.schedule)}, {self.stages} stages x {self.chunks} chunk(s) over mesh axes "
+                f"{e(str(self.stage_axes))}, {self.micro_size} micro-batches"
+                + ("; stages placed by the stage helper" if self.auto_assigned else "")
+                + "<table><tr><th>stage</th><th>cells</th><th>ops</th><th>forward FLOPs / micro-batch</th>"
+                  f"<th>parameter bytes</th></tr>{stages}</table>"
+                + "<table><tr><th>boundary</th><th>activations</th><th>bytes / micro-batch</th><th>sent by</th></tr>"
+                  f"{bounds}</table>" + self.schedule_table()._repr_html_())
 
     def lines(self) -> list[str]:
         out = [f"pipeline: {self.schedule}, {self.stages} stages x {self.chunks} chunk(s) over mesh axes "

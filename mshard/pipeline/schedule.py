@@ -64,6 +64,39 @@ class Schedule:
             out.append(most)
         return out
 
+    def timeline(self) -> str:
+        """The table as text: a row per stage, a column per tick, ``F3`` / ``B3`` (micro-batch 3; ``F3.1`` for
+        chunk 1 of the interleaved schedule), ``.`` idle.
+
+        >>> print(make_schedule("gpipe", stages=2, micro=2).timeline())
+        stage 0: F0 F1 .  .  B0 B1
+        stage 1: .  F0 F1 B0 B1 .
+        """
+        cells = [[self._cell(t, s) for t in range(self.ticks)] for s in range(self.stages)]
+        w = max(len(c) for row in cells for c in row)
+        return "\n".join(f"stage {s}: " + " ".join(c.ljust(w) for c in row).rstrip() for s, row in enumerate(cells))
+
+    def _cell(self, t: int, s: int) -> str:
+        k, i, c = (int(v) for v in self.table[t, s])
+        if k == IDLE:
+            return "."
+        return f"{'F' if k == FWD else 'B'}{i}" + (f".{c}" if self.chunks > 1 else "")
+
+    def _repr_html_(self) -> str:
+        """A notebook's picture of the schedule: a row per stage, a cell per tick (forwards blue, backwards green,
+        idle ticks blank), with the bubble against its formula."""
+        colour = {IDLE: "#ffffff", FWD: "#cfe2ff", BWD: "#d1e7dd"}
+        rows = "".join(
+            f"<tr><th>stage {s}</th>" + "".join(
+                f"<td style='background:{colour[int(self.table[t, s, 0])]};text-align:center;min-width:2.2em'>"
+                f"{'' if int(self.table[t, s, 0]) == IDLE else self._cell(t, s)}</td>" for t in range(self.ticks))
+            + "</tr>" for s in range(self.stages))
+        head = "<tr><th>tick</th>" + "".join(f"<th>{t}</th>" for t in range(self.ticks)) + "</tr>"
+        return (f"<b>{self.name}</b>: {self.stages} stages, {self.micro} micro-batches"
+                f"{f', {self.chunks} chunks' if self.chunks > 1 else ''}; bubble {self.bubble():.3f} (formula "
+                f"{bubble_formula(self.name, self.stages, self.micro, self.chunks):.3f})"
+                f"<table>{head}{rows}</table>")
+
     def when(self) -> dict[tuple[int, int, int], int]:
         """``(kind, micro_batch, virtual_stage) -> tick``."""
         out = {}
