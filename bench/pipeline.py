@@ -7,10 +7,13 @@ same model without stages.
   idle stage-ticks over all stage-ticks of the tick table the executor runs (mshard.pipeline.schedule), beside the
   textbook formula (S-1)/(M+S-1), interleaved (S-1)/(v*M+S-1).
 - ``memory``: the examples GPT (4 blocks, hidden 64, seq 32) trained through nn.PipelineCell with a fixed
-  micro-batch of 8 sequences (the batch is 8*M), S = 2 and 4, M = 4, 8, 16, gpipe (keeping residuals),
-  gpipe+recompute (blocks with ``recompute()``: stage inputs kept, forwards recomputed) and 1f1b: per-device
-  ``temp_size_in_bytes`` and ``argument_size_in_bytes`` of the compiled step (``memory_analysis()``), and the
-  parameter bytes one device holds, beside the same step without stages (data parallel on the 8 devices).
+  micro-batch of 8 sequences (the batch is 8*M), S = 2 and 4, M = 4, 8, 16, and the schedules: gpipe and 1f1b
+  (every forward's residuals kept until its backward), gpipe+recompute and 1f1b+recompute (the blocks with
+  ``recompute()``: their inputs kept, their forwards recomputed at backward time), and 1f1b-stage-recompute (the
+  executor's ``keep_residuals=False``: only stage inputs kept, each stage's whole forward recomputed): per-device
+  ``temp_size_in_bytes`` and ``argument_size_in_bytes`` of the compiled step (``memory_analysis()``), its FLOPs
+  (``cost_analysis()``), and the parameter bytes one device holds, beside the same step without stages (data
+  parallel on the 8 devices).
 - ``time``: seconds per step (median of ``--repeats`` after a warm-up) of the pipelined step and of the same step
   without stages on the same devices, and their ratio, measured in the same run.
 
@@ -72,10 +75,19 @@ def _batch(M: int):
     return x[:, :-1], x[:, 1:]
 
 
+SCHEDULES = ("gpipe", "gpipe+recompute", "1f1b", "1f1b+recompute", "1f1b-stage-recompute")
+
+
 def _step(S: int, M: int, sched: str):
-    """``sched``: gpipe (keeps residuals), gpipe+recompute (blocks recomputed: the recomputing executor), 1f1b."""
+    """``sched``: one of :data:`SCHEDULES` (module doc)."""
+    import functools
+
+    import mshard.nn.pipeline as nn_pipeline
+    from mshard.pipeline import execute
+    nn_pipeline.run_pipeline = functools.partial(execute.run_pipeline,
+                                                 keep_residuals=not sched.endswith("-stage-recompute"))
     ctx = dict(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True, pipeline_stages=S,
-               pipeline_config={"pipeline_scheduler": sched.split("+")[0]})
+               pipeline_config={"pipeline_scheduler": sched.split("+")[0].split("-")[0]})
     ms.set_auto_parallel_context(**ctx)
     net = _gpt(S)
     if sched.endswith("+recompute"):
@@ -98,19 +110,15 @@ def memory_rows() -> list[dict]:
     for S in (2, 4):
         for M in (4, 8, 16):
             x, y = _batch(M)
-            for sched in ("gpipe", "gpipe+recompute", "1f1b"):
-                step, net = _step(S, M, sched)
-                mem = step.lower(x, y).compile().memory_analysis()
+            for sched in SCHEDULES + ("no stages",):
+                step, net = _step(1, M, "1f1b") if sched == "no stages" else _step(S, M, sched)
+                compiled = step.lower(x, y).compile()
+                mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
+                cost = cost[0] if isinstance(cost, list) else cost
                 step(x, y)
                 rows.append({"S": S, "M": M, "schedule": sched, "temp_bytes": int(mem.temp_size_in_bytes),
-                             "argument_bytes": int(mem.argument_size_in_bytes),
+                             "argument_bytes": int(mem.argument_size_in_bytes), "flops": float(cost["flops"]),
                              "param_bytes_per_device": _param_bytes_per_device(net)})
-            step, net = _step(1, M, "1f1b")
-            mem = step.lower(x, y).compile().memory_analysis()
-            step(x, y)
-            rows.append({"S": S, "M": M, "schedule": "no stages", "temp_bytes": int(mem.temp_size_in_bytes),
-                         "argument_bytes": int(mem.argument_size_in_bytes),
-                         "param_bytes_per_device": _param_bytes_per_device(net)})
     ms.reset_auto_parallel_context()
     return rows
 
@@ -131,7 +139,7 @@ def time_rows(repeats: int) -> list[dict]:
         x, y = _batch(M)
         base, _ = _step(1, M, "1f1b")
         t0 = _time(base, x, y, repeats)
-        for sched in ("gpipe", "gpipe+recompute", "1f1b"):
+        for sched in SCHEDULES:
             step, _ = _step(S, M, sched)
             t = _time(step, x, y, repeats)
             rows.append({"S": S, "M": M, "schedule": sched, "step_s": t, "no_stages_s": t0, "ratio": t / t0,

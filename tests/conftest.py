@@ -80,6 +80,7 @@ SLOW = (
     "tests/test_pipeline.py::test_stage_helper",
     "tests/test_pipeline.py::test_a_parameter_two_stages",
     "tests/test_pipeline.py::test_pipeline_form",
+    "tests/test_pipeline.py::test_stages_keep",
 )
 
 

@@ -126,6 +126,33 @@ def test_composes_with_micro_batch_interleaved_and_gradient_accumulation(wrapper
     assert_equal_training(mine, losses, ref, ref_losses)
 
 
+def test_stages_keep_their_residuals_unless_recompute_is_set(monkeypatch):
+    """Without a recompute setting a stage's backward uses the residuals its forward kept: the compiled step does
+    no forward twice. A matmul's backward is two matmuls of its size (input and weight gradients), so a step that
+    recomputes each stage's forward does ~4 forward-equivalents of FLOPs per micro-batch and one keeping residuals
+    ~3 (ratio ~0.75; below 0.85 leaves room for the elementwise ops, which do not follow the 1:2 rule). Keeping
+    them costs memory (more temp bytes). Both compute the same loss."""
+    import functools
+
+    import mshard.nn.pipeline as nn_pipeline
+    from mshard.pipeline import execute
+    x, y = synthetic_batches(1)[0]
+    got = {}
+    for keep in (True, False):
+        monkeypatch.setattr(nn_pipeline, "run_pipeline", functools.partial(execute.run_pipeline,
+                                                                           keep_residuals=keep))
+        with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8, pipeline_stages=2,
+                                 gradients_mean=True):
+            step = nn.TrainOneStepCell(nn.PipelineCell(nn.WithLossCell(staged_gpt(2, 2), LOSS), 4), TX)
+            compiled = step.lower(x, y).compile()
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, list) else cost
+            got[keep] = (cost["flops"], compiled.memory_analysis().temp_size_in_bytes, float(step(x, y)))
+    assert got[True][0] < 0.85 * got[False][0], got
+    assert got[True][1] > got[False][1], got
+    np.testing.assert_allclose(got[True][2], got[False][2], rtol=1e-6)    # one float32 loss, reordered sums
+
+
 def test_interleaved_gpt_trains_as_on_one_device():
     mine, losses, ref, ref_losses, _ = train_both(staged_gpt(4, 2, segments=2), 2, 4, interleave=True)
     assert_equal_training(mine, losses, ref, ref_losses)

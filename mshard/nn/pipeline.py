@@ -28,10 +28,10 @@ The step's loss is the mean of the micro-batch losses and its gradient that mean
 loss: the full batch's, as one device computes), scaled as ``gradients_mean`` says.
 
 The cells' operator strategies hold inside a stage: they are planned on one stage's devices, and the parameters,
-their optimizer state and gradients are stored in those layouts. ``gpipe`` keeps every forward's residuals until
-its backward unless a cell has ``recompute()`` set; then, as ``1f1b`` always does, a stage keeps its inputs and
-recomputes its forward at backward time (the stages are different functions, whose residuals have no common
-structure to carry between ticks).
+their optimizer state and gradients are stored in those layouts. Every schedule keeps each forward's residuals
+until its backward (memory grows with the micro-batches in flight: all ``M`` for gpipe, at most ``S`` for 1f1b);
+a cell with ``recompute()`` keeps only its inputs and is recomputed at backward time, so the recompute setting
+decides what is recomputed (:mod:`mshard.pipeline.execute` gives the measured trade-off).
 
 Composition: :class:`~mshard.nn.MicroBatchInterleaved` goes inside the PipelineCell (each micro-batch runs as
 interleaved slices); :class:`~mshard.nn.GradAccumulationCell` goes outside it (``n`` whole pipeline passes per

@@ -5,10 +5,16 @@ with ``lax.ppermute`` every tick.
 
 Every tick each stage looks up its own entry of the table (:mod:`mshard.pipeline.schedule`) and runs one branch of a
 ``lax.switch``: idle (nothing: bubble ticks are free by construction, no FLOPs), the forward of its virtual stage
-on one micro-batch, or its backward. The backward recomputes the stage's forward from the stage input it kept
-(``jax.vjp`` at backward time): stages are different functions (a ``lax.switch`` over them), whose residuals have
-no common structure to keep between ticks. Kept per stage: its inputs (a ring of ``K`` micro-batch slots per
-chunk, ``K`` the most the schedule keeps alive, :func:`ring_size`) and the cotangents received (the same).
+on one micro-batch, or its backward. Kept per stage: its inputs (a ring of ``K`` micro-batch slots per chunk, ``K``
+the most the schedule keeps alive, :func:`ring_size`), the cotangents received (the same), and each forward's
+residuals until its backward (:class:`_Residuals`: the stages are different functions, so the ring holds the union
+of their residual signatures). The backward then recomputes nothing, except the cells with ``recompute()``
+(``jax.checkpoint``), whose residuals are their inputs: where forwards are recomputed is the recompute setting's
+choice. ``keep_residuals=False`` keeps only the stage inputs and recomputes each stage's whole forward at backward
+time (what ``bench/pipeline.py`` measures against). Measured (bench/pipeline.py, examples GPT, S=2, M=8, CPU):
+keeping residuals compiles to 33% fewer FLOPs but 5.8x the temp memory, and on a 2-core CPU runs 1.9x slower
+(the residual ring's memory traffic outweighs the saved matmuls); with the blocks' ``recompute()`` set it is
+back to the recomputing executor's memory and time.
 
 :func:`run_gpipe_keeping_residuals` is the other executor: gpipe's forward ticks as one scan that JAX
 differentiates, so every forward's residuals are kept until its backward (no recompute; memory grows with M).
@@ -48,9 +54,71 @@ def ring_size(sched: Schedule) -> int:
     return need
 
 
+class _Residuals:
+    """Where each virtual stage's backward finds what its forward kept (``keep_residuals``).
+
+    ``jax.vjp`` of a stage returns its backward as a pytree whose leaves are the residuals. A leaf that is one of
+    the stage's own inputs (a parameter, the stage input, a data or RNG leaf: ``jax.vjp`` hands those back as the
+    same object) is read again at backward time; every other leaf is stored in a ring of ``K`` micro-batch slots
+    per chunk. The stages are different functions with different residuals, so the ring holds, for each
+    (shape, dtype), the most leaves of that signature any stage keeps, and each stage uses its own of them."""
+
+    def __init__(self):
+        self.where: dict[int, list] = {}          # vs -> per leaf ("in", k) | ("ring", slot index)
+        self.slots: list[tuple[tuple[int, ...], Any]] = []     # ring slot index -> (shape, dtype)
+
+    @staticmethod
+    def split(leaves, inputs) -> tuple[list, list]:
+        """-> (per leaf ("in", k) or ("ring", None), the ring leaves in order)."""
+        ids = {id(x): k for k, x in enumerate(inputs)}
+        where, kept = [], []
+        for x in leaves:
+            k = ids.get(id(x))
+            if k is not None and inputs[k] is x:
+                where.append(("in", k))
+            else:
+                where.append(("ring", None))
+                kept.append(x)
+        return where, kept
+
+    def add(self, vs: int, where: list, kept: list) -> None:
+        used: dict[tuple, int] = {}
+        out, it = [], iter(kept)
+        for w in where:
+            if w[0] == "in":
+                out.append(w)
+                continue
+            x = next(it)
+            sig = (tuple(x.shape), jnp.dtype(x.dtype))
+            n = used.get(sig, 0)
+            used[sig] = n + 1
+            idx = [j for j, sl in enumerate(self.slots) if sl == sig]
+            if n >= len(idx):
+                self.slots.append(sig)
+                idx.append(len(self.slots) - 1)
+            out.append(("ring", idx[n]))
+        self.where[vs] = out
+
+    def pack(self, vs: int, kept: list) -> tuple:
+        vals = [jnp.zeros(sh, dt) for sh, dt in self.slots]
+        it = iter(kept)
+        for w in self.where[vs]:
+            if w[0] == "ring":
+                vals[w[1]] = next(it)
+        return tuple(vals)
+
+    def unpack(self, vs: int, ring_vals: tuple, inputs: list) -> list:
+        return [inputs[w[1]] if w[0] == "in" else ring_vals[w[1]] for w in self.where[vs]]
+
+    def check(self, vs: int, where: list) -> None:
+        if [w[0] for w in where] != [w[0] for w in self.where[vs]] or \
+                [w for w in where if w[0] == "in"] != [w for w in self.where[vs] if w[0] == "in"]:
+            raise AssertionError(f"pipeline: virtual stage {vs}'s residuals differ between two traces of it")
+
+
 def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax.ShapeDtypeStruct],
                  sched: Schedule, mesh: jax.sharding.Mesh, stage_axes: tuple[str, ...], consts: Any = (),
-                 param_specs: Sequence[Any] | None = None):
+                 param_specs: Sequence[Any] | None = None, keep_residuals: bool = True):
     """-> (mean loss over the micro-batches, gradient of it w.r.t. ``params``), both replicated over the stages.
 
     ``stage_fn(vs, params, consts, carry, d) -> (carry, loss)`` runs virtual stage ``vs`` (static) on one
@@ -59,6 +127,11 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
     stage only. ``data`` leaves are ``[M, ...]`` (micro-batch first). ``param_specs`` (one PartitionSpec per
     leaf of ``params``, over the axes inside a stage) lays the parameters and their gradient sums out inside the
     stage as its operator strategies use them.
+
+    ``keep_residuals``: each forward keeps its residuals (:class:`_Residuals`) until its backward, which then
+    recomputes nothing; a cell with ``recompute()`` (``jax.checkpoint``) keeps only its inputs and is recomputed
+    there, as the recompute setting says. ``False``: a stage keeps only its inputs and its backward recomputes
+    the whole stage's forward (``jax.vjp`` at backward time).
     """
     S, M, v = sched.stages, sched.micro, sched.chunks
     V = S * v
@@ -66,26 +139,62 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
     table = np.asarray(sched.table)
     fwd_perm = [(j, (j + 1) % S) for j in range(S)]
     bwd_perm = [(j, (j - 1) % S) for j in range(S)]
+    res = _Residuals() if keep_residuals else None
+
+    def stage_vjp(vs, p, h, d):
+        """(stage output, loss), its backward, and the inputs a residual may be."""
+        cs = consts_in[0]
+        out, vjp = jax.vjp(lambda p, h: stage_fn(vs, p, cs, h, d), p, h)
+        return out, vjp, list(p) + list(h) + jax.tree.leaves(d) + jax.tree.leaves(cs)
 
     def fwd_branch(vs):
-        def f(p, h, d, g_h):
-            h2, loss = stage_fn(vs, p, consts_in[0], h, d)
-            return h2, loss.astype(jnp.float32), jax.tree.map(jnp.zeros_like, p), tuple(map(jnp.zeros_like, h))
+        def f(p, h, d, g_h, r):
+            zeros_r = tuple(map(jnp.zeros_like, r))
+            if res is None:
+                h2, loss = stage_fn(vs, p, consts_in[0], h, d)
+                return h2, loss.astype(jnp.float32), jax.tree.map(jnp.zeros_like, p), tuple(map(jnp.zeros_like, h)), \
+                    zeros_r
+            (h2, loss), vjp, inputs = stage_vjp(vs, p, h, d)
+            where, kept = res.split(jax.tree.leaves(vjp), inputs)
+            res.check(vs, where)
+            return (h2, loss.astype(jnp.float32), jax.tree.map(jnp.zeros_like, p), tuple(map(jnp.zeros_like, h)),
+                    res.pack(vs, kept))
         return f
 
     def bwd_branch(vs):
-        def f(p, h, d, g_h):
-            (h2, loss), vjp = jax.vjp(lambda p, h: stage_fn(vs, p, consts_in[0], h, d), p, h)
+        def f(p, h, d, g_h, r):
             last = vs == V - 1
+            if res is None:
+                (h2, loss), vjp = jax.vjp(lambda p, h: stage_fn(vs, p, consts_in[0], h, d), p, h)
+            else:
+                # the backward's structure from this trace, its residuals from the forward's tick: the forward
+                # traced here to get that structure computes nothing used, and is removed as dead code
+                (h2, loss), vjp, inputs = stage_vjp(vs, p, h, d)
+                leaves, treedef = jax.tree.flatten(vjp)
+                res.check(vs, res.split(leaves, inputs)[0])
+                vjp = jax.tree.unflatten(treedef, res.unpack(vs, r, inputs))
             g_out = tuple(jnp.zeros_like(x) for x in h2) if last else g_h
             gp, gh = vjp((g_out, jnp.asarray(1.0 / M if last else 0.0, loss.dtype)))
-            return tuple(map(jnp.zeros_like, h2)), jnp.zeros((), jnp.float32), gp, gh
+            return (tuple(map(jnp.zeros_like, h2)), jnp.zeros((), jnp.float32), gp, gh,
+                    tuple(map(jnp.zeros_like, r)))
         return f
 
     branches_f = [fwd_branch(vs) for vs in range(V)]
     branches_b = [bwd_branch(vs) for vs in range(V)]
 
     consts_in: list = [None]
+
+    def probe(p, d, zeros_c) -> None:
+        """Every virtual stage's residual structure, from an abstract trace of its forward."""
+        got: dict = {}
+        for vs in range(V):
+            def leaves_of(p, h, d, vs=vs, got=got):
+                _, vjp, inputs = stage_vjp(vs, p, h, d)
+                where, kept = res.split(jax.tree.leaves(vjp), inputs)
+                got[vs] = where
+                return kept
+            shapes = jax.eval_shape(leaves_of, p, zeros_c, jax.tree.map(lambda x: x[0], d))
+            res.add(vs, got[vs], shapes)
 
     def local(p, cs, d):
         consts_in[0] = cs
@@ -99,13 +208,18 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
         gacc = jax.tree.map(jnp.zeros_like, p)
         if param_specs is not None:
             gacc = [lax.with_sharding_constraint(x, sp) for x, sp in zip(gacc, param_specs)]
+        if res is not None:
+            probe(p, d, zeros_c)
+        # one spare slot (K): the ticks that keep nothing write their (zero) residuals there, so the store is an
+        # unconditional in-place update instead of a select that reads the slot back
+        ring_r = tuple(jnp.zeros((v, K + 1) + sh, dt) for sh, dt in (res.slots if res is not None else ()))
 
         def store(ring, vals, ok, c, i):
             slot = i % K
             return tuple(r.at[c, slot].set(jnp.where(ok, x, r[c, slot])) for r, x in zip(ring, vals))
 
         def tick(state, t):
-            ring_f, ring_b, gacc, lacc, recv_f, recv_b = state
+            ring_f, ring_b, ring_r, gacc, lacc, recv_f, recv_b = state
             prev = tab[jnp.maximum(t - 1, 0)]
             started = t > 0
             left, right = (s - 1) % S, (s + 1) % S
@@ -122,26 +236,30 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
             slot = i % K
             h = tuple(r[c, slot] for r in ring_f)
             g_h = tuple(r[c, slot] for r in ring_b)
+            r_in = tuple(r[c, slot] for r in ring_r)
             di = jax.tree.map(lambda x: x[i], d)
 
-            def idle(p, h, di, g_h):
-                return zeros_c, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, p), zeros_c
+            def idle(p, h, di, g_h, r):
+                return (zeros_c, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, p), zeros_c,
+                        tuple(map(jnp.zeros_like, r)))
 
-            def fwd(p, h, di, g_h):
-                return lax.switch(vs, branches_f, p, h, di, g_h)
+            def fwd(p, h, di, g_h, r):
+                return lax.switch(vs, branches_f, p, h, di, g_h, r)
 
-            def bwd(p, h, di, g_h):
-                return lax.switch(vs, branches_b, p, h, di, g_h)
+            def bwd(p, h, di, g_h, r):
+                return lax.switch(vs, branches_b, p, h, di, g_h, r)
 
-            send_f, loss, gp, send_b = lax.switch(k, [idle, fwd, bwd], p, h, di, g_h)
+            send_f, loss, gp, send_b, r_out = lax.switch(k, [idle, fwd, bwd], p, h, di, g_h, r_in)
+            to = jnp.where(k == FWD, slot, K)
+            ring_r = tuple(r.at[c, to].set(x) for r, x in zip(ring_r, r_out))
             lacc = lacc + jnp.where((k == FWD) & (vs == V - 1), loss, 0.0)
             gacc = jax.tree.map(jnp.add, gacc, gp)
             recv_f = tuple(lax.ppermute(x, stage_axes, fwd_perm) for x in send_f)
             recv_b = tuple(lax.ppermute(x, stage_axes, bwd_perm) for x in send_b)
-            return (ring_f, ring_b, gacc, lacc, recv_f, recv_b), None
+            return (ring_f, ring_b, ring_r, gacc, lacc, recv_f, recv_b), None
 
-        init = (ring_f, ring_b, gacc, jnp.zeros((), jnp.float32), zeros_c, zeros_c)
-        (_, _, gacc, lacc, _, _), _ = lax.scan(tick, init, jnp.arange(sched.ticks))
+        init = (ring_f, ring_b, ring_r, gacc, jnp.zeros((), jnp.float32), zeros_c, zeros_c)
+        (_, _, _, gacc, lacc, _, _), _ = lax.scan(tick, init, jnp.arange(sched.ticks))
         return lax.psum(lacc, stage_axes) / M, jax.tree.map(lambda g: lax.psum(g, stage_axes), gacc)
 
     spec_p = jax.tree.map(lambda _: P(), params)
