@@ -152,12 +152,9 @@ class module_scopes:
                     return _orig(self_, *a, **k)
                 scope = trace.scope_of(path)
                 body = functools.partial(_orig, self_)
-                cfg = getattr(self_, "_mshard_shard", None)
-                if cfg is not None and not k:
-                    from .shard import ShardedFunction
-                    in_s, out_s, plan = cfg
-                    body = ShardedFunction(body, in_s, out_s, dict(plan), name=path or type(self_).__name__,
-                                           cell_path=path)
+                if not k:
+                    from .shard import module_strategies
+                    body = module_strategies(self_, body, path)
                 trace.scope_stack.append(path)
                 try:
                     if scope:

@@ -158,6 +158,16 @@ class ShardedModule:
         return self._region.bind(self.module)
 
 
+def module_strategies(module: Any, body: Callable, path: str) -> Callable:
+    """``body`` (a module's call, traced inside a region) wrapped in the strategies ``Cell.shard`` /
+    ``ms.shard(module, ...)`` recorded on ``module`` (its ``_mshard_shard``), or ``body`` itself where none are."""
+    cfg = getattr(module, "_mshard_shard", None)
+    if cfg is None:
+        return body
+    in_s, out_s, plan = cfg
+    return ShardedFunction(body, in_s, out_s, dict(plan), name=path or type(module).__name__, cell_path=path)
+
+
 def shard(fn: Callable | None = None, in_strategy: Any = None, out_strategy: Any = None,
           parameter_plan: dict | None = None, device: str = "CPU", level: int = 0):
     """MindSpore's ``shard``: give a function (or Cell) input/output strategies.

@@ -55,11 +55,8 @@ def _wrap_call(call: Callable) -> Callable:
             with jax.named_scope(scope) if scope else _null():
                 if cfg is None:
                     return body(*args, **kwargs)
-                from ..shard import ShardedFunction
-                in_s, out_s, plan = cfg
-                sf = ShardedFunction(lambda *a: body(*a, **kwargs), in_s, out_s, dict(plan),
-                                     name=path or type(self).__name__, cell_path=path)
-                return sf(*args)
+                from ..shard import module_strategies
+                return module_strategies(self, lambda *a: body(*a, **kwargs), path)(*args)
         finally:
             trace.scope_stack.pop()
     __call__._mshard_wrapped = True
