@@ -303,6 +303,14 @@ class Region:
         outs = comp.jitted(*flat_state, *flat_data)
         return self._finish(comp, modules, states, outs)
 
+    def fast_path(self, args: tuple, modules, data: tuple) -> Callable | None:
+        """After a call with ``args`` (its program compiled, its parameters placed): a
+        :func:`~mshard.fastcall.fast_call` running that program on ``modules``' Variables and new ``data``, or
+        None where the modules hold something other than Variables."""
+        comp = self._prepare(args, {})[0]       # the program just run (a cache hit)
+        variables = module_variables(modules)
+        return None if variables is None else fast_call(comp, variables, data, donate=self.donate_params)
+
     def bind(self, *modules: nnx.Module) -> BoundRegion:
         """``f = region.bind(net)``; ``f(*data)`` is ``region(net, *data)`` without the per-call graph traversal.
 
@@ -408,11 +416,7 @@ class BoundRegion:
         return fast(data)
 
     def _build_fast(self, data: tuple) -> Callable | None:
-        comp = self.region._prepare((*self.modules, *data), {})[0]       # the program just run (a cache hit)
-        variables = module_variables(self.modules)
-        if variables is None:
-            return None
-        return fast_call(comp, variables, data, donate=self.region.donate_params)
+        return self.region.fast_path((*self.modules, *data), self.modules, data)
 
 
 

@@ -84,7 +84,7 @@ from jax.sharding import NamedSharding
 from .. import annotate, fusion
 from .. import context as ctxmod
 from ..errors import CellTypeError, CommFusionWarning, StrategyError
-from ..fastcall import MISS, fast_call, module_variables
+from ..fastcall import MISS
 from ..layout import spec_of
 from ..region import Region, search_algorithm
 from .cell import Cell
@@ -357,9 +357,7 @@ class TrainOneStepCell(Cell):
         and the data's structure, shapes and dtypes are unchanged. As MindSpore compiles a training graph once,
         Cells or Variables *assigned* to the network after the first step are not seen (values written into its
         Variables, e.g. by ``nnx.update``, are)."""
-        comp = region._prepare((*data, self), {})[0]        # the compiled step just used (a cache hit)
-        variables = module_variables([self])
-        return None if variables is None else fast_call(comp, variables, data, donate=True)
+        return region.fast_path((*data, self), [self], data)
 
     @property
     def opt_state(self) -> Any:
