@@ -130,7 +130,8 @@ def test_stages_keep_their_residuals_unless_recompute_is_set(monkeypatch):
     """Without a recompute setting a stage's backward uses the residuals its forward kept: the compiled step does
     no forward twice. A matmul's backward is two matmuls of its size (input and weight gradients), so a step that
     recomputes each stage's forward does ~4 forward-equivalents of FLOPs per micro-batch and one keeping residuals
-    ~3 (ratio ~0.75; below 0.85 leaves room for the elementwise ops, which do not follow the 1:2 rule). Keeping
+    ~3 (ratio ~0.75; below 0.85 leaves room for the elementwise ops, which do not follow the 1:2 rule; XLA's cost
+    analysis counts the tick loop's body once, and both programs run the same loop, so the ratio holds). Keeping
     them costs memory (more temp bytes). Both compute the same loss."""
     import functools
 
