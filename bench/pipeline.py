@@ -13,8 +13,8 @@ same model without stages.
   executor's ``keep_residuals=False``: only stage inputs kept, each stage's whole forward recomputed): per-device
   ``temp_size_in_bytes`` and ``argument_size_in_bytes`` of the compiled step (``memory_analysis()``), its FLOPs
   (``cost_analysis()``, which counts a loop's body once: the pipelined rows, one scan over the ticks each, compare
-  with each other, not with the unrolled step without stages), and the parameter bytes one device holds, beside the same step without stages (data
-  parallel on the 8 devices).
+  with each other, not with the unrolled step without stages), and the parameter bytes one device holds, beside
+  the same step without stages (data parallel on the 8 devices).
 - ``time``: seconds per step (median of ``--repeats`` after a warm-up) of the pipelined step and of the same step
   without stages on the same devices, and their ratio, measured in the same run.
 

@@ -15,7 +15,8 @@ import math
 
 import numpy as np
 
-from .cost import CostParams, edge_cost_matrix, op_cost_vector
+from .cost import CostParams
+from .cost_vectors import edge_cost_matrix, op_cost_vector
 from .graph import Graph, Strategy, operand_layout, result_layout
 from .strategies import enumerate_strategies
 

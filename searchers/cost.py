@@ -309,7 +309,3 @@ def counted_cost(op_counts: Mapping[tuple[OpSpec, Strategy], int],
         for k, v in c.comm_bytes.items():
             by[k] += n * v
     return Cost(comp, by, time, mem, tot)
-
-
-# the vectorised helpers live in cost_vectors; re-exported here for convenience
-from .cost_vectors import edge_cost_matrix, op_cost_vector  # noqa: E402, F401

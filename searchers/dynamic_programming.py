@@ -66,8 +66,8 @@ from .cache import cached_search
 from .cost import CostParams, graph_cost
 from .factor import Problem
 from .graph import Graph, Strategy
-from .ilp import solve_pairwise
 from .memory import peak_memory
+from .pairwise import solve_pairwise
 from .progress import Progress
 from .result import SearchResult
 

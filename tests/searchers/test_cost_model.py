@@ -10,12 +10,11 @@ from searchers.cost import (
     KINDS,
     Cost,
     CostParams,
-    edge_cost_matrix,
     graph_cost,
     op_cost,
-    op_cost_vector,
     redistribution_cost,
 )
+from searchers.cost_vectors import edge_cost_matrix, op_cost_vector
 from searchers.graph import DeviceMesh, Graph, operand_layout, result_layout
 from searchers.strategies import enumerate_strategies
 

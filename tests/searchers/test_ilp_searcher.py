@@ -8,8 +8,9 @@ import pytest
 from searchers.cost import CostParams, graph_cost
 from searchers.generators import mlp_chain
 from searchers.graph import DeviceMesh, Graph
-from searchers.ilp import ilp, solve_pairwise
+from searchers.ilp import ilp
 from searchers.memory import memory_profile, peak_memory
+from searchers.pairwise import solve_pairwise
 
 P = CostParams()
 
