@@ -61,6 +61,7 @@ def _child(spec: dict) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from searchers.cost import CostParams
+    from searchers.errors import SearchLimitError
 
     t = time.perf_counter()
     g = _graph(spec["family"], spec["size"])
@@ -95,7 +96,7 @@ def _child(spec: dict) -> dict:
     t = time.perf_counter()
     try:
         res = fn(g, CostParams(), **kw)
-    except TimeoutError as e:
+    except SearchLimitError as e:
         row.update(seconds=time.perf_counter() - t, note=str(e),
                    status="too large" if "too large" in str(e) else "no solution in time")
         done.set()

@@ -12,8 +12,9 @@ MshardError
 """
 
 
-class MshardError(Exception):
-    """Base of every error mshard raises on purpose."""
+from searchers.errors import MshardError, SearchError, SearchGraphError, SearchLimitError  # noqa: F401
+
+# (the root and the searchers' errors live in searchers/, which never imports JAX: re-exported here)
 
 
 class ContextError(MshardError, ValueError):

@@ -17,6 +17,7 @@ import numpy as np
 
 from .cost import CostParams
 from .cost_vectors import edge_cost_matrix, op_cost_vector
+from .errors import SearchLimitError
 from .graph import Graph, Strategy, operand_layout, result_layout
 from .strategies import enumerate_strategies
 
@@ -38,7 +39,7 @@ def brute_force(graph: Graph, params: CostParams, *, fully_use_devices: bool = F
     sizes = tuple(len(c) for c in cands)
     total = math.prod(sizes)
     if total > limit:
-        raise ValueError(f"brute_force: {total:.3g} combinations of strategies exceed the limit {limit:.3g}; "
+        raise SearchLimitError(f"brute_force: {total:.3g} combinations of strategies exceed the limit {limit:.3g}; "
                          f"use a smaller graph or mesh, or raise limit=")
     if not graph.ops:
         return {}

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from types import MappingProxyType
 
+from .errors import SearchGraphError
 from .graph import DeviceMesh, Graph, Op, Strategy, TensorLayout, constant_tensors
 from .spec import OpSpec, layout_of, op_spec
 from .xla_reshard import reshard
@@ -143,7 +144,7 @@ def _canon(strategy: Strategy) -> Strategy:
 def spec_cost(spec: OpSpec, strategy: Strategy, mesh: DeviceMesh, params: CostParams) -> Cost:
     """:func:`op_cost` of an op given by its :class:`OpSpec` (memoised)."""
     if len(strategy) != len(spec.sizes):
-        raise ValueError(f"strategy {strategy} has {len(strategy)} entries, the op has {len(spec.sizes)} loop dims")
+        raise SearchGraphError(f"strategy {strategy} has {len(strategy)} entries, the op has {len(spec.sizes)} loop dims")
     shape = mesh.shape
     devices = 1
     for axes in strategy:
@@ -196,7 +197,7 @@ def redistribution_cost(src: TensorLayout, dst: TensorLayout, shape: Sequence[in
     """
     src, dst = _canon(src), _canon(dst)
     if len(src) != len(shape) or len(dst) != len(shape):
-        raise ValueError(f"redistribution_cost: layouts {src} -> {dst} do not match rank {len(shape)}")
+        raise SearchGraphError(f"redistribution_cost: layouts {src} -> {dst} do not match rank {len(shape)}")
     nbytes = itemsize
     for s in shape:
         nbytes *= int(s)
@@ -275,7 +276,7 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
         try:
             s = _canon(strategies[op.id])
         except KeyError:
-            raise ValueError(f"graph_cost: no strategy for op {op.id} ({op.name})") from None
+            raise SearchGraphError(f"graph_cost: no strategy for op {op.id} ({op.name})") from None
         chosen.append(s)
         op_count[spec, s] += 1
         for tid, maps in zip(op.outputs, spec.out_maps):

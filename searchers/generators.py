@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .errors import SearchGraphError
 from .graph import DeviceMesh, Graph
 from .netbuilder import NetBuilder
 from .strategies import data_parallel_strategy
@@ -119,7 +120,7 @@ def transformer_stack(layers: int, batch: int, seq: int, d_model: int, heads: in
     (85, ['block'])
     """
     if d_model % heads:
-        raise ValueError(f"transformer_stack: d_model={d_model} is not divisible by heads={heads}")
+        raise SearchGraphError(f"transformer_stack: d_model={d_model} is not divisible by heads={heads}")
     b = NetBuilder(mesh)
     h = b.data("x", (batch, seq, d_model))
     for i in range(layers):
@@ -152,7 +153,7 @@ def conv_net(batch: int, image: int, channels: tuple[int, ...], classes: int, me
 'reduce_window_max', 'reduce_sum', 'dot_general', 'reduce_sum']
     """
     if image % (2 ** (len(channels) - 1)):
-        raise ValueError(f"conv_net: image={image} must be divisible by 2**{len(channels) - 1}")
+        raise SearchGraphError(f"conv_net: image={image} must be divisible by 2**{len(channels) - 1}")
     b = NetBuilder(mesh)
     res = image
     x = b.data("x", (batch, channels[0], res, res))
@@ -280,7 +281,7 @@ def _build(family: str, layers: int, mesh: DeviceMesh, backward: bool, seed: int
         return transformer_stack(layers, mesh=mesh, backward=backward, **kw)
     if family == "conv":
         return conv_net(mesh=mesh, blocks_per_stage=layers, backward=backward, **kw)
-    raise ValueError(f"unknown graph family {family!r}; choose one of {FAMILIES}")
+    raise SearchGraphError(f"unknown graph family {family!r}; choose one of {FAMILIES}")
 
 
 @lru_cache(maxsize=64)

@@ -31,6 +31,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import SearchGraphError
+
 Axes = tuple[int, ...]
 Strategy = tuple[Axes, ...]          # one entry per loop dim, in op.dims order
 TensorLayout = tuple[Axes, ...]      # one entry per tensor dim
@@ -60,7 +62,7 @@ class DeviceMesh:
         if not self.latency:
             object.__setattr__(self, "latency", (5e-6,) * n)
         if not (len(self.names) == len(self.bandwidth) == len(self.latency) == n):
-            raise ValueError("DeviceMesh: names, bandwidth and latency need one entry per axis")
+            raise SearchGraphError("DeviceMesh: names, bandwidth and latency need one entry per axis")
 
     @property
     def size(self) -> int:
@@ -79,7 +81,7 @@ class DeviceMesh:
 def prime_factors(n: int) -> list[int]:
     """Prime factors of ``n`` in ascending order (``[]`` for 1)."""
     if n < 1:
-        raise ValueError(f"prime_factors: n must be >= 1, got {n}")
+        raise SearchGraphError(f"prime_factors: n must be >= 1, got {n}")
     out, p = [], 2
     while p * p <= n:
         while n % p == 0:
@@ -185,7 +187,7 @@ class Graph:
                fixed: Strategy | None = None) -> int:
         """Add a source op (graph input) and return the id of its tensor."""
         if kind not in SOURCE_KINDS:
-            raise ValueError(f"Graph.source: kind must be one of {sorted(SOURCE_KINDS)}, got {kind!r}")
+            raise SearchGraphError(f"Graph.source: kind must be one of {sorted(SOURCE_KINDS)}, got {kind!r}")
         dims = {f"s{i}": int(s) for i, s in enumerate(shape)}
         op = Op(len(self.ops), name, kind, dims, [], [], [], [tuple(dims)], fixed=fixed)
         self.ops.append(op)
@@ -200,18 +202,18 @@ class Graph:
         op = Op(len(self.ops), name, kind, dict(dims), list(inputs),
                 [tuple(d) for d in in_dims], [], [tuple(d) for d in out_dims], **kw)
         if len(op.in_dims) != len(op.inputs):
-            raise ValueError(f"{name}: {len(op.inputs)} inputs but {len(op.in_dims)} in_dims")
+            raise SearchGraphError(f"{name}: {len(op.inputs)} inputs but {len(op.in_dims)} in_dims")
         k = op.follow_operand
         if k is not None and not (0 <= k < len(op.inputs) and set(op.dims) <= set(op.in_dims[k])):
-            raise ValueError(f"{name}: follow_operand={k} must name an operand that uses every loop dim "
+            raise SearchGraphError(f"{name}: follow_operand={k} must name an operand that uses every loop dim "
                              f"(its layout then decides the op's strategy); operands: {op.in_dims}")
         for tid, idims in zip(op.inputs, op.in_dims):
             t = self.tensors[tid]
             if len(idims) != len(t.shape):
-                raise ValueError(f"{name}: operand {t.name or tid} has rank {len(t.shape)}, in_dims {idims}")
+                raise SearchGraphError(f"{name}: operand {t.name or tid} has rank {len(t.shape)}, in_dims {idims}")
             for size, d in zip(t.shape, idims):
                 if d is not None and dims[d] != size:
-                    raise ValueError(f"{name}: operand dim of size {size} mapped to loop dim {d}={dims[d]}")
+                    raise SearchGraphError(f"{name}: operand dim of size {size} mapped to loop dim {d}={dims[d]}")
             t.consumers.append(op.id)
         self.ops.append(op)
         for j, od in enumerate(op.out_dims):

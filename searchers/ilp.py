@@ -19,7 +19,7 @@ Solved with ``scipy.optimize.milp`` (HiGHS) under ``time_limit`` seconds. When i
 limit the best solution found is returned and a note gives the gap to the proven lower bound;
 when no solution was found in time (or the program is too large to build, ``max_variables``),
 a note says so and the dynamic_programming answer is returned instead (``fallback=False``
-raises ``TimeoutError``).
+raises ``SearchLimitError``).
 
 >>> from searchers.graph import DeviceMesh, Graph
 >>> from searchers.cost import CostParams
@@ -43,6 +43,7 @@ from .cache import cached_search
 from .cost import CostParams, graph_cost
 from .cost_vectors import candidate_tables
 from .dynamic_programming import dynamic_programming
+from .errors import SearchLimitError
 from .factor import Problem
 from .graph import Graph
 from .memory import death_steps, live_ranges
@@ -103,7 +104,7 @@ def memory_rows(graph: Graph, prob: Problem, capacity: float, index: dict[int, i
     high = base + np.cumsum(hi_d[:-1])
     worst = int(np.argmax(low))
     if low[worst] > capacity * (1 + 1e-12):
-        raise ValueError(
+        raise SearchLimitError(
             f"ilp: no choice of strategies fits device_memory_capacity={capacity:,.0f} bytes per device: "
             f"at op {graph.ops[worst].name!r} (step {worst}) the live tensors need at least "
             f"{low[worst]:,.0f} bytes even at their smallest layouts. Raise device_memory_capacity "
@@ -170,7 +171,7 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
             sol = solve_pairwise([prob.unary[v] for v in live], pairs, time_limit=left, mip_rel_gap=mip_rel_gap,
                                  memory_rows=rows, max_variables=max_variables)
     if sol.status == "infeasible":
-        raise ValueError(f"ilp: no choice of strategies fits device_memory_capacity="
+        raise SearchLimitError(f"ilp: no choice of strategies fits device_memory_capacity="
                          f"{params.device_memory_capacity:,.0f} bytes per device (the integer program is "
                          f"infeasible). Raise device_memory_capacity (set_cost_model_context) or use more devices.")
     if sol.choice is None:
@@ -182,7 +183,7 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
             msg = (f"ilp: no solution found within time_limit={time_limit:g} s ({sol.size.get('x', 0)} strategy "
                    f"and {sol.size.get('e', 0)} edge variables); raise time_limit, or use dynamic_programming")
         if not fallback:
-            raise TimeoutError(msg)
+            raise SearchLimitError(msg)
         dp = dynamic_programming(graph, params, fully_use_devices=fully_use_devices,
                                  elementwise_op_strategy_follow=elementwise_op_strategy_follow, cache=False)
         return SearchResult(dp.strategies, dp.cost, ALGORITHM, time.perf_counter() - t0,

@@ -6,6 +6,7 @@ import pytest
 
 from searchers.brute import brute_force
 from searchers.cost import CostParams, graph_cost
+from searchers.errors import SearchLimitError
 from searchers.graph import DeviceMesh, Graph
 from searchers.strategies import enumerate_strategies
 
@@ -56,5 +57,5 @@ def test_brute_force_fully_use_devices_uses_every_axis():
 
 def test_brute_force_refuses_large_search():
     g = small_graph()
-    with pytest.raises(ValueError, match="exceed"):
+    with pytest.raises(SearchLimitError, match="exceed"):
         brute_force(g, P, limit=10)

@@ -15,6 +15,7 @@ from searchers.cost import (
     redistribution_cost,
 )
 from searchers.cost_vectors import edge_cost_matrix, op_cost_vector
+from searchers.errors import SearchGraphError
 from searchers.graph import DeviceMesh, Graph, operand_layout, result_layout
 from searchers.strategies import enumerate_strategies
 
@@ -92,7 +93,7 @@ def test_per_axis_bandwidth_and_latency():
 
 
 def test_redistribution_rank_mismatch_raises():
-    with pytest.raises(ValueError):
+    with pytest.raises(SearchGraphError):
         redistribution_cost(((0,),), ((), ()), SHAPE, ITEM, MESH, P)
 
 
@@ -145,7 +146,7 @@ def test_all_reduce_runs_at_the_slowest_axis():
 
 def test_strategy_of_wrong_length_raises():
     g = mlp_graph()
-    with pytest.raises(ValueError):
+    with pytest.raises(SearchGraphError):
         op_cost(g.ops[2], ((0,), ()), g, P)
 
 
@@ -192,7 +193,7 @@ def test_graph_cost_sums_ops_and_edges():
 
 def test_graph_cost_needs_every_op():
     g = mlp_graph()
-    with pytest.raises(ValueError, match="relu"):
+    with pytest.raises(SearchGraphError, match="relu"):
         graph_cost(g, {0: ((), ()), 1: ((), ()), 2: ((), (), ())}, P)
 
 

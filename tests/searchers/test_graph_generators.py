@@ -4,6 +4,7 @@ import collections
 
 import pytest
 
+from searchers.errors import SearchGraphError
 from searchers.generators import conv_net, graph_of_size, layers_for, mlp_chain, random_dag, transformer_stack
 from searchers.graph import DeviceMesh, layer_instances
 from searchers.strategies import enumerate_strategies
@@ -87,7 +88,7 @@ def test_transformer_layer_keys_mark_repeated_layers():
 
 
 def test_transformer_rejects_bad_heads():
-    with pytest.raises(ValueError, match="heads"):
+    with pytest.raises(SearchGraphError, match="heads"):
         transformer_stack(1, 2, 8, 10, 3, 32, MESH)
 
 
@@ -109,7 +110,7 @@ def test_conv_net_iteration_spaces():
 
 
 def test_conv_net_rejects_bad_image():
-    with pytest.raises(ValueError, match="image"):
+    with pytest.raises(SearchGraphError, match="image"):
         conv_net(2, 6, (3, 4, 4), 2, MESH)
 
 
@@ -154,5 +155,5 @@ def test_graph_of_size_small_and_random():
     assert layers_for(50, "transformer") == 1 and len(g) > 50
     fixed = graph_of_size(100, "mlp", MESH, fix_data=True)
     assert [op.fixed for op in fixed.ops if op.kind == "data"] == [((0, 1, 2), ())]
-    with pytest.raises(ValueError, match="family"):
+    with pytest.raises(SearchGraphError, match="family"):
         graph_of_size(100, "nope", MESH)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from searchers.cost import CostParams, graph_cost
+from searchers.errors import SearchLimitError
 from searchers.generators import mlp_chain
 from searchers.graph import DeviceMesh, Graph
 from searchers.ilp import ilp
@@ -90,7 +91,7 @@ def test_memory_limit_changes_the_plan():
 
 def test_memory_limit_no_plan_can_meet_is_a_clear_error():
     g = big_activation_graph()
-    with pytest.raises(ValueError, match=r"device_memory_capacity=.*Raise device_memory_capacity"):
+    with pytest.raises(SearchLimitError, match=r"device_memory_capacity=.*Raise device_memory_capacity"):
         ilp(g, CostParams(device_memory_capacity=1000.0), cache=False)
 
 
@@ -112,7 +113,7 @@ def test_time_limit_without_fallback_raises():
     g = mlp_chain(2, 16, 8, DeviceMesh((2, 2, 2)), backward=True)
     try:
         res = ilp(g, P, time_limit=0.001, fallback=False, cache=False)
-    except TimeoutError as e:
+    except SearchLimitError as e:
         assert "no solution found within time_limit=0.001" in str(e)
     else:                                           # HiGHS found a first solution in time
         assert any("stopped at time_limit" in n for n in res.notes)

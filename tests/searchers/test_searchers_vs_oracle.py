@@ -9,6 +9,7 @@ import pytest
 from searchers.brute import brute_force
 from searchers.cost import CostParams, graph_cost
 from searchers.dynamic_programming import dynamic_programming
+from searchers.errors import SearchGraphError
 from searchers.generators import conv_net, mlp_chain, random_dag
 from searchers.graph import DeviceMesh, Graph
 from searchers.ilp import ilp
@@ -196,5 +197,5 @@ def test_follow_operand_must_name_an_operand_over_every_loop_dim():
     x = g.source("x", (4, 6))
     v = g.source("v", (6,))
     for k, ins, in_dims in ((2, [x, x], [("i", "j")] * 2), (1, [x, v], [("i", "j"), ("j",)])):
-        with pytest.raises(ValueError, match=f"follow_operand={k}"):
+        with pytest.raises(SearchGraphError, match=f"follow_operand={k}"):
             g.add_op("tie", "writeback", {"i": 4, "j": 6}, ins, in_dims, [("i", "j")], follow_operand=k)
