@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -53,16 +54,20 @@ def variant(tag):
     """``untied``: no write-back ties in the exact searchers, and their second search back; ``once``: no
     second search."""
     SEARCH_CACHE.clear()                     # every variant searches afresh (the cache keys on the graph only)
-    saved = planner._hold_state, planner.TIES_EXACTLY, Problem.tie_operands
+    saved = planner._hold_state, dict(planner.SEARCHERS), Problem.tie_operands
     if tag == "untied":
-        planner.TIES_EXACTLY = frozenset()
+        for name, s in saved[1].items():
+            if s.ties_exactly:
+                planner.SEARCHERS[name] = dataclasses.replace(s, ties_exactly=False, holds_state=True)
         Problem.tie_operands = lambda self: 0
     if tag == "once":
         planner._hold_state = lambda graph, strategies: False
     try:
         yield
     finally:
-        planner._hold_state, planner.TIES_EXACTLY, Problem.tie_operands = saved
+        planner._hold_state, Problem.tie_operands = saved[0], saved[2]
+        planner.SEARCHERS.clear()
+        planner.SEARCHERS.update(saved[1])
 
 
 VARIANTS = {"dynamic_programming": ("plan", "untied"), "ilp": ("plan", "untied"),

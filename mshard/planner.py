@@ -29,7 +29,6 @@ layout that is replicated over the model-parallel devices.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,10 +36,7 @@ from typing import Any
 from jax.extend import core as jcore
 
 from searchers import DeviceMesh, Graph
-from searchers.baselines import data_parallel
 from searchers.cost import CostParams, graph_cost, op_cost, redistribution_cost
-from searchers.dynamic_programming import dynamic_programming
-from searchers.follow import follow_operands
 from searchers.graph import (
     constant_tensors,
     ms_strategy,
@@ -49,9 +45,7 @@ from searchers.graph import (
     result_layout,
     strategy_of_layout,
 )
-from searchers.ilp import ilp
-from searchers.propagation import sharding_propagation
-from searchers.recursive_programming import recursive_programming
+from searchers.protocol import SEARCHERS, register
 from searchers.strategies import enumerate_strategies
 
 from . import context as ctxmod
@@ -65,16 +59,9 @@ from .trace import REPLICA, TraceResult, jaxpr_to_graph
 EqnKey = tuple[tuple[int, ...], int]
 
 
-# search_mode -> searcher(graph, params, *, fully_use_devices) -> SearchResult
-SEARCHERS: dict[str, Callable] = {"sharding_propagation": sharding_propagation,
-                                  "semi_auto": follow_operands,
-                                  "dynamic_programming": dynamic_programming,
-                                  "recursive_programming": recursive_programming,
-                                  "ilp": ilp}
-
-
-def register_searcher(name: str, fn: Callable) -> None:
-    SEARCHERS[name] = fn
+def register_searcher(name: str, fn: Callable, **capabilities) -> None:
+    """A new search_mode (:func:`searchers.protocol.register`: ``ties_exactly``, ``holds_state``, ``options``)."""
+    register(name, fn, **capabilities)
 
 
 def eqn_key(te) -> EqnKey:
@@ -194,10 +181,6 @@ def _free_derived(graph: Graph, n_user: int) -> None:
             op.free_devices = True
 
 
-# searchers that search under Op.follow_operand ties exactly (searchers.factor.Problem.tie_operands): one search
-# prices a training step's updated state in its stored layout
-TIES_EXACTLY = frozenset({"dynamic_programming", "ilp"})
-
 
 def _hold_state(graph: Graph, strategies) -> bool:
     """Fix each ``writeback`` op and its state input to the state input's layout in ``strategies`` (see
@@ -290,24 +273,23 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
                 if axes is not None and len(axes) == len(op.dims):   # data laid out as the saved region's was
                     op.fixed = tuple(tuple(mesh.names.index(a) for a in ax) for ax in axes)
             notes.append(f"strategy file {load}: {applied} op strategies and {stored} parameter layouts loaded")
-    searcher = data_parallel if dp_mode else SEARCHERS.get(algorithm)
+    searcher = SEARCHERS["data_parallel"] if dp_mode else SEARCHERS.get(algorithm)
     if searcher is None:
         notes.append(f"search_mode {algorithm!r} is not available yet; used sharding_propagation")
-        searcher, algorithm = sharding_propagation, "sharding_propagation"
-    opts = {"fully_use_devices": algo.fully_use_devices}
-    if "elementwise_op_strategy_follow" in inspect.signature(searcher).parameters:
-        opts["elementwise_op_strategy_follow"] = algo.elementwise_op_strategy_follow
-    result = searcher(graph, params, **opts)
-    if algorithm in TIES_EXACTLY:
+        searcher, algorithm = SEARCHERS["sharding_propagation"], "sharding_propagation"
+    opts = {"fully_use_devices": algo.fully_use_devices,
+            "elementwise_op_strategy_follow": algo.elementwise_op_strategy_follow}
+    result = searcher.search(graph, params, opts)
+    if searcher.ties_exactly:
         if any(op.kind == "writeback" for op in graph.ops):
             notes.append("updated state is stored in its input's layout: every write-back was tied to its input "
                          "in the search")
-    elif searcher not in (sharding_propagation, follow_operands) and _hold_state(graph, result.strategies):
+    elif searcher.holds_state and _hold_state(graph, result.strategies):
         # updated state is stored in its input's layout: a greedy searcher applies the writeback ties only after
         # its search, so a second search with every state input held at the layout the first one gave it prices
         # the update's layout against that (the writeback ops)
         first = result.seconds
-        result = searcher(graph, params, **opts)
+        result = searcher.search(graph, params, opts)
         result = dataclasses.replace(result, seconds=result.seconds + first, notes=list(result.notes) + [
             "updated state is stored in its input's layout: searched again with every updated input held at the "
             "layout the first search gave it"])

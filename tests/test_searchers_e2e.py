@@ -205,6 +205,7 @@ def test_a_training_step_keeps_its_state_layout_in_one_search_where_the_searcher
     """Updated state is stored in its input's layout. dynamic_programming and ilp search under the write-back
     ties (Op.follow_operand) in one pass; recursive_programming applies them after its search and searches
     again with the state held. Either way every write-back keeps its input's layout."""
+    import dataclasses
     import functools
 
     import optax
@@ -215,14 +216,14 @@ def test_a_training_step_keeps_its_state_layout_in_one_search_where_the_searcher
     seen = []
     real = planner.SEARCHERS[mode]
 
-    @functools.wraps(real)
+    @functools.wraps(real.fn)
     def spy(graph, params, **kw):
-        r = real(graph, params, **kw)
+        r = real.fn(graph, params, **kw)
         if any(op.kind == "writeback" for op in graph.ops):
             seen.append((graph, r.strategies))
         return r
 
-    monkeypatch.setitem(planner.SEARCHERS, mode, spy)
+    monkeypatch.setitem(planner.SEARCHERS, mode, dataclasses.replace(real, fn=spy))
     x, y = jnp.ones((16, 16)), jnp.ones((16, 8))
     with auto(mode):
         step = nn.TrainOneStepCell(nn.WithLossCell(MLP(16, 32, 8), lambda p, y: jnp.mean((p - y) ** 2)),

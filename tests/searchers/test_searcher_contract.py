@@ -237,3 +237,19 @@ def test_no_search_returns_a_plan_worse_than_the_obvious_ones(name, fully, shape
             continue
         # 1e-9: float64 re-summation of the same costs (~1e-15) and the ILP's mip_rel_gap
         assert res.cost.total <= graph_cost(g, plan, P).total * (1 + 1e-9), (base, res.notes)
+
+
+def test_the_registry_declares_what_each_searcher_takes():
+    """searchers.protocol: every search_mode is a Searcher whose declared options are keyword parameters of its
+    function (the planner passes only those), and the exact searchers are the ones that tie write-backs."""
+    import inspect
+
+    from searchers.protocol import SEARCHERS
+
+    for name, s in SEARCHERS.items():
+        params = inspect.signature(s.fn).parameters
+        assert "fully_use_devices" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()), name
+        assert all(o in params for o in s.options), (name, s.options)
+    assert {n for n, s in SEARCHERS.items() if s.ties_exactly} == {"dynamic_programming", "ilp"}
+    for mode in ("sharding_propagation", "recursive_programming", "dynamic_programming", "ilp"):
+        assert mode in SEARCHERS
