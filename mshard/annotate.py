@@ -209,7 +209,9 @@ _epoch = [0]
 
 
 def bump_epoch() -> None:
+    from . import context
     _epoch[0] += 1
+    context._touch()
 
 
 def epoch() -> int:

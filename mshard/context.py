@@ -284,10 +284,20 @@ def current() -> ParallelContext:
     return _current
 
 
-def snapshot() -> tuple:
-    """The current context, algorithm parameters and cost-model context, in one call (a fast path's check that
-    nothing it was built under has changed: each is replaced, never mutated, when a setter runs)."""
-    return _current, _algo, _cost
+_stamp = object()
+"""Replaced whenever the context, the algorithm parameters, the cost-model context or a strategy (the annotation
+epoch) changes: a fast path built under one stamp is valid while ``_stamp`` is that object (one identity check
+per eager call instead of four)."""
+
+
+def _touch() -> None:
+    global _stamp
+    _stamp = object()
+
+
+def stamp() -> object:
+    """The current :data:`_stamp` (what a fast path records when it is built)."""
+    return _stamp
 
 
 def _with(base: ParallelContext, **kwargs: Any) -> ParallelContext:
@@ -324,6 +334,7 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
     """
     global _current
     _current = _with(_current, **kwargs)
+    _touch()
 
 
 def get_auto_parallel_context(key: str) -> Any:
@@ -348,6 +359,7 @@ def reset_auto_parallel_context() -> None:
     """Back to the defaults (stand_alone, every device, recursive_programming, ...)."""
     global _current
     _current = ParallelContext()
+    _touch()
 
 
 @contextlib.contextmanager
@@ -362,10 +374,12 @@ def parallel_context(**kwargs: Any) -> Iterator[ParallelContext]:
     global _current
     saved = _current
     _current = _with(saved, **kwargs)
+    _touch()
     try:
         yield _current
     finally:
         _current = saved
+        _touch()
 
 
 # -- algorithm parameters and cost model context ----------------------------------------------
@@ -429,6 +443,7 @@ def set_algo_parameters(**kwargs: Any) -> None:
     """
     global _algo
     _algo = _replace_checked(_algo, "set_algo_parameters", kwargs)
+    _touch()
 
 
 def _get(value, fname: str, key: str | None) -> Any:
@@ -448,6 +463,7 @@ def get_algo_parameters(key: str | None = None) -> Any:
 def reset_algo_parameters() -> None:
     global _algo
     _algo = AlgoParameters()
+    _touch()
 
 
 def set_cost_model_context(**kwargs: Any) -> None:
@@ -458,6 +474,7 @@ def set_cost_model_context(**kwargs: Any) -> None:
     """
     global _cost
     _cost = _replace_checked(_cost, "set_cost_model_context", kwargs)
+    _touch()
 
 
 def get_cost_model_context(key: str | None = None) -> Any:
@@ -467,3 +484,4 @@ def get_cost_model_context(key: str | None = None) -> Any:
 def reset_cost_model_context() -> None:
     global _cost
     _cost = CostModelContext()
+    _touch()

@@ -19,7 +19,6 @@ import numpy as np
 from flax import nnx
 from jax._src.array import ArrayImpl
 
-from . import annotate
 from . import context as ctxmod
 
 MISS = object()
@@ -147,15 +146,13 @@ def fast_call(comp, variables: list, data: tuple, donate: bool) -> Callable | No
     shardings = list(comp.in_shardings[len(variables):])
     raw = [raw_ok(v) for v in variables]
     jitted, changed = comp.jitted, list(comp.changed)
-    ctx, algo, cost = ctxmod.snapshot()
-    epoch = annotate.epoch()
+    stamp = ctxmod.stamp()      # the context, algorithm/cost parameters and strategy epoch this was built under
     arrays = _ARRAYS
 
     if not variables and flat_tuple and single:
         # the eager primitive's case: a flat tuple of arrays in, one array out, no module state
         def call_plain(data: tuple):
-            if (ctxmod._current is not ctx or ctxmod._algo is not algo or ctxmod._cost is not cost
-                    or annotate._epoch[0] != epoch or len(data) != n_data):
+            if ctxmod._stamp is not stamp or len(data) != n_data:
                 return MISS
             for x in data:
                 if type(x) not in arrays:
@@ -174,8 +171,7 @@ def fast_call(comp, variables: list, data: tuple, donate: bool) -> Callable | No
     def call(data: tuple):
         # shapes and dtypes are not compared here: the compiled program refuses others (InputsChanged, raised
         # where jax.jit traces it again), so a hit costs jax.jit's own C++ signature check only
-        if (ctxmod._current is not ctx or ctxmod._algo is not algo or ctxmod._cost is not cost
-                or annotate._epoch[0] != epoch):
+        if ctxmod._stamp is not stamp:
             return MISS
         if flat_tuple and len(data) == n_data:
             flat = data

@@ -78,8 +78,9 @@ class Region:
 
     def __init__(self, fn: Callable, *, data_strategy: tuple | None = None, name: str | None = None,
                  input_layout_hook: Callable | None = None, donate_params: bool = False):
-        """``input_layout_hook(infos, layouts) -> layouts.inputs``: a training wrapper may re-lay out inputs
-        after planning (optimizer state following its parameter, ZeRO sharding). ``donate_params``: the
+        """``input_layout_hook(infos, layouts, statics=...) -> layouts.inputs``: a training wrapper may re-lay out
+        inputs after planning (optimizer state following its parameter, ZeRO sharding); ``statics`` are the call's
+        static (non-array) arguments, in order (a training step passes its plan so). ``donate_params``: the
         written parameter buffers are donated (a training step updates them in place). ``data_strategy``: one
         strategy per positional argument (``None`` for a module argument or to leave a data argument to
         dataset_strategy), in any form ``shard`` takes."""
@@ -221,14 +222,18 @@ class Region:
         # flax's own annotations (nnx.with_partitioning) first: a parameter_plan entry for the same parameter wins
         honour = ctx.parallel_mode in ("semi_auto_parallel", "auto_parallel")
         param_plans = (annotated_plans(states, param_names) if honour else []) + list(trace.param_plans)
+        hook = None
+        if self.input_layout_hook is not None:
+            statics = [s[1] for t in treedef_args if t[0] == "tree" for s in t[2] if s[0] == "static"]
+            hook = functools.partial(self.input_layout_hook, statics=statics)
         planned = search_region(closed, infos, ctx=ctx, algorithm=search_algorithm(ctx) or ctx.parallel_mode,
-                                param_plans=param_plans, input_layout_hook=self.input_layout_hook)
+                                param_plans=param_plans, input_layout_hook=hook)
         layouts = planned.layouts
         save = ctx.strategy_ckpt_config.get("save_file")
         if save and ctx.parallel_mode in ("semi_auto_parallel", "auto_parallel"):
             planned.plan.save(save)
-        if self.input_layout_hook is not None:
-            layouts.inputs = list(self.input_layout_hook(infos, layouts))
+        if hook is not None:
+            layouts.inputs = list(hook(infos, layouts))
         guarded = apply_guards(closed.jaxpr, layouts)     # layouts XLA miscompiles are realised safely
         if guarded:
             planned = dataclasses.replace(planned, plan=dataclasses.replace(

@@ -76,6 +76,12 @@ def test_gpt_trains_as_on_one_device(layers, S, M, sched):
     # back per tick (the loop body holds each once), f32 [16 / M, 32, 64]
     permutes = [c for c in rep.collectives if c.kind == "collective-permute"]
     assert len(permutes) == 2 and all(c.nbytes == 16 // M * 32 * 64 * 4 for c in permutes)
+    # parameter memory drops S-fold: every parameter of this GPT is used by one stage and its dim 0 divides by S,
+    # so it is stored split over the S stages (mshard.pipeline.storage) and one device holds 1/S of each
+    leaves = jax.tree.leaves(nnx.state(mine, nnx.Param))
+    assert all(x.sharding.shard_shape(x.shape) == (x.shape[0] // S,) + x.shape[1:] for x in leaves)
+    # each stage gets its own parameters whole by all-to-all over the stages, and their gradients back the same way
+    assert any(c.kind == "all-to-all" and c.group_size == S for c in rep.collectives)
 
 
 def test_megatron_inside_the_stages_dp_mp_pp_2x2x2():
@@ -89,8 +95,8 @@ def test_megatron_inside_the_stages_dp_mp_pp_2x2x2():
     mine, losses, ref, ref_losses, rep = train_both(net, 2, 4, report=True)
     assert_equal_training(mine, losses, ref, ref_losses)
     w = mine.blocks[0].output.mapping.weight[...]
-    assert w.sharding.shard_shape(w.shape) == (w.shape[0] // 2, w.shape[1]) or \
-        w.sharding.shard_shape(w.shape) == (w.shape[0], w.shape[1] // 2)        # a Megatron slice, not whole
+    # stored split over the 2 stages on dim 0 (stage 0 alone uses it) and in its Megatron slice over the 2 mp devices
+    assert w.sharding.shard_shape(w.shape) in ((w.shape[0] // 4, w.shape[1]), (w.shape[0] // 2, w.shape[1] // 2))
     reduces = [c for c in rep.collectives if c.kind == "all-reduce"]
     assert reduces and all(c.group_size in (2, 4, 8) for c in reduces)
     weight_bytes = {int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(nnx.state(mine.blocks[0], nnx.Param))}
@@ -197,6 +203,10 @@ def test_a_parameter_two_stages_use_stays_one_parameter():
         losses = [float(step(*b)) for b in data]
     # both stages' gradients reach the one table: it trains as on one device
     assert_equal_training(net, losses, ref_out[0], ref_losses)
+    # the table both stages use is stored whole on every device; the block only stage 1 uses, split over the 2
+    table, kernel = net.embedding.embedding_table[...], net.block.weight[...]
+    assert table.sharding.shard_shape(table.shape) == table.shape
+    assert kernel.sharding.shard_shape(kernel.shape) == (kernel.shape[0] // 2, kernel.shape[1])
 
 
 def test_pipeline_form_with_stage_config_and_data_parallel_sum():

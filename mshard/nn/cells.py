@@ -41,14 +41,19 @@ def _check_count(name: str, what: str, n: Any) -> int:
     return n
 
 
+def check_rows(shape: tuple, n: int, where: str) -> None:
+    """The batch dim of ``shape`` must divide into ``n`` slices."""
+    if len(shape) and shape[0] % n:
+        raise CellError(f"{where}: the batch dim {shape[0]} (input shape {tuple(shape)}) is not divisible by "
+                        f"{n}; use a batch size that is a multiple of {n}.")
+
+
 def _split_rows(x, n: int, where: str):
     """``[B, ...] -> [n, B/n, ...]``; slice k holds rows k, k+n, k+2n, ... (strided, so each slice keeps
     the batch's data-parallel layout and nothing moves between devices)."""
     if not hasattr(x, "shape") or x.ndim == 0:
         return None
-    if x.shape[0] % n:
-        raise CellError(f"{where}: the batch dim {x.shape[0]} (input shape {tuple(x.shape)}) is not divisible by "
-                         f"{n}; use a batch size that is a multiple of {n}.")
+    check_rows(x.shape, n, where)
     return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
 
 

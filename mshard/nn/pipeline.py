@@ -37,8 +37,12 @@ Composition: :class:`~mshard.nn.MicroBatchInterleaved` goes inside the PipelineC
 interleaved slices); :class:`~mshard.nn.GradAccumulationCell` goes outside it (``n`` whole pipeline passes per
 step, gradients averaged); inside it would loop over micro-batches across the stages, which is an error.
 
-Not yet (issue 15): a parameter is stored on every stage's devices (in its in-stage layout), not only on its own
-stage's, so parameter memory does not drop with the stage count.
+Parameter memory drops with the stage count (:mod:`mshard.pipeline.storage`): a parameter that one stage alone
+uses is stored split over the stage axes on dim 0 (every device holds ``1/S`` of it, and of its optimizer state),
+an ordinary ``jax.Array`` of its own shape that reads, saves and runs eagerly like any other; inside the step one
+``all_to_all`` brings each stage its own parameters whole and sends their gradients back split. A parameter several
+stages use (a tied embedding and head) is stored whole on every stage and its gradient summed over the stages, so
+the stages hold the same value after every update.
 
 Called outside a training step, a PipelineCell runs its micro-batches one after another and returns the mean loss.
 """
@@ -46,6 +50,7 @@ Called outside a training step, a PipelineCell runs its micro-batches one after 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -58,10 +63,11 @@ from ..pipeline.execute import ring_size, run_gpipe_keeping_residuals, run_pipel
 from ..pipeline.report import build_report
 from ..pipeline.schedule import make_schedule
 from ..pipeline.stages import cut
+from ..pipeline.storage import StageStorage
 from .cell import Cell
-from .cells import GradAccumulationCell, _split_rows
+from .cells import GradAccumulationCell, _split_rows, check_rows
 
-__all__ = ["Pipeline", "PipelineCell"]
+__all__ = ["Pipeline", "PipelineCell", "PipelinePlan"]
 
 
 class PipelineCell(Cell):
@@ -141,20 +147,48 @@ def _stage_axes(rmesh, S: int) -> tuple[str, ...] | None:
     return choose_axes(S, list(rmesh.names), rmesh)
 
 
-def pipeline_grads(cell: PipelineCell, data: tuple, mesh_plan, ctx) -> tuple[Any, Any, int, list | None, Any]:
-    """-> (mean micro-batch loss, gradient pure State of ``cell``'s Params, data-parallel size inside a stage, the
-    parameters' layouts inside a stage where the cells carry operator strategies (DimAxes per Param leaf), the
-    :class:`~mshard.pipeline.report.PipelineReport`).
+@dataclass
+class PipelinePlan:
+    """What a pipelined step runs, decided before the step is traced (:func:`pipeline_plan`): the stage program
+    cut from the network, the schedule, the stage axes, and the parameters' layouts inside a stage."""
 
-    ``cell`` may be a ``GradAccumulationCell(PipelineCell(...), n)``: the batch is cut into ``n`` parts (part
-    ``k`` holds rows ``k, k + n, ...``), each runs one whole pipeline pass (a ``lax.scan`` over the parts, one
-    compiled pass), and the loss and gradient are the mean over the parts (the full batch's, for a mean loss)."""
+    prog: Any                      # mshard.pipeline.stages.StageProgram
+    sched: Any                     # mshard.pipeline.schedule.Schedule
+    stage_axes: tuple[str, ...]
+    jmesh: Any                     # the step's jax mesh
+    dp: int                        # the data-parallel size inside a stage
+    specs: list | None             # PartitionSpec per Param leaf inside a stage (where the cells carry strategies)
+    dims: list                     # per Param leaf, its stored layout (DimAxes): the in-stage layout, and the
+                                   # stage axes on dim 0 for a parameter one stage owns
+    runner: Any                    # run_pipeline or run_gpipe_keeping_residuals
+    report: Any                    # mshard.pipeline.report.PipelineReport
+    parts: int = 1                 # GradAccumulationCell(PipelineCell, n): n whole pipeline passes per step
+    storage: Any = None            # mshard.pipeline.storage.StageStorage: which stage owns each parameter
+
+
+def _micro(x, M: int):
+    """``[B, ...]`` -> ``[M, B/M, ...]``: micro-batch ``k`` holds rows ``k, k + M, ...``."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // M, M, *x.shape[1:]), 0, 1)
+
+
+def pipeline_plan(cell: Any, data: tuple, mesh_plan, ctx) -> PipelinePlan:
+    """Plan a pipelined step from the shapes of ``data`` (arrays or ``jax.ShapeDtypeStruct``), before the step is
+    traced: check the settings, pick the stage axes and the schedule, and cut the network into stage functions.
+
+    ``cell`` may be a ``GradAccumulationCell(PipelineCell(...), n)``: each pass then runs on ``1/n`` of the batch."""
+    parts = 1
     if _accumulated_pipeline(cell):
-        return _accumulate_passes(cell, data, mesh_plan, ctx)
+        parts = cell.micro_size
+        for x in data:
+            if hasattr(x, "shape"):
+                check_rows(tuple(x.shape), parts, "GradAccumulationCell")
+        data = tuple(jax.ShapeDtypeStruct((x.shape[0] // parts, *x.shape[1:]), x.dtype)
+                     if hasattr(x, "shape") and len(x.shape) else x for x in data)
+        cell = cell.network
     S, M = ctx.pipeline_stages, cell.micro_size
     check_pipeline(ctx, cell)
     for x in jax.tree.leaves(data):
-        if hasattr(x, "shape") and x.ndim and x.shape[0] % M:
+        if hasattr(x, "shape") and len(x.shape) and x.shape[0] % M:
             raise PipelineError(_batch_message(x.shape, M))
     rmesh = mesh_plan
     stage_axes = _stage_axes(rmesh, S)
@@ -173,49 +207,64 @@ def pipeline_grads(cell: PipelineCell, data: tuple, mesh_plan, ctx) -> tuple[Any
                             f"set pipeline_config={{'pipeline_interleave': True}} or remove the segments.")
     name = "interleaved" if chunks > 1 else cfg["pipeline_scheduler"]
     sched = make_schedule(name, stages=S, micro=M, chunks=chunks)
-    micro = [jnp.swapaxes(x.reshape(x.shape[0] // M, M, *x.shape[1:]), 0, 1) if hasattr(x, "ndim") and x.ndim else x
-             for x in data]
-    avals = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in micro]
+    avals = [jax.ShapeDtypeStruct((x.shape[0] // M, *x.shape[1:]), x.dtype) for x in data
+             if hasattr(x, "shape") and len(x.shape)]
     jmesh = rmesh.jax_mesh()
     inner = tuple(a for a in rmesh.names if a not in stage_axes)
     prog = cut(net, lambda m, *d: m(*d), avals, stages=S, chunks=chunks, stage_config=dict(cell.stage_config or ()),
                stage_mesh=(jmesh, inner), dataset_strategy=ctx.dataset_strategy)
-    _, params, rest = nnx.split(net, nnx.Param, ...)
-    pure = nnx.as_pure(params)
-    p_leaves, p_tree = jax.tree.flatten(pure)
-    r_leaves = jax.tree.leaves(nnx.as_pure(rest))
-
-    # the other state (RNG keys, counts) rides along, not differentiated
+    p_leaves = jax.tree.leaves(nnx.as_pure(nnx.state(net, nnx.Param)))
     specs = prog.marks["params"][:len(p_leaves)] if prog.marks else None
     recompute = any(getattr(m, "_mshard_recompute", False) for _, m in nnx.iter_graph(net)
                     if isinstance(m, nnx.Module))
     runner = run_gpipe_keeping_residuals if name == "gpipe" and not recompute else run_pipeline
-    loss, g = runner(prog.stage_fn, p_leaves, micro, prog.carry, sched, jmesh, tuple(stage_axes),
-                           consts=r_leaves, param_specs=specs)
     dp = math.prod(rmesh.shape) // S
     report = build_report(prog, sched, stage_axes, ring_size(sched), prog.cells or {})
-    dims = None if specs is None else [tuple(() if d is None else (d,) if isinstance(d, str) else tuple(d)
-                                             for d in (tuple(sp) + (None,) * (x.ndim - len(sp))))
-                                       for sp, x in zip(specs, p_leaves)]
-    return loss, jax.tree.unflatten(p_tree, g), dp, dims, report
+    storage = StageStorage.build(prog.param_readers(S), p_leaves, specs, S)
+    dims = []
+    for j, x in enumerate(p_leaves):
+        sp = tuple(specs[j]) if specs is not None else ()
+        d = [() if a is None else (a,) if isinstance(a, str) else tuple(a)
+             for a in sp + (None,) * (len(x.shape) - len(sp))]
+        if storage.split(j):          # stored split over the stage axes on dim 0 (mshard.pipeline.storage)
+            d[0] = tuple(stage_axes) + d[0]
+        dims.append(tuple(d))
+    return PipelinePlan(prog, sched, tuple(stage_axes), jmesh, dp, specs, dims, runner, report, parts, storage)
 
 
+def pipeline_grads(cell: Any, data: tuple, pplan: PipelinePlan) -> tuple[Any, Any]:
+    """-> (mean micro-batch loss, gradient pure State of the PipelineCell's network's Params): the schedule of
+    ``pplan`` (made by :func:`pipeline_plan` for these shapes) run on ``data``.
 
-def _accumulate_passes(acc: GradAccumulationCell, data: tuple, mesh_plan, ctx):
+    ``cell`` may be a ``GradAccumulationCell(PipelineCell(...), n)``: the batch is cut into ``n`` parts (part
+    ``k`` holds rows ``k, k + n, ...``), each runs one whole pipeline pass (a ``lax.scan`` over the parts, one
+    compiled pass), and the loss and gradient are the mean over the parts (the full batch's, for a mean loss)."""
+    if _accumulated_pipeline(cell):
+        return _accumulate_passes(cell, data, pplan)
+    M = cell.micro_size
+    micro = [_micro(x, M) if hasattr(x, "ndim") and x.ndim else x for x in data]
+    _, params, rest = nnx.split(cell.network, nnx.Param, ...)
+    p_leaves, p_tree = jax.tree.flatten(nnx.as_pure(params))
+    r_leaves = jax.tree.leaves(nnx.as_pure(rest))      # the other state (RNG keys, counts) rides along
+    prog = pplan.prog
+    loss, g = pplan.runner(prog.stage_fn, p_leaves, micro, prog.carry, pplan.sched, pplan.jmesh, pplan.stage_axes,
+                           consts=r_leaves, param_specs=pplan.specs, storage=pplan.storage)
+    return loss, jax.tree.unflatten(p_tree, g)
+
+
+def _accumulate_passes(acc: GradAccumulationCell, data: tuple, pplan: PipelinePlan):
     n = acc.micro_size
     parts = [_split_rows(x, n, "GradAccumulationCell") for x in data]
     scanned = [x for x in parts if x is not None]
-    static: dict = {}
 
     def body(carry, d):
         g_acc, l_acc = carry
         it = iter(d)
         args = tuple(next(it) if x is not None else a for x, a in zip(parts, data))
-        loss, g, *static["rest"] = pipeline_grads(acc.network, args, mesh_plan, ctx)
+        loss, g = pipeline_grads(acc.network, args, pplan)
         return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss.astype(jnp.float32)), None
 
     _, params, _ = nnx.split(acc.network.network, nnx.Param, ...)
     zeros = jax.tree.map(jnp.zeros_like, nnx.as_pure(params))
     (g, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), scanned)
-    dp, dims, report = static["rest"]
-    return loss / n, jax.tree.map(lambda x: x / n, g), dp, dims, report
+    return loss / n, jax.tree.map(lambda x: x / n, g)

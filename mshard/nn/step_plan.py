@@ -26,12 +26,23 @@ class _StepPlan:
     zero: dict[str, DimAxes] = field(default_factory=dict)      # ZeRO layouts of sharded parameters
     replicas: tuple[str, ...] = ()      # set when a model-parallel step computes per-replica gradients (fusion)
     info: dict[str, dict] = field(default_factory=dict)
+    pipeline: Any = None                # a PipelineCell's mshard.nn.pipeline.PipelinePlan
     pipeline_report: Any = None         # a PipelineCell's stages (mshard.pipeline.report.PipelineReport)
     pipeline_layouts: bool = False      # param_layouts set by a pipeline's stage plan (the region stores them so)
 
     @property
     def dp(self) -> int:
         return self.mesh.count(self.dp_axes)
+
+    def __repr__(self) -> str:
+        # the region's cache key holds this repr (the plan is the step region's static argument): every decision
+        # the traced step and its input layouts depend on, and nothing of the tracing-time values
+        pp = self.pipeline
+        stages = None if pp is None else (pp.sched.name, pp.sched.stages, pp.sched.micro, pp.sched.chunks,
+                                          pp.stage_axes, pp.parts, tuple(map(str, pp.specs or ())))
+        return (f"_StepPlan(mesh={self.mesh!r}, dp_axes={self.dp_axes}, pure_dp={self.pure_dp}, "
+                f"param_layouts={sorted(self.param_layouts.items())}, zero={sorted(self.zero.items())}, "
+                f"pipeline={stages})")
 
 
 def _plan_step(probe: Region, data: tuple, net: nnx.Module, ctx) -> _StepPlan:

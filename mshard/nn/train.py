@@ -90,7 +90,7 @@ from ..region import Region, search_algorithm
 from .cell import Cell
 from .cells import GradAccumulationCell, MicroBatchInterleaved, WithLossCell
 from .grads import _by_key, _drop_axes, _no_fusion_reason, _reduce_in_buckets, _replica_axes, _run_replicas, _value_and_grad
-from .pipeline import check_pipeline, pipeline_grads
+from .pipeline import check_pipeline, pipeline_grads, pipeline_plan
 from .step_plan import _plan_step, _StepPlan
 from .zero import _zero_layouts
 
@@ -99,23 +99,23 @@ __all__ = ["GradAccumulationCell", "MicroBatchInterleaved", "TrainOneStepCell", 
 
 # -- the step ----------------------------------------------------------------------------------------
 class _Runtime:
-    """Per-TrainOneStepCell machinery kept outside the nnx graph: the step region, the forward probe and the
-    trace-time decisions handed to the region's input-layout hook."""
+    """Per-TrainOneStepCell machinery kept outside the nnx graph: the step region and the forward probe. The step's
+    plan (:meth:`plan`) is a value computed before the step is traced; the region receives it as its last
+    (static) argument, so the traced step and the input-layout hook read the plan they were built for."""
 
     def __init__(self, name: str):
         self.region = Region(self.step_fn, name=name, input_layout_hook=self.hook, donate_params=True)
         self.probe = Region(lambda *a: a[-1](*a[:-1]), name=f"{name}.forward")
-        self.pending: _StepPlan | None = None
-        self.last: _StepPlan | None = None
+        self.last: _StepPlan | None = None    # the plan of the latest step run through the region (for reports)
         self.warned = False
         self.fast: Callable | None = None     # repeated steps: the compiled step on the Variables' arrays
 
-    # traced once per (shapes, context): fn(*data, cell)
-    def step_fn(self, *args):
-        *data, cell = args
-        data = tuple(data)
+    def plan(self, cell: TrainOneStepCell, data: tuple) -> _StepPlan:
+        """The step's plan for ``data``'s shapes under the current context, before the step is traced: the forward
+        planned alone (mesh, data-parallel axes, parameter layouts), the fused step's replica layouts, optimizer
+        parallel, and a pipeline's stage program and in-stage layouts."""
         ctx = ctxmod.current()
-        net, opt = cell.network, cell.optimizer
+        net = cell.network
         check_pipeline(ctx, net)
         plan = _plan_step(self.probe, data, net, ctx)
         if search_algorithm(ctx) is not None and not fusion.is_default(ctx):
@@ -123,20 +123,36 @@ class _Runtime:
             # _replica_axes): every parameter is whole over the replicas, in its layout on the other axes
             rax = _replica_axes(plan, ctx)
             plan.param_layouts = {k: _drop_axes(v, rax) for k, v in plan.param_layouts.items()}
-        pstate = nnx.as_pure(nnx.state(net, nnx.Param))
-        pleaves, ptree = jax.tree.flatten_with_path(pstate)
-        names = ["network." + ".".join(str(k.key) for k in p if isinstance(k, jax.tree_util.DictKey))
-                 for p, _ in pleaves]
-        params = [x for _, x in pleaves]
+        names, params = _param_names(net)
+        zero_plan = plan
+        if ctx.pipeline_stages > 1:
+            pp = plan.pipeline = pipeline_plan(net, data, plan.mesh, ctx)
+            plan.pipeline_report = pp.report
+            # the parameters and their optimizer state are stored as the stages use them (a parameter one stage
+            # owns split over the stage axes, mshard.pipeline.storage), and the gradients leave the stages so
+            plan.param_layouts.update(zip(names, pp.dims))
+            plan.pipeline_layouts = True
+            # optimizer parallel shards over the data-parallel axes inside a stage (the same dicts are filled)
+            zero_plan = dataclasses.replace(plan, dp_axes=tuple(a for a in plan.dp_axes if a not in pp.stage_axes))
         if ctx.enable_parallel_optimizer and ctx.parallel_mode != "stand_alone":
-            _zero_layouts(plan, list(zip(names, params)), ctx)
+            _zero_layouts(zero_plan, list(zip(names, params)), ctx)
         else:
             for nm, x in zip(names, params):
                 plan.info[nm] = {"shape": tuple(x.shape), "layout": plan.param_layouts.get(nm), "sharded": False,
                                  "reason": "enable_parallel_optimizer is False"}
-        self.pending = plan
+        return plan
+
+    # traced once per (shapes, context): fn(*data, cell, plan)
+    def step_fn(self, *args):
+        *data, cell, plan = args
+        data = tuple(data)
+        plan = dataclasses.replace(plan)      # what tracing decides (the fused replicas) stays in this trace
+        ctx = ctxmod.current()
+        net, opt = cell.network, cell.optimizer
+        names, params = _param_names(net)
+        ptree = jax.tree.structure(nnx.as_pure(nnx.state(net, nnx.Param)))
         token = None
-        if ctx.pipeline_stages > 1:
+        if plan.pipeline is not None:
             loss, grads = self._pipeline_grads(net, data, plan, names, ctx)
         elif plan.pure_dp:
             loss, grads, token = self._pure_dp_grads(net, data, plan, names, params, ctx)
@@ -183,16 +199,13 @@ class _Runtime:
 
     def _pipeline_grads(self, net, data, plan: _StepPlan, names, ctx):
         """A PipelineCell's gradient: its schedule run over the stage axes (:mod:`mshard.nn.pipeline`)."""
-        loss, g, dp, dims, plan.pipeline_report = pipeline_grads(net, data, plan.mesh, ctx)
-        scale = 1.0 if ctx.gradients_mean else float(dp)
+        loss, g = pipeline_grads(net, data, plan.pipeline)
+        scale = 1.0 if ctx.gradients_mean else float(plan.pipeline.dp)
         grads = [x * scale if scale != 1.0 else x for x in jax.tree.leaves(g)]
         mesh = plan.mesh.jax_mesh()
-        if dims is not None:
-            # the parameters and their optimizer state are stored as the stages use them, and the gradients leave
-            # the stages in those layouts (the update then runs on the slices)
-            plan.param_layouts.update(zip(names, dims))
-            plan.pipeline_layouts = True
-            grads = [jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_of(d))) for x, d in zip(grads, dims)]
+        if plan.pipeline_layouts:
+            grads = [jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_of(plan.param_layouts[nm])))
+                     for x, nm in zip(grads, names)]
         for i, nm in enumerate(names):
             if nm in plan.zero:
                 grads[i] = jax.lax.with_sharding_constraint(grads[i], NamedSharding(mesh, spec_of(plan.zero[nm])))
@@ -285,17 +298,20 @@ class _Runtime:
         return jax.tree.unflatten(ptree, new)
 
     # after planning the step: optimizer state follows its parameter (or its ZeRO layout)
-    def hook(self, infos, layouts):
-        # called before a data-parallel plan is made and again after every plan: the second call sees the same plan
-        plan = self.pending if self.pending is not None else self.last
-        self.pending, self.last = None, plan
+    @staticmethod
+    def hook(infos, layouts, statics):
+        """The step's input layouts: a pipeline's parameters in their in-stage layouts, and every optimizer-state
+        leaf that mirrors a parameter in that parameter's layout (or its ZeRO layout). ``statics[-1]`` is the
+        step's plan (the region's static argument); called before a data-parallel plan is made and again after
+        every plan."""
+        plan = statics[-1]
         inputs = list(layouts.inputs)
         idx = {info.name: i for i, info in enumerate(infos) if info.kind == "param"}
-        if plan is not None and plan.pipeline_layouts:
+        if plan.pipeline_layouts:
             for nm, lay in plan.param_layouts.items():
                 if nm in idx:
                     inputs[idx[nm]] = lay
-        params = {nm[len("network."):]: idx[nm] for nm in (plan.param_layouts if plan else {}) if nm in idx}
+        params = {nm[len("network."):]: idx[nm] for nm in plan.param_layouts if nm in idx}
         by_len = sorted(params, key=len, reverse=True)
         for name, j in idx.items():
             if not name.startswith("optimizer.opt_state."):
@@ -306,6 +322,14 @@ class _Runtime:
                     inputs[j] = plan.zero.get("network." + p, inputs[i])
                     break
         return inputs
+
+
+def _param_names(net: nnx.Module) -> tuple[list[str], list[Any]]:
+    """The step's names (``network.<path>``) and values of ``net``'s Param leaves, in flattening order."""
+    pleaves = jax.tree.flatten_with_path(nnx.as_pure(nnx.state(net, nnx.Param)))[0]
+    names = ["network." + ".".join(str(k.key) for k in p if isinstance(k, jax.tree_util.DictKey))
+             for p, _ in pleaves]
+    return names, [x for _, x in pleaves]
 
 
 _RUNTIMES: weakref.WeakKeyDictionary[TrainOneStepCell, _Runtime] = weakref.WeakKeyDictionary()
@@ -347,17 +371,18 @@ class TrainOneStepCell(Cell):
             out = fast(data)
             if out is not MISS:
                 return out
-        loss = rt.region(*data, self)
-        rt.fast = self._fast_step(rt.region, data)
+        plan = rt.last = rt.plan(self, data)
+        loss = rt.region(*data, self, plan)
+        rt.fast = self._fast_step(rt.region, data, plan)
         return loss
 
-    def _fast_step(self, region: Region, data: tuple) -> Callable | None:
+    def _fast_step(self, region: Region, data: tuple, plan: _StepPlan) -> Callable | None:
         """Repeated steps without the region's per-call ``nnx.split``/``nnx.update`` (tens of ms for a model
         with a few hundred Variables), valid while the context, algorithm/cost-model parameters, strategy epoch
         and the data's structure, shapes and dtypes are unchanged. As MindSpore compiles a training graph once,
         Cells or Variables *assigned* to the network after the first step are not seen (values written into its
         Variables, e.g. by ``nnx.update``, are)."""
-        return region.fast_path((*data, self), [self], data)
+        return region.fast_path((*data, self, plan), [self], data)
 
     @property
     def opt_state(self) -> Any:
@@ -372,16 +397,16 @@ class TrainOneStepCell(Cell):
 
     def lower(self, *data) -> jax.stages.Lowered:
         """The step's ``jax.stages.Lowered`` (``.compile().memory_analysis()``, ``.as_text()``)."""
-        return self._rt.region.lower(*data, self)
+        return self._rt.region.lower(*data, self, self._rt.plan(self, data))
 
     def layouts(self, *data):
         """The planned layouts of the step's inputs (parameters, optimizer state, data)."""
-        return self._rt.region.layouts(*data, self)
+        return self._rt.region.layouts(*data, self, self._rt.plan(self, data))
 
     def plan(self, *data):
         """The step's Plan (``plan.summary()``, ``plan.param_specs``; ``plan.pipeline`` for a PipelineCell)."""
-        plan = self._rt.region.plan(*data, self)
-        last = self._rt.last
-        if last is not None and last.pipeline_report is not None:
-            plan = dataclasses.replace(plan, pipeline=last.pipeline_report)
+        step_plan = self._rt.plan(self, data)
+        plan = self._rt.region.plan(*data, self, step_plan)
+        if step_plan.pipeline_report is not None:
+            plan = dataclasses.replace(plan, pipeline=step_plan.pipeline_report)
         return plan

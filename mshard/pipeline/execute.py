@@ -19,9 +19,11 @@ set, memory and time come close to the whole-stage recompute's.
 :func:`run_gpipe_keeping_residuals` is the other executor: gpipe's forward ticks as one scan that JAX
 differentiates, so every forward's residuals are kept until its backward (no recompute; memory grows with M).
 
-The gradient is the sum over micro-batches of ``d(loss_i / M) / d params`` (the mean loss's gradient) psum-ed
-over the stages, so a parameter two stages use (a tied embedding and head) gets both contributions, and every
-stage holds the same value after the update. The loss lives on the last stage and is psum-ed likewise.
+The gradient is the sum over micro-batches of ``d(loss_i / M) / d params`` (the mean loss's gradient). A parameter
+one stage owns (:mod:`mshard.pipeline.storage`) arrives split over the stages, is gathered whole onto its stage by
+one ``all_to_all`` and its gradient leaves split the same way; a parameter two stages use (a tied embedding and
+head) arrives whole and its gradient is psum-ed over the stages, so it gets both contributions and every stage
+holds the same value after the update. The loss lives on the last stage and is psum-ed likewise.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from .schedule import BWD, FWD, Schedule
+from .storage import StageStorage
 
 
 def ring_size(sched: Schedule) -> int:
@@ -118,7 +121,8 @@ class _Residuals:
 
 def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax.ShapeDtypeStruct],
                  sched: Schedule, mesh: jax.sharding.Mesh, stage_axes: tuple[str, ...], consts: Any = (),
-                 param_specs: Sequence[Any] | None = None, keep_residuals: bool = True):
+                 param_specs: Sequence[Any] | None = None, keep_residuals: bool = True,
+                 storage: StageStorage | None = None):
     """-> (mean loss over the micro-batches, gradient of it w.r.t. ``params``), both replicated over the stages.
 
     ``stage_fn(vs, params, consts, carry, d) -> (carry, loss)`` runs virtual stage ``vs`` (static) on one
@@ -127,6 +131,10 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
     stage only. ``data`` leaves are ``[M, ...]`` (micro-batch first). ``param_specs`` (one PartitionSpec per
     leaf of ``params``, over the axes inside a stage) lays the parameters and their gradient sums out inside the
     stage as its operator strategies use them.
+
+    ``storage`` (:mod:`mshard.pipeline.storage`): the parameters a stage owns arrive split over the stage axes on
+    dim 0, are gathered whole onto their stage only, and their gradients leave split the same way; the others
+    (all of them without ``storage``) arrive whole and their gradients are summed over the stages.
 
     ``keep_residuals``: each forward keeps its residuals (:class:`_Residuals`) until its backward, which then
     recomputes nothing; a cell with ``recompute()`` (``jax.checkpoint``) keeps only its inputs and is recomputed
@@ -140,42 +148,56 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
     fwd_perm = [(j, (j + 1) % S) for j in range(S)]
     bwd_perm = [(j, (j - 1) % S) for j in range(S)]
     res = _Residuals() if keep_residuals else None
+    st = storage if storage is not None else StageStorage.build([set()] * len(params), params, None, S)
 
-    def stage_vjp(vs, p, h, d):
+    def plist(vs, pw):
+        """Virtual stage ``vs``'s parameter list from ``pw = (own, p)`` (its own gathered, the shared whole)."""
+        ps = st.params_for(vs % S, pw[0], pw[1])
+        if param_specs is not None:
+            ps = [lax.with_sharding_constraint(x, sp) for x, sp in zip(ps, param_specs)]
+        return ps
+
+    def grads_of(vs, gp, pw):
+        """A parameter gradient list -> (this stage's own, per group; the shared ones, zeros for the owned)."""
+        return st.own_grads(vs % S, gp), [jnp.zeros(x.shape, x.dtype) if st.split(j) else g
+                                          for j, (g, x) in enumerate(zip(gp, pw[1]))]
+
+    def stage_vjp(vs, ps, h, d):
         """(stage output, loss), its backward, and the inputs a residual may be."""
         cs = consts_in[0]
-        out, vjp = jax.vjp(lambda p, h: stage_fn(vs, p, cs, h, d), p, h)
-        return out, vjp, list(p) + list(h) + jax.tree.leaves(d) + jax.tree.leaves(cs)
+        out, vjp = jax.vjp(lambda p, h: stage_fn(vs, p, cs, h, d), ps, h)
+        return out, vjp, list(ps) + list(h) + jax.tree.leaves(d) + jax.tree.leaves(cs)
 
     def fwd_branch(vs):
-        def f(p, h, d, g_h, r):
+        def f(pw, h, d, g_h, r):
             zeros_r = tuple(map(jnp.zeros_like, r))
+            ps = plist(vs, pw)
+            zeros_g = (st.zeros_own(), [jnp.zeros(x.shape, x.dtype) for x in pw[1]])
             if res is None:
-                h2, loss = stage_fn(vs, p, consts_in[0], h, d)
-                return h2, loss.astype(jnp.float32), jax.tree.map(jnp.zeros_like, p), tuple(map(jnp.zeros_like, h)), \
-                    zeros_r
-            (h2, loss), vjp, inputs = stage_vjp(vs, p, h, d)
+                h2, loss = stage_fn(vs, ps, consts_in[0], h, d)
+                return h2, loss.astype(jnp.float32), zeros_g, tuple(map(jnp.zeros_like, h)), zeros_r
+            (h2, loss), vjp, inputs = stage_vjp(vs, ps, h, d)
             where, kept = res.split(jax.tree.leaves(vjp), inputs)
             res.check(vs, where)
-            return (h2, loss.astype(jnp.float32), jax.tree.map(jnp.zeros_like, p), tuple(map(jnp.zeros_like, h)),
-                    res.pack(vs, kept))
+            return (h2, loss.astype(jnp.float32), zeros_g, tuple(map(jnp.zeros_like, h)), res.pack(vs, kept))
         return f
 
     def bwd_branch(vs):
-        def f(p, h, d, g_h, r):
+        def f(pw, h, d, g_h, r):
             last = vs == V - 1
+            ps = plist(vs, pw)
             if res is None:
-                (h2, loss), vjp = jax.vjp(lambda p, h: stage_fn(vs, p, consts_in[0], h, d), p, h)
+                (h2, loss), vjp = jax.vjp(lambda p, h: stage_fn(vs, p, consts_in[0], h, d), ps, h)
             else:
                 # the backward's structure from this trace, its residuals from the forward's tick: the forward
                 # traced here to get that structure computes nothing used, and is removed as dead code
-                (h2, loss), vjp, inputs = stage_vjp(vs, p, h, d)
+                (h2, loss), vjp, inputs = stage_vjp(vs, ps, h, d)
                 leaves, treedef = jax.tree.flatten(vjp)
                 res.check(vs, res.split(leaves, inputs)[0])
                 vjp = jax.tree.unflatten(treedef, res.unpack(vs, r, inputs))
             g_out = tuple(jnp.zeros_like(x) for x in h2) if last else g_h
             gp, gh = vjp((g_out, jnp.asarray(1.0 / M if last else 0.0, loss.dtype)))
-            return (tuple(map(jnp.zeros_like, h2)), jnp.zeros((), jnp.float32), gp, gh,
+            return (tuple(map(jnp.zeros_like, h2)), jnp.zeros((), jnp.float32), grads_of(vs, gp, pw), gh,
                     tuple(map(jnp.zeros_like, r)))
         return f
 
@@ -184,16 +206,16 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
 
     consts_in: list = [None]
 
-    def probe(p, d, zeros_c) -> None:
+    def probe(pw, d, zeros_c) -> None:
         """Every virtual stage's residual structure, from an abstract trace of its forward."""
         got: dict = {}
         for vs in range(V):
-            def leaves_of(p, h, d, vs=vs, got=got):
-                _, vjp, inputs = stage_vjp(vs, p, h, d)
+            def leaves_of(pw, h, d, vs=vs, got=got):
+                _, vjp, inputs = stage_vjp(vs, plist(vs, pw), h, d)
                 where, kept = res.split(jax.tree.leaves(vjp), inputs)
                 got[vs] = where
                 return kept
-            shapes = jax.eval_shape(leaves_of, p, zeros_c, jax.tree.map(lambda x: x[0], d))
+            shapes = jax.eval_shape(leaves_of, pw, zeros_c, jax.tree.map(lambda x: x[0], d))
             res.add(vs, got[vs], shapes)
 
     def local(p, cs, d):
@@ -203,13 +225,13 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
         ring_f = tuple(jnp.zeros((v, K) + c.shape, c.dtype) for c in carry)
         ring_b = tuple(jnp.zeros((v, K) + c.shape, c.dtype) for c in carry)
         zeros_c = tuple(jnp.zeros(c.shape, c.dtype) for c in carry)
+        pw = (st.gather(p, stage_axes), list(p))      # this stage's own parameters whole; the shared ones
+        gacc = (st.zeros_own(), [jnp.zeros(x.shape, x.dtype) for x in p])
         if param_specs is not None:
-            p = [lax.with_sharding_constraint(x, sp) for x, sp in zip(p, param_specs)]
-        gacc = jax.tree.map(jnp.zeros_like, p)
-        if param_specs is not None:
-            gacc = [lax.with_sharding_constraint(x, sp) for x, sp in zip(gacc, param_specs)]
+            gacc = (gacc[0], [x if st.split(j) else lax.with_sharding_constraint(x, sp)
+                              for j, (x, sp) in enumerate(zip(gacc[1], param_specs))])
         if res is not None:
-            probe(p, d, zeros_c)
+            probe(pw, d, zeros_c)
         # one spare slot (K): the ticks that keep nothing write their (zero) residuals there, so the store is an
         # unconditional in-place update instead of a select that reads the slot back
         ring_r = tuple(jnp.zeros((v, K + 1) + sh, dt) for sh, dt in (res.slots if res is not None else ()))
@@ -239,17 +261,17 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
             r_in = tuple(r[c, slot] for r in ring_r)
             di = jax.tree.map(lambda x: x[i], d)
 
-            def idle(p, h, di, g_h, r):
-                return (zeros_c, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, p), zeros_c,
+            def idle(pw, h, di, g_h, r):
+                return (zeros_c, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, gacc), zeros_c,
                         tuple(map(jnp.zeros_like, r)))
 
-            def fwd(p, h, di, g_h, r):
-                return lax.switch(vs, branches_f, p, h, di, g_h, r)
+            def fwd(pw, h, di, g_h, r):
+                return lax.switch(vs, branches_f, pw, h, di, g_h, r)
 
-            def bwd(p, h, di, g_h, r):
-                return lax.switch(vs, branches_b, p, h, di, g_h, r)
+            def bwd(pw, h, di, g_h, r):
+                return lax.switch(vs, branches_b, pw, h, di, g_h, r)
 
-            send_f, loss, gp, send_b, r_out = lax.switch(k, [idle, fwd, bwd], p, h, di, g_h, r_in)
+            send_f, loss, gp, send_b, r_out = lax.switch(k, [idle, fwd, bwd], pw, h, di, g_h, r_in)
             to = jnp.where(k == FWD, slot, K)
             ring_r = tuple(r.at[c, to].set(x) for r, x in zip(ring_r, r_out))
             lacc = lacc + jnp.where((k == FWD) & (vs == V - 1), loss, 0.0)
@@ -260,19 +282,22 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
 
         init = (ring_f, ring_b, ring_r, gacc, jnp.zeros((), jnp.float32), zeros_c, zeros_c)
         (_, _, _, gacc, lacc, _, _), _ = lax.scan(tick, init, jnp.arange(sched.ticks))
-        return lax.psum(lacc, stage_axes) / M, jax.tree.map(lambda g: lax.psum(g, stage_axes), gacc)
+        split = st.scatter(gacc[0], stage_axes)
+        g = [split[j] if st.split(j) else lax.psum(x, stage_axes) for j, x in enumerate(gacc[1])]
+        return lax.psum(lacc, stage_axes) / M, g
 
-    spec_p = jax.tree.map(lambda _: P(), params)
+    spec_p = [P(stage_axes) if st.split(j) else P() for j in range(len(params))]
     spec_d = jax.tree.map(lambda _: P(), data)
     spec_c = jax.tree.map(lambda _: P(), consts)
     f = jax.shard_map(local, mesh=mesh, in_specs=(spec_p, spec_c, spec_d), out_specs=(P(), spec_p),
                       axis_names=set(stage_axes), check_vma=False)
-    return f(params, consts, data)
+    return f(list(params), consts, data)
 
 
 def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax.ShapeDtypeStruct],
                                 sched: Schedule, mesh: jax.sharding.Mesh, stage_axes: tuple[str, ...],
-                                consts: Any = (), param_specs: Sequence[Any] | None = None):
+                                consts: Any = (), param_specs: Sequence[Any] | None = None,
+                                storage: StageStorage | None = None):
     """GPipe without recomputation: the forward ticks of the schedule (every forward, in its table order) as one
     scan, differentiated by JAX (``jax.value_and_grad`` of the ``shard_map``; the backward is the scan's
     transpose, ``ppermute`` transposes to the reverse permute). Each stage keeps the residuals of its forwards
@@ -284,13 +309,20 @@ def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carr
     assert sched.name == "gpipe" and sched.chunks == 1 and np.all(table[:, :, 0] != BWD)
     fwd_perm = [(j, j + 1) for j in range(S - 1)]
 
+    st = storage if storage is not None else StageStorage.build([set()] * len(params), params, None, S)
+
     def local(p, cs, d):
         s = lax.axis_index(stage_axes)
         tab = jnp.asarray(table)
-        if param_specs is not None:
-            p = [lax.with_sharding_constraint(x, sp) for x, sp in zip(p, param_specs)]
+        pw = (st.gather(p, stage_axes), list(p))       # the transpose (all_to_all) sends the gradients back split
+
+        def plist(vs):
+            ps = st.params_for(vs, pw[0], pw[1])
+            if param_specs is not None:
+                ps = [lax.with_sharding_constraint(x, sp) for x, sp in zip(ps, param_specs)]
+            return ps
         zeros_c = tuple(jnp.zeros(c.shape, c.dtype) for c in carry)
-        branches = [lambda p, h, di, vs=vs: _as_f32(stage_fn(vs, p, cs, h, di)) for vs in range(S)]
+        branches = [lambda _, h, di, vs=vs: _as_f32(stage_fn(vs, plist(vs), cs, h, di)) for vs in range(S)]
 
         def idle(p, h, di):
             return zeros_c, jnp.zeros((), jnp.float32)
@@ -308,11 +340,11 @@ def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carr
         (_, lacc), _ = lax.scan(tick, init, jnp.arange(fwd_ticks))
         return lax.psum(lacc, stage_axes) / M
 
-    spec_p = jax.tree.map(lambda _: P(), params)
+    spec_p = [P(stage_axes) if st.split(j) else P() for j in range(len(params))]
     f = jax.shard_map(local, mesh=mesh, in_specs=(spec_p, jax.tree.map(lambda _: P(), consts),
                                                   jax.tree.map(lambda _: P(), data)),
                       out_specs=P(), axis_names=set(stage_axes), check_vma=False)
-    return jax.value_and_grad(lambda p: f(p, consts, data))(params)
+    return jax.value_and_grad(lambda p: f(p, consts, data))(list(params))
 
 
 def _as_f32(out):

@@ -27,6 +27,8 @@ from flax import nnx
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
+from .. import annotate
+from .. import context as ctxmod
 from ..errors import PipelineError
 
 _SCOPE = "mshard_pp_stage_"
@@ -119,7 +121,10 @@ def _trace(net: nnx.Module, loss_of: Any, data_avals: Sequence[Any], by_path: di
         return loss, new_rest
 
     aval = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-    with scopes:
+    # traced as a region is (before the step is traced): a primitive with a strategy leaves its mark in the jaxpr
+    # (for the in-stage plan) instead of running as its own sharded region
+    trace = annotate.current_region() or annotate.RegionTrace(device_num=ctxmod.current().devices)
+    with scopes, annotate.tracing_region(trace):
         closed = jax.make_jaxpr(f)([aval(x) for x in p_leaves], [aval(x) for x in r_leaves], *data_avals)
     return closed, len(p_leaves), len(r_leaves)
 
@@ -278,6 +283,21 @@ class StageProgram:
     @property
     def carry(self) -> list[jax.ShapeDtypeStruct]:
         return [jax.ShapeDtypeStruct(s, d) for s, d in self.slots]
+
+    def param_readers(self, stages: int) -> list[set[int]]:
+        """Per parameter: the physical stages (virtual stage mod ``stages``) whose equations read it, counting
+        the equations each stage recomputes (a weight transpose read by the stage that needs it)."""
+        jaxpr = self.closed.jaxpr
+        index = {v: j for j, v in enumerate(jaxpr.invars[:self.n_params])}
+        out: list[set[int]] = [set() for _ in range(self.n_params)]
+        for vs in range(self.V):
+            todo = set(self.needs[vs]) | {j for j, st in enumerate(self.stage) if st == vs}
+            for j in todo:
+                for v in jaxpr.eqns[j].invars:
+                    k = index.get(v) if isinstance(v, jcore.Var) else None
+                    if k is not None:
+                        out[k].add(vs % stages)
+        return out
 
     def activation_bytes(self) -> list[int]:
         """Bytes handed across each boundary (one micro-batch)."""
