@@ -310,3 +310,7 @@ def test_the_plan_shows_every_stage_and_what_crosses_between_them():
     assert any(st == 1 and "head" in name and "dot_general" in name for name, st in rep.op_stage.items())
     text = plan.summary()
     assert "stage 0 -> 1: float32[4, 32, 64]" in text and "pipeline: 1f1b, 2 stages" in text
+    # the parameters one device stores: each one stage alone uses, split over the 2 stages (the GPT's dims divide)
+    whole = sum(x.nbytes for x in jax.tree.leaves(nnx.state(step.network, nnx.Param)))
+    assert rep.stored_param_bytes == (whole // 2, whole)
+    assert f"parameters stored per device across the stages: {whole // 2:,} B of {whole:,} B (2.00x less)" in text

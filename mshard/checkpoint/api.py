@@ -219,7 +219,7 @@ def _place(obj: nnx.Module, inputs: tuple) -> None:
     from ..nn.train import TrainOneStepCell
     from ..region import Region
     if isinstance(obj, TrainOneStepCell):
-        obj._rt.region.place(*inputs, obj)
+        obj.place(*inputs)
     elif getattr(obj, "_mshard_shard", None) is not None:
         _cell_region(obj).place(obj, *inputs)
     else:

@@ -49,6 +49,7 @@ Called outside a training step, a PipelineCell runs its micro-batches one after 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -221,6 +222,9 @@ def pipeline_plan(cell: Any, data: tuple, mesh_plan, ctx) -> PipelinePlan:
     dp = math.prod(rmesh.shape) // S
     report = build_report(prog, sched, stage_axes, ring_size(sched), prog.cells or {})
     storage = StageStorage.build(prog.param_readers(S), p_leaves, specs, S)
+    nbytes = [int(x.size) * x.dtype.itemsize for x in p_leaves]
+    report = dataclasses.replace(report, stored_param_bytes=(
+        sum(storage.stored_bytes(j, n) for j, n in enumerate(nbytes)), sum(nbytes)))
     dims = []
     for j, x in enumerate(p_leaves):
         sp = tuple(specs[j]) if specs is not None else ()

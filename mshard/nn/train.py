@@ -140,6 +140,10 @@ class _Runtime:
             for nm, x in zip(names, params):
                 plan.info[nm] = {"shape": tuple(x.shape), "layout": plan.param_layouts.get(nm), "sharded": False,
                                  "reason": "enable_parallel_optimizer is False"}
+        if plan.pipeline is None and not plan.pure_dp and _no_fusion_reason(plan, ctx) is None:
+            # the fused step's data-parallel replicas (the traced step falls back to XLA's reductions, with a
+            # CommFusionWarning, where the strategies do not fit one replica's share of the batch)
+            plan.replicas = _replica_axes(plan, ctx)
         return plan
 
     # traced once per (shapes, context): fn(*data, cell, plan)
@@ -398,6 +402,11 @@ class TrainOneStepCell(Cell):
     def lower(self, *data) -> jax.stages.Lowered:
         """The step's ``jax.stages.Lowered`` (``.compile().memory_analysis()``, ``.as_text()``)."""
         return self._rt.region.lower(*data, self, self._rt.plan(self, data))
+
+    def place(self, *data) -> None:
+        """Put the parameters and optimizer state on the layouts this step's plan gives for ``data`` (plans,
+        compiles nothing, runs nothing)."""
+        self._rt.region.place(*data, self, self._rt.plan(self, data))
 
     def layouts(self, *data):
         """The planned layouts of the step's inputs (parameters, optimizer state, data)."""

@@ -46,6 +46,8 @@ class PipelineReport:
     boundaries: tuple[Boundary, ...]
     op_stage: dict = field(default_factory=dict)          # "name/primitive#index" -> virtual stage (-1: every stage)
     auto_assigned: bool = False
+    stored_param_bytes: tuple[int, int] = (0, 0)          # parameter bytes one device stores across the stage axes
+                                                          # (before any in-stage split), and the whole model's
 
     def schedule_table(self):
         """The schedule this step runs (:class:`~mshard.pipeline.schedule.Schedule`: ``.timeline()``, and a
@@ -65,16 +67,22 @@ class PipelineReport:
         return (f"<b>pipeline</b>: {e(self.schedule)}, {self.stages} stages x {self.chunks} chunk(s) over mesh axes "
                 f"{e(str(self.stage_axes))}, {self.micro_size} micro-batches"
                 + ("; stages placed by the stage helper" if self.auto_assigned else "")
+                + f"; parameters stored per device across the stages: {self._stored()}"
                 + "<table><tr><th>stage</th><th>cells</th><th>ops</th><th>forward FLOPs / micro-batch</th>"
                   f"<th>parameter bytes</th></tr>{stages}</table>"
                 + "<table><tr><th>boundary</th><th>activations</th><th>bytes / micro-batch</th><th>sent by</th></tr>"
                   f"{bounds}</table>" + self.schedule_table()._repr_html_())
 
+    def _stored(self) -> str:
+        held, whole = self.stored_param_bytes
+        return f"{held:,} B of {whole:,} B ({whole / max(held, 1):.2f}x less)"
+
     def lines(self) -> list[str]:
         out = [f"pipeline: {self.schedule}, {self.stages} stages x {self.chunks} chunk(s) over mesh axes "
                f"{self.stage_axes}, {self.micro_size} micro-batches, {self.ticks} ticks, bubble {self.bubble:.3f} "
                f"(idle stage-ticks), input ring {self.ring_slots} slot(s)"
-               + ("; stages placed by the stage helper" if self.auto_assigned else "")]
+               + ("; stages placed by the stage helper" if self.auto_assigned else ""),
+               f"  parameters stored per device across the stages: {self._stored()}"]
         for s in self.stage_info:
             cells = ", ".join(s.cells[:6]) + (" ..." if len(s.cells) > 6 else "")
             out.append(f"  stage {s.stage}: {s.ops} ops, {s.flops:,.0f} forward FLOPs/micro-batch, parameters "
