@@ -36,13 +36,14 @@ _LEAF = jax.tree.structure(0)
 
 
 def raw_ok(v: nnx.Variable) -> bool:
-    """Whether a Variable's array can be read/written directly (``_raw_value``: no get/set hooks, not a ref);
-    otherwise the fast paths use ``get_value``/``set_value`` (about 10 us each)."""
-    meta = getattr(v, "_var_metadata", None)
-    if not isinstance(meta, dict) or not hasattr(v, "_raw_value"):
+    """Whether a Variable's array can be read/written as is (``get_raw_value``/``set_raw_value``: it has no
+    get/set hooks and is not a ref); otherwise the fast paths use ``get_value``/``set_value`` (about 10 us each)."""
+    try:
+        meta, raw = v.get_metadata(), v.get_raw_value()
+    except (AttributeError, TypeError):
         return False
     return not any(k in meta for k in ("on_get_value", "on_set_value")) and not meta.get("ref") \
-        and not meta.get("hijax") and isinstance(v._raw_value, jax.Array)
+        and not meta.get("hijax") and isinstance(raw, jax.Array)
 
 
 def module_variables(modules) -> list | None:
@@ -183,7 +184,7 @@ def fast_call(comp, variables: list, data: tuple, donate: bool) -> Callable | No
             if type(x) not in arrays:           # a tracer (the user's own transformation), a Python scalar
                 return MISS
         if variables:
-            vals = [v._raw_value if r else v.get_value() for v, r in zip(variables, raw)]
+            vals = [v.get_raw_value() if r else v.get_value() for v, r in zip(variables, raw)]
             for x in vals:
                 if type(x) not in arrays:       # a tracer: the user's own transformation holds the module
                     return MISS
@@ -205,7 +206,7 @@ def fast_call(comp, variables: list, data: tuple, donate: bool) -> Callable | No
             n_user = len(outs) - len(changed)
             for i, x in zip(changed, outs[n_user:]):
                 if raw[i]:
-                    variables[i]._raw_value = x
+                    variables[i].set_raw_value(x)
                 else:
                     variables[i].set_value(x)
             outs = outs[:n_user]

@@ -7,8 +7,11 @@ import os
 # assignment (the memory tests' figures) are XLA's, unchanged, and LLVM does not reorder float arithmetic at any
 # level (no fast-math), so results are the same; only the kernels run slower, on the tests' tiny inputs. bench/
 # measures speed and does not set it. MSHARD_TEST_XLA_OPT=1 compiles as users do.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + (
-    "" if os.environ.get("MSHARD_TEST_XLA_OPT") == "1" else " --xla_backend_optimization_level=0")).strip()
+# The test's subprocesses (examples, multi-process workers) add MSHARD_TEST_XLA_EXTRA to their own XLA_FLAGS.
+os.environ["MSHARD_TEST_XLA_EXTRA"] = ("" if os.environ.get("MSHARD_TEST_XLA_OPT") == "1"
+                                       else " --xla_backend_optimization_level=0")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+                           + os.environ["MSHARD_TEST_XLA_EXTRA"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import atexit

@@ -1,5 +1,7 @@
 """Shared test helpers: single-device references and shard-shape checks."""
 
+import os
+
 import jax
 import numpy as np
 
@@ -8,6 +10,12 @@ import numpy as np
 # relative each (worst case n * 2**-24: 4e-6 at n = 64, 1.5e-5 at n = 256); ATOL for outputs that cancel near 0
 RTOL = 1e-5
 ATOL = 1e-5
+
+
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a test's subprocess: ``devices`` simulated CPU devices, compiled as the tests compile
+    (``MSHARD_TEST_XLA_EXTRA``, set by conftest)."""
+    return f"--xla_force_host_platform_device_count={devices}{os.environ.get('MSHARD_TEST_XLA_EXTRA', '')}"
 
 
 def on_one_device(fn, *args):

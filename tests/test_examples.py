@@ -6,13 +6,14 @@ import subprocess
 import sys
 
 import nbformat
+from helpers import xla_flags
 from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_quickstart_script_runs():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -36,7 +37,7 @@ def test_quickstart_notebook_executes():
 def test_infer_gpt_example_generates_like_one_device():
     """Train dp x mp 2x4 + optimizer parallel, save, load into mp 8, decode with a head-split KV cache (the
     example asserts the tokens equal one device's full forward and the decode step's collectives)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "infer_gpt.py"), "--steps", "20", "--new", "8"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

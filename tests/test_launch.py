@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from helpers import free_port
+from helpers import free_port, xla_flags
 
 import mshard as ms
 
@@ -21,7 +21,7 @@ WORKER = MP / "worker_launch.py"
 
 def _launch(tmp_path, fault="none", extra=(), script=WORKER, devices=4, mode="data_parallel"):
     env = dict(os.environ, FAULT=fault, MODE=mode, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=xla_flags(devices))
     cmd = [sys.executable, "-m", "mshard", "run", "--worker_num=2", "--local_worker_num=2",
            f"--master_port={free_port()}", f"--log_dir={tmp_path}", *extra, str(script)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -5,8 +5,10 @@ import pathlib
 import subprocess
 import sys
 
+from helpers import xla_flags
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+ENV = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
 
 
 def run(script, *args):

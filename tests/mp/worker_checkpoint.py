@@ -15,7 +15,7 @@ import sys
 pid, port, phase, directory, nproc, ndev = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), \
     int(sys.argv[6])
 pid = int(pid)
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}" + os.environ.get("MSHARD_TEST_XLA_EXTRA", "")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -10,7 +10,7 @@ import os
 import sys
 
 pid, port = int(sys.argv[1]), sys.argv[2]
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4" + os.environ.get("MSHARD_TEST_XLA_EXTRA", "")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
