@@ -107,15 +107,28 @@ class _Runtime:
         self.region = Region(self.step_fn, name=name, input_layout_hook=self.hook, donate_params=True)
         self.probe = Region(lambda *a: a[-1](*a[:-1]), name=f"{name}.forward")
         self.last: _StepPlan | None = None    # the plan of the latest step run through the region (for reports)
+        self.plans: dict = {}                 # plan() per (context stamp, network structure, shapes): computed once
         self.warned = False
         self.fast: Callable | None = None     # repeated steps: the compiled step on the Variables' arrays
 
     def plan(self, cell: TrainOneStepCell, data: tuple) -> _StepPlan:
         """The step's plan for ``data``'s shapes under the current context, before the step is traced: the forward
         planned alone (mesh, data-parallel axes, parameter layouts), the fused step's replica layouts, optimizer
-        parallel, and a pipeline's stage program and in-stage layouts."""
-        ctx = ctxmod.current()
+        parallel, and a pipeline's stage program and in-stage layouts. Computed once per context, network structure
+        and shapes (the step, ``lower``, ``plan`` and ``place`` share it: a pipeline's cut traces the network)."""
         net = cell.network
+        names, params = _param_names(net)
+        key = (ctxmod.stamp(), nnx.graphdef(net), tuple((tuple(x.shape), str(x.dtype)) for x in params),
+               tuple((tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else repr(x) for x in jax.tree.leaves(data)))
+        plan = self.plans.get(key)
+        if plan is None:
+            if any(k[0] is not key[0] for k in self.plans):   # plans made under another context are not used again
+                self.plans.clear()
+            plan = self.plans[key] = self._plan(net, names, params, data)
+        return plan
+
+    def _plan(self, net, names, params, data) -> _StepPlan:
+        ctx = ctxmod.current()
         check_pipeline(ctx, net)
         plan = _plan_step(self.probe, data, net, ctx)
         if search_algorithm(ctx) is not None and not fusion.is_default(ctx):
@@ -123,7 +136,6 @@ class _Runtime:
             # _replica_axes): every parameter is whole over the replicas, in its layout on the other axes
             rax = _replica_axes(plan, ctx)
             plan.param_layouts = {k: _drop_axes(v, rax) for k, v in plan.param_layouts.items()}
-        names, params = _param_names(net)
         zero_plan = plan
         if ctx.pipeline_stages > 1:
             pp = plan.pipeline = pipeline_plan(net, data, plan.mesh, ctx)
