@@ -226,3 +226,29 @@ def test_plain_xla_still_aborts_on_the_strided_conv_gradient():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300,
                        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
     assert r.returncode == 0
+
+
+@pytest.mark.xfail(strict=True, reason="XLA (JAX 0.10) aborts on a gather inside a shard_map manual over one axis when "
+                                       "its operand's indexed dim and its indices' batch dim are split over the same "
+                                       "Auto axis (../shared/repro/r15_gather_partial_manual_abort.py); if this "
+                                       "passes, a pipeline stage's parameters may be left to XLA's propagation again "
+                                       "(mshard.nn.pipeline._param_specs)")
+def test_plain_xla_still_aborts_on_a_partially_manual_gather():
+    import subprocess
+    import sys
+    code = ("import jax, jax.numpy as jnp\n"
+            "from jax import lax\n"
+            "from jax.sharding import AxisType, PartitionSpec as P\n"
+            "mesh = jax.make_mesh((2, 2, 2), ('stage', 'a', 'b'), axis_types=(AxisType.Auto,) * 3)\n"
+            "def local(t, i):\n"
+            "    t = lax.with_sharding_constraint(t, P('a', None))\n"
+            "    i = lax.with_sharding_constraint(i, P('a', None))\n"
+            "    return jnp.tanh(t[i]).sum()[None]\n"
+            "f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P()), out_specs=P('stage'), "
+            "axis_names={'stage'}, check_vma=False))\n"
+            "t, i = jnp.arange(64.0).reshape(16, 4) / 64, jnp.arange(16).reshape(2, 8)\n"
+            "assert abs(float(f(t, i)[0]) - float(jnp.tanh(t[i]).sum())) < 1e-4\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300,
+                       env={**__import__("os").environ, "JAX_PLATFORMS": "cpu",
+                            "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert r.returncode == 0

@@ -73,9 +73,13 @@ def test_gpt_trains_as_on_one_device(layers, S, M, sched):
     mine, losses, ref, ref_losses, rep = train_both(staged_gpt(layers, S), S, M, sched=sched, report=True)
     assert_equal_training(mine, losses, ref, ref_losses)
     # the stages talk by collective-permute: one [micro-batch, seq, hidden] activation forward and its cotangent
-    # back per tick (the loop body holds each once), f32 [16 / M, 32, 64]
+    # back per tick (the loop body holds each once). The rest of a stage is data parallel: the micro-batch's 16 / M
+    # rows are split over the stage's 8 / S devices as far as they divide, so each device sends its own rows only,
+    # f32 [16 / M / min(16 / M, 8 / S), 32, 64]
+    rows = 16 // M
+    share = rows // min(rows, 8 // S)
     permutes = [c for c in rep.collectives if c.kind == "collective-permute"]
-    assert len(permutes) == 2 and all(c.nbytes == 16 // M * 32 * 64 * 4 for c in permutes)
+    assert len(permutes) == 2 and all(c.nbytes == share * 32 * 64 * 4 for c in permutes), permutes
     # parameter memory drops S-fold: every parameter of this GPT is used by one stage and its dim 0 divides by S,
     # so it is stored split over the S stages (mshard.pipeline.storage) and one device holds 1/S of each
     leaves = jax.tree.leaves(nnx.state(mine, nnx.Param))
@@ -295,6 +299,7 @@ def test_the_plan_shows_every_stage_and_what_crosses_between_them():
         step = _step(staged_gpt(4, 2), S=2, M=4)
         step(x, y)
         plan = step.plan(x, y)
+        comm = ms.comm_report(step, x, y)
     finally:
         ms.reset_auto_parallel_context()
     rep = plan.pipeline
@@ -305,6 +310,12 @@ def test_the_plan_shows_every_stage_and_what_crosses_between_them():
     # the one activation crossing: [16 / 4 sequences, 32 tokens, 64 hidden] float32
     (b,) = rep.boundaries
     assert b.tensors == (((4, 32, 64), "float32"),) and b.nbytes == 4 * 32 * 64 * 4
+    # inside a stage the 4 rows are split over the stage's 4 devices (data parallel): the plan says so, and what it
+    # says one device sends is what the compiled program's collective-permute moves
+    assert len(b.layouts) == 1 and b.layouts[0].count("x") == 1 and b.layouts[0].endswith(", -, -)")
+    assert b.device_nbytes == b.nbytes // 4 and "data parallel" in rep.in_stage
+    permutes = [c for c in comm.collectives if c.kind == "collective-permute"]
+    assert permutes and all(c.nbytes == b.device_nbytes for c in permutes)
     # every op of the forward has a stage; the head's matmul is on the last one
     assert all(st in (-1, 0, 1) for st in rep.op_stage.values())
     assert any(st == 1 and "head" in name and "dot_general" in name for name, st in rep.op_stage.items())

@@ -57,16 +57,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from ..errors import PipelineError
 from ..layout import choose_axes
 from ..pipeline.execute import ring_size, run_gpipe_keeping_residuals, run_pipeline
-from ..pipeline.report import build_report
+from ..pipeline.report import build_report, with_layouts
 from ..pipeline.schedule import make_schedule
 from ..pipeline.stages import cut
 from ..pipeline.storage import StageStorage
 from .cell import Cell
-from .cells import GradAccumulationCell, _split_rows, check_rows
+from .cells import GradAccumulationCell, MicroBatchInterleaved, _split_rows, check_rows
 
 __all__ = ["Pipeline", "PipelineCell", "PipelinePlan"]
 
@@ -165,6 +166,8 @@ class PipelinePlan:
     report: Any                    # mshard.pipeline.report.PipelineReport
     parts: int = 1                 # GradAccumulationCell(PipelineCell, n): n whole pipeline passes per step
     storage: Any = None            # mshard.pipeline.storage.StageStorage: which stage owns each parameter
+    data_specs: list | None = None     # per micro-batch data leaf, its PartitionSpec inside a stage
+    carry_specs: list | None = None    # per carry slot (activation handed on), its PartitionSpec inside a stage
 
 
 def _micro(x, M: int):
@@ -233,7 +236,59 @@ def pipeline_plan(cell: Any, data: tuple, mesh_plan, ctx) -> PipelinePlan:
         if storage.split(j):          # stored split over the stage axes on dim 0 (mshard.pipeline.storage)
             d[0] = tuple(stage_axes) + d[0]
         dims.append(tuple(d))
-    return PipelinePlan(prog, sched, tuple(stage_axes), jmesh, dp, specs, dims, runner, report, parts, storage)
+    slices = math.prod(m.interleave_num for _, m in nnx.iter_graph(net) if isinstance(m, MicroBatchInterleaved))
+    data_specs, carry_specs = _in_stage_layouts(prog, avals, rmesh, inner, slices)
+    report = with_layouts(report, prog.slot_of, carry_specs, dict(zip(rmesh.names, rmesh.shape)),
+                          _in_stage_words(data_specs, prog, slices, dp))
+    return PipelinePlan(prog, sched, tuple(stage_axes), jmesh, dp, specs, dims, runner, report, parts, storage,
+                        data_specs, carry_specs)
+
+
+def _in_stage_layouts(prog, avals: list, rmesh, inner: tuple[str, ...], slices: int = 1) -> tuple[list, list | None]:
+    """The rest of a stage is data parallel: -> (per micro-batch data leaf, per carry slot) PartitionSpecs inside
+    a stage.
+
+    Where the cells carry strategies, their marks lay out the data and the activations (nothing here: a Megatron
+    block wants its input split over its data-parallel devices only, not over all the stage's devices as the
+    stage plan's data layout is; constraining the data to that layout measured more traffic, a permute half the
+    size but a third more all-gather bytes over the model-parallel devices). Otherwise a micro-batch's rows are
+    split over the stage's axes that divide them (in mesh order, the most that fit), and so is every activation
+    handed on whose dim 0 is that row count (the micro-batch's rows; any other activation is left to XLA).
+
+    Not under a :class:`~mshard.nn.MicroBatchInterleaved` (``slices > 1``): there every device of a stage computes
+    the whole micro-batch, as before stages were data parallel. Any split of its rows, over all the stage's
+    devices or only over as many as divide one slice, aborts XLA's SPMD partitioner (JAX 0.10,
+    spmd_partitioner_util.cc:497 ``partition_group_list.num_replica_groups() * ... ==
+    device_groups.num_devices_per_group()``, in ``PartitionGather``), with either executor; the same model, split
+    and loss outside the pipeline's scan compile (``tests/test_pipeline.py`` keeps the composition's training
+    checked)."""
+    if prog.marks:
+        return None, None
+    rows = avals[0].shape[0] if avals and slices == 1 else 0
+    axes, n = [], 1
+    for a in inner:
+        size = rmesh.shape[rmesh.names.index(a)]
+        if rows and rows % (n * size) == 0:
+            axes.append(a)
+            n *= size
+    if not axes:
+        return [None] * len(avals), None
+    split = P(tuple(axes))
+    data = [split if x.shape and x.shape[0] == rows else None for x in avals]
+    carry = [split if len(sh) and sh[0] == rows else None for sh, _ in prog.slots]
+    return data, carry
+
+
+def _in_stage_words(data_specs, prog, slices: int, dp: int) -> str:
+    """The plan's words for how a stage's ``dp`` devices share one micro-batch."""
+    if prog.marks:
+        return f"the cells' strategies lay out the data and activations over the stage's {dp} devices"
+    split = next((sp for sp in data_specs or () if sp is not None), None)
+    if split is not None:
+        return f"data parallel, a micro-batch's rows split over {split[0]}"
+    why = ("under MicroBatchInterleaved (a split aborts XLA's partitioner, see mshard.nn.pipeline)" if slices > 1
+           else "its rows divide over none of the stage's axes")
+    return f"every one of the stage's {dp} devices computes the whole micro-batch: {why}"
 
 
 def pipeline_grads(cell: Any, data: tuple, pplan: PipelinePlan) -> tuple[Any, Any]:
@@ -252,8 +307,17 @@ def pipeline_grads(cell: Any, data: tuple, pplan: PipelinePlan) -> tuple[Any, An
     r_leaves = jax.tree.leaves(nnx.as_pure(rest))      # the other state (RNG keys, counts) rides along
     prog = pplan.prog
     loss, g = pplan.runner(prog.stage_fn, p_leaves, micro, prog.carry, pplan.sched, pplan.jmesh, pplan.stage_axes,
-                           consts=r_leaves, param_specs=pplan.specs, storage=pplan.storage)
+                           consts=r_leaves, param_specs=_param_specs(pplan, len(p_leaves)), storage=pplan.storage,
+                           data_specs=pplan.data_specs, carry_specs=pplan.carry_specs)
     return loss, jax.tree.unflatten(p_tree, g)
+
+
+def _param_specs(pplan: PipelinePlan, n: int) -> list:
+    """The parameters' layouts inside a stage: the cells' strategies where they carry them, else replicated over
+    the stage's devices (data parallel). Said outright rather than left to XLA: propagation otherwise may split an
+    embedding table on its rows along the token ids' batch split, a gather XLA's partitioner aborts on inside the
+    stage's shard_map (../shared/repro/r15_gather_partial_manual_abort.py, JAX 0.10)."""
+    return pplan.specs if pplan.specs is not None else [P()] * n
 
 
 def _accumulate_passes(acc: GradAccumulationCell, data: tuple, pplan: PipelinePlan):

@@ -122,7 +122,8 @@ class _Residuals:
 def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax.ShapeDtypeStruct],
                  sched: Schedule, mesh: jax.sharding.Mesh, stage_axes: tuple[str, ...], consts: Any = (),
                  param_specs: Sequence[Any] | None = None, keep_residuals: bool = True,
-                 storage: StageStorage | None = None):
+                 storage: StageStorage | None = None, data_specs: Sequence[Any] | None = None,
+                 carry_specs: Sequence[Any] | None = None):
     """-> (mean loss over the micro-batches, gradient of it w.r.t. ``params``), both replicated over the stages.
 
     ``stage_fn(vs, params, consts, carry, d) -> (carry, loss)`` runs virtual stage ``vs`` (static) on one
@@ -136,6 +137,10 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
     dim 0, are gathered whole onto their stage only, and their gradients leave split the same way; the others
     (all of them without ``storage``) arrive whole and their gradients are summed over the stages.
 
+    ``data_specs`` (per data leaf) and ``carry_specs`` (per carry slot): PartitionSpecs inside a stage (``None``:
+    left to XLA) for one micro-batch's data and the activations handed on, so the devices of a stage share the
+    micro-batch (data parallel) rather than each computing all of it.
+
     ``keep_residuals``: each forward keeps its residuals (:class:`_Residuals`) until its backward, which then
     recomputes nothing; a cell with ``recompute()`` (``jax.checkpoint``) keeps only its inputs and is recomputed
     there, as the recompute setting says. ``False``: a stage keeps only its inputs and its backward recomputes
@@ -148,6 +153,7 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
     fwd_perm = [(j, (j + 1) % S) for j in range(S)]
     bwd_perm = [(j, (j - 1) % S) for j in range(S)]
     res = _Residuals() if keep_residuals else None
+    lay_d, lay_c = _constrainers(data_specs, carry_specs)
     st = storage if storage is not None else StageStorage.build([set()] * len(params), params, None, S)
 
     def plist(vs, pw):
@@ -222,9 +228,9 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
         consts_in[0] = cs
         s = lax.axis_index(stage_axes)
         tab = jnp.asarray(table)
-        ring_f = tuple(jnp.zeros((v, K) + c.shape, c.dtype) for c in carry)
-        ring_b = tuple(jnp.zeros((v, K) + c.shape, c.dtype) for c in carry)
-        zeros_c = tuple(jnp.zeros(c.shape, c.dtype) for c in carry)
+        ring_f = lay_c(tuple(jnp.zeros((v, K) + c.shape, c.dtype) for c in carry), 2)
+        ring_b = lay_c(tuple(jnp.zeros((v, K) + c.shape, c.dtype) for c in carry), 2)
+        zeros_c = lay_c(tuple(jnp.zeros(c.shape, c.dtype) for c in carry))
         pw = (st.gather(p, stage_axes), list(p))      # this stage's own parameters whole; the shared ones
         gacc = (st.zeros_own(), [jnp.zeros(x.shape, x.dtype) for x in p])
         if param_specs is not None:
@@ -259,7 +265,7 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
             h = tuple(r[c, slot] for r in ring_f)
             g_h = tuple(r[c, slot] for r in ring_b)
             r_in = tuple(r[c, slot] for r in ring_r)
-            di = jax.tree.map(lambda x: x[i], d)
+            di = lay_d(jax.tree.map(lambda x: x[i], d))
 
             def idle(pw, h, di, g_h, r):
                 return (zeros_c, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, gacc), zeros_c,
@@ -276,8 +282,8 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
             ring_r = tuple(r.at[c, to].set(x) for r, x in zip(ring_r, r_out))
             lacc = lacc + jnp.where((k == FWD) & (vs == V - 1), loss, 0.0)
             gacc = jax.tree.map(jnp.add, gacc, gp)
-            recv_f = tuple(lax.ppermute(x, stage_axes, fwd_perm) for x in send_f)
-            recv_b = tuple(lax.ppermute(x, stage_axes, bwd_perm) for x in send_b)
+            recv_f = tuple(lax.ppermute(x, stage_axes, fwd_perm) for x in lay_c(send_f))
+            recv_b = tuple(lax.ppermute(x, stage_axes, bwd_perm) for x in lay_c(send_b))
             return (ring_f, ring_b, ring_r, gacc, lacc, recv_f, recv_b), None
 
         init = (ring_f, ring_b, ring_r, gacc, jnp.zeros((), jnp.float32), zeros_c, zeros_c)
@@ -291,13 +297,14 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
     spec_c = jax.tree.map(lambda _: P(), consts)
     f = jax.shard_map(local, mesh=mesh, in_specs=(spec_p, spec_c, spec_d), out_specs=(P(), spec_p),
                       axis_names=set(stage_axes), check_vma=False)
-    return f(list(params), consts, data)
+    return f(list(params), consts, _lay_micro(data, data_specs, mesh))
 
 
 def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax.ShapeDtypeStruct],
                                 sched: Schedule, mesh: jax.sharding.Mesh, stage_axes: tuple[str, ...],
                                 consts: Any = (), param_specs: Sequence[Any] | None = None,
-                                storage: StageStorage | None = None):
+                                storage: StageStorage | None = None, data_specs: Sequence[Any] | None = None,
+                                carry_specs: Sequence[Any] | None = None):
     """GPipe without recomputation: the forward ticks of the schedule (every forward, in its table order) as one
     scan, differentiated by JAX (``jax.value_and_grad`` of the ``shard_map``; the backward is the scan's
     transpose, ``ppermute`` transposes to the reverse permute). Each stage keeps the residuals of its forwards
@@ -310,6 +317,7 @@ def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carr
     fwd_perm = [(j, j + 1) for j in range(S - 1)]
 
     st = storage if storage is not None else StageStorage.build([set()] * len(params), params, None, S)
+    lay_d, lay_c = _constrainers(data_specs, carry_specs)
 
     def local(p, cs, d):
         s = lax.axis_index(stage_axes)
@@ -321,7 +329,7 @@ def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carr
             if param_specs is not None:
                 ps = [lax.with_sharding_constraint(x, sp) for x, sp in zip(ps, param_specs)]
             return ps
-        zeros_c = tuple(jnp.zeros(c.shape, c.dtype) for c in carry)
+        zeros_c = lay_c(tuple(jnp.zeros(c.shape, c.dtype) for c in carry))
         branches = [lambda _, h, di, vs=vs: _as_f32(stage_fn(vs, plist(vs), cs, h, di)) for vs in range(S)]
 
         def idle(p, h, di):
@@ -330,10 +338,10 @@ def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carr
         def tick(state, t):
             recv, lacc = state
             k, i = tab[t, s, 0], tab[t, s, 1]
-            di = jax.tree.map(lambda x: x[i], d)
+            di = lay_d(jax.tree.map(lambda x: x[i], d))
             out, loss = lax.switch(jnp.where(k == FWD, s + 1, 0), [idle] + branches, p, recv, di)
             lacc = lacc + jnp.where((k == FWD) & (s == S - 1), loss, 0.0)
-            return (tuple(lax.ppermute(x, stage_axes, fwd_perm) for x in out), lacc), None
+            return (tuple(lax.ppermute(x, stage_axes, fwd_perm) for x in lay_c(out)), lacc), None
 
         vary = lambda x: lax.pcast(x, stage_axes, to="varying")
         init = (tuple(vary(x) for x in zeros_c), vary(jnp.zeros((), jnp.float32)))
@@ -344,7 +352,36 @@ def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carr
     f = jax.shard_map(local, mesh=mesh, in_specs=(spec_p, jax.tree.map(lambda _: P(), consts),
                                                   jax.tree.map(lambda _: P(), data)),
                       out_specs=P(), axis_names=set(stage_axes), check_vma=False)
+    data = _lay_micro(data, data_specs, mesh)
     return jax.value_and_grad(lambda p: f(p, consts, data))(list(params))
+
+
+def _constrainers(data_specs, carry_specs):
+    """-> (lay out one micro-batch's data, lay out a tuple of carry-shaped values with ``lead`` leading dims) inside
+    the ``shard_map`` (its mesh's Auto axes), as the specs say; identities where they say nothing."""
+    def lay_d(di):
+        if not data_specs:
+            return di
+        leaves, tree = jax.tree.flatten(di)
+        return jax.tree.unflatten(tree, [x if sp is None else lax.with_sharding_constraint(x, sp)
+                                         for x, sp in zip(leaves, data_specs)])
+
+    def lay_c(xs, lead: int = 0):
+        if not carry_specs:
+            return xs
+        return tuple(x if sp is None else lax.with_sharding_constraint(x, P(*(None,) * lead, *sp))
+                     for x, sp in zip(xs, carry_specs))
+    return lay_d, lay_c
+
+
+def _lay_micro(data, data_specs, mesh):
+    """The ``[M, rows, ...]`` data laid out as one micro-batch is inside a stage (dim 1 as its dim 0)."""
+    if not data_specs:
+        return data
+    leaves, tree = jax.tree.flatten(data)
+    return jax.tree.unflatten(tree, [
+        x if sp is None else lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, P(None, *sp)))
+        for x, sp in zip(leaves, data_specs)])
 
 
 def _as_f32(out):

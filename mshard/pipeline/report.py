@@ -30,6 +30,8 @@ class Boundary:
     dst: int
     tensors: tuple[tuple[tuple[int, ...], str], ...]      # (shape, dtype) per activation handed on
     nbytes: int                                           # per micro-batch, whole (before any in-stage split)
+    layouts: tuple[str, ...] = ()                         # per activation, its layout inside a stage
+    device_nbytes: int = 0                                # per micro-batch, what one device sends
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class PipelineReport:
     auto_assigned: bool = False
     stored_param_bytes: tuple[int, int] = (0, 0)          # parameter bytes one device stores across the stage axes
                                                           # (before any in-stage split), and the whole model's
+    in_stage: str = ""                                    # how a stage's devices share a micro-batch
 
     def schedule_table(self):
         """The schedule this step runs (:class:`~mshard.pipeline.schedule.Schedule`: ``.timeline()``, and a
@@ -61,16 +64,16 @@ class PipelineReport:
         e = html.escape
         stages = "".join(f"<tr><td>{s.stage}</td><td>{e(', '.join(s.cells))}</td><td>{s.ops}</td>"
                          f"<td>{s.flops:,.0f}</td><td>{s.param_bytes:,}</td></tr>" for s in self.stage_info)
-        bounds = "".join(f"<tr><td>{b.src} &rarr; {b.dst}</td><td>"
-                         f"{e(', '.join(f'{dt}{list(sh)}' for sh, dt in b.tensors))}</td><td>{b.nbytes:,}</td>"
-                         f"<td>collective-permute</td></tr>" for b in self.boundaries)
+        bounds = "".join(f"<tr><td>{b.src} &rarr; {b.dst}</td><td>{e(_tensors(b))}</td><td>{b.nbytes:,}</td>"
+                         f"<td>{b.device_nbytes:,}</td><td>collective-permute</td></tr>" for b in self.boundaries)
         return (f"<b>pipeline</b>: {e(self.schedule)}, {self.stages} stages x {self.chunks} chunk(s) over mesh axes "
                 f"{e(str(self.stage_axes))}, {self.micro_size} micro-batches"
                 + ("; stages placed by the stage helper" if self.auto_assigned else "")
                 + f"; parameters stored per device across the stages: {self._stored()}"
+                + (f"; inside a stage: {e(self.in_stage)}" if self.in_stage else "")
                 + "<table><tr><th>stage</th><th>cells</th><th>ops</th><th>forward FLOPs / micro-batch</th>"
                   f"<th>parameter bytes</th></tr>{stages}</table>"
-                + "<table><tr><th>boundary</th><th>activations</th><th>bytes / micro-batch</th><th>sent by</th></tr>"
+                + "<table><tr><th>boundary</th><th>activations</th><th>bytes / micro-batch</th><th>sent per device</th><th>sent by</th></tr>"
                   f"{bounds}</table>" + self.schedule_table()._repr_html_())
 
     def _stored(self) -> str:
@@ -83,14 +86,43 @@ class PipelineReport:
                f"(idle stage-ticks), input ring {self.ring_slots} slot(s)"
                + ("; stages placed by the stage helper" if self.auto_assigned else ""),
                f"  parameters stored per device across the stages: {self._stored()}"]
+        if self.in_stage:
+            out.append(f"  inside a stage: {self.in_stage}")
         for s in self.stage_info:
             cells = ", ".join(s.cells[:6]) + (" ..." if len(s.cells) > 6 else "")
             out.append(f"  stage {s.stage}: {s.ops} ops, {s.flops:,.0f} forward FLOPs/micro-batch, parameters "
                        f"{s.param_bytes:,} B; cells {cells}")
         for b in self.boundaries:
-            t = ", ".join(f"{dt}{list(sh)}" for sh, dt in b.tensors)
-            out.append(f"  stage {b.src} -> {b.dst}: {t} ({b.nbytes:,} B per micro-batch, collective-permute)")
+            out.append(f"  stage {b.src} -> {b.dst}: {_tensors(b)} ({b.nbytes:,} B per micro-batch, "
+                       f"{b.device_nbytes:,} B sent per device, collective-permute)")
         return out
+
+
+def _tensors(b: Boundary) -> str:
+    lays = b.layouts or ("",) * len(b.tensors)
+    return ", ".join(f"{dt}{list(sh)}" + (f" {lay}" if lay else "") for (sh, dt), lay in zip(b.tensors, lays))
+
+
+def with_layouts(rep: PipelineReport, slot_of: list[list[int]], carry_specs, axis_size: dict[str, int],
+                 in_stage: str) -> PipelineReport:
+    """``rep`` with each boundary activation's layout inside a stage (``carry_specs``: per carry slot, None: left
+    to XLA, shown as ``?``; no specs at all: the cells' strategies decide) and the bytes one device sends."""
+    import dataclasses
+    bounds = []
+    for b, slots in zip(rep.boundaries, slot_of):
+        lays, sent = [], 0
+        for (shape, dt), sl in zip(b.tensors, slots):
+            spec = carry_specs[sl] if carry_specs is not None else None
+            n = int(np.prod(shape)) * np.dtype(dt).itemsize
+            if spec is None:
+                lays.append("?" if carry_specs is not None else "(strategies)")
+                sent += n
+                continue
+            parts = [() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec]
+            lays.append("(" + ", ".join("x".join(p) or "-" for p in parts + [()] * (len(shape) - len(parts))) + ")")
+            sent += n // int(np.prod([axis_size[a] for p in parts for a in p]))
+        bounds.append(dataclasses.replace(b, layouts=tuple(lays), device_nbytes=sent))
+    return dataclasses.replace(rep, boundaries=tuple(bounds), in_stage=in_stage)
 
 
 def build_report(prog, sched, stage_axes, ring_slots: int, cells: dict[str, int]) -> PipelineReport:
