@@ -10,8 +10,10 @@ medians over ``--repeats`` rounds: wall time per call, and the dispatching threa
 Ratios to ``jax.jit`` are medians of per-round ratios (the issue asks <= 1.1 for cached eager calls), and
 ``*_fastest``: the fastest round of each over the fastest of the other (noise only adds time). On a 2-core CPU
 host the 8 simulated devices execute on the same cores as the dispatching thread, so the wall ratio also counts
-the execution slowed by the dispatcher's extra work. ``eager_primitive_python_us``: the eager fast path's own
-Python per call, timed alone (the compiled program swapped for a function that returns at once).
+the execution slowed by the dispatcher's extra work. After a few calls the eager primitive goes direct
+(:mod:`mshard.ops.direct`: its class's ``__call__`` is its ``jax.jit``, no Python frame in between;
+``eager_primitive_direct`` says it did). ``eager_primitive_python_us``: the Python of the fast path it used before,
+per call, timed alone (the compiled program swapped for a function that returns at once).
 """
 
 from __future__ import annotations
@@ -142,7 +144,9 @@ def main() -> None:
         res[f"ratio_{case}_vs_{base}_dispatch_cpu"] = _ratio(got, case, base, 1)
         res[f"ratio_{case}_vs_{base}_wall_fastest"] = _ratio_of_fastest(got, case, base, 0)
         res[f"ratio_{case}_vs_{base}_dispatch_cpu_fastest"] = _ratio_of_fastest(got, case, base, 1)
-    # the eager primitive's Python per call (its checks around the compiled program), timed alone
+    from mshard.ops import direct
+    res["eager_primitive_direct"] = direct.is_direct(mm)
+    # the eager fast path's Python per call (its checks around the compiled program), timed alone
     res["eager_primitive_python_us"] = python_overhead_us(mm._eager_fast, (xs, ws))
     res["eager_primitive_python_share_of_jax_jit_dispatch"] = (res["eager_primitive_python_us"]
                                                               / res["jax_jit_matmul_dispatch_cpu_us"])

@@ -176,6 +176,10 @@ def current_region() -> RegionTrace | None:
     return _state.region
 
 
+on_region_trace: list = []
+"""Called with no arguments whenever a region starts tracing (``mshard.ops.direct`` switches direct ops back)."""
+
+
 class tracing_region:
     """Context manager: mark annotations while a region is traced (``None``: primitives run plainly inside it)."""
 
@@ -183,6 +187,8 @@ class tracing_region:
         self.trace = trace
 
     def __enter__(self) -> RegionTrace:
+        for hook in on_region_trace:
+            hook()
         self.saved = (_state.region, _state.plain)
         _state.region, _state.plain = self.trace, self.trace is None
         return self.trace

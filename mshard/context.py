@@ -290,9 +290,15 @@ epoch) changes: a fast path built under one stamp is valid while ``_stamp`` is t
 per eager call instead of four)."""
 
 
+_on_touch: list = []
+"""Called with no arguments on every :func:`_touch` (``mshard.ops.direct`` switches direct ops back)."""
+
+
 def _touch() -> None:
     global _stamp
     _stamp = object()
+    for hook in _on_touch:
+        hook()
 
 
 def stamp() -> object:

@@ -167,6 +167,7 @@ def fast_call(comp, variables: list, data: tuple, donate: bool) -> Callable | No
                     return jitted(*follow_plan(data, shardings))[0]
                 except (ValueError, TypeError):
                     return MISS
+        call_plain.stamp = stamp
         return call_plain
 
     def call(data: tuple):
@@ -212,4 +213,5 @@ def fast_call(comp, variables: list, data: tuple, donate: bool) -> Callable | No
             outs = outs[:n_user]
         return outs[0] if single else jax.tree.unflatten(user_tree, outs)
 
+    call.stamp = stamp
     return call

@@ -111,3 +111,68 @@ def test_eager_ops_and_a_region_in_a_chain_move_nothing_outside_their_programs(w
     assert ms.comm_report(mm._eager_region, xs, w).total_count == 0
     assert ms.comm_report(relu._eager_region, y).total_count == 0
     assert len(puts) == 0, f"{len(puts)} device_put(s) between the programs"
+
+
+def _direct_op():
+    """A MatMul called until its calls go direct (mshard.ops.direct): no Python frame before jax.jit's dispatch."""
+    from mshard.ops import direct
+    mm = ops.MatMul().shard(((2, 1), (1, 4)))
+    for _ in range(direct.HITS + 1):
+        y = mm(X, W)
+    assert direct.is_direct(mm) and type(mm).__name__ == "MatMul" and isinstance(mm, ops.MatMul)
+    return mm, y
+
+
+def test_repeated_eager_calls_go_direct_and_keep_the_planned_program_and_layout():
+    """After a few calls the op's class becomes its direct subclass; its calls then run the op's own region traced
+    into one jax.jit: the same values, the same output layout, and a compiled program with the same collectives
+    (none: column parallel) as the region's."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    mm, y0 = _direct_op()
+    y = mm(X, W)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(X) @ np.asarray(W), rtol=TOL, atol=TOL)
+    assert y.sharding == y0.sharding and y.sharding.shard_shape(y.shape) == (8, 8)
+    hlo = mm._direct_call.lower(X, W).compile().as_text()
+    assert not any(k in hlo for k in ("all-gather", "all-reduce", "all-to-all", "collective-permute"))
+    assert repr(mm) == "MatMul().shard(((2, 1), (1, 4)))"
+    # a new shape goes through the ordinary path again inside the jax.jit: planned for that shape
+    X2 = jnp.concatenate([X, 2 * X])
+    y2 = mm(X2, W)
+    np.testing.assert_allclose(np.asarray(y2), np.asarray(X2) @ np.asarray(W), rtol=TOL, atol=TOL)
+    assert y2.sharding.shard_shape(y2.shape) == (16, 8)
+
+
+def test_a_direct_op_goes_back_when_the_context_a_strategy_or_a_region_changes():
+    from mshard.ops import direct
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    mm, _ = _direct_op()
+    ms.set_auto_parallel_context(parallel_mode="data_parallel")          # eager calls are plain JAX there
+    assert not direct.is_direct(mm)
+    assert len(mm(X, W).sharding.device_set) == 1
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
+    mm, _ = _direct_op()
+    mm.shard(((8, 1), (1, 1)))                                          # a new strategy: its layout from now on
+    assert not direct.is_direct(mm)
+    for _ in range(direct.HITS + 2):
+        y = mm(X, W)
+    assert direct.is_direct(mm) and y.sharding.shard_shape(y.shape) == (2, 32)
+    mm.name = "proj"                                                    # any attribute set
+    assert not direct.is_direct(mm) and mm.name == "proj"
+    mm, _ = _direct_op()
+    # inside a region the op is annotated (its strategy planned with the region), not run as its own program
+    f = ms.jit(lambda a, b: jnp.tanh(mm(a, b)))
+    np.testing.assert_allclose(np.asarray(f(X, W)), np.tanh(np.asarray(X) @ np.asarray(W)), rtol=1e-5, atol=1e-5)
+    assert not direct.is_direct(mm)
+    assert any(r.strategy == ((2, 1), (1, 4)) for r in f.plan(X, W).ops if r.kind == "MatMul")
+
+
+def test_a_direct_op_under_the_users_transformations():
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    mm, _ = _direct_op()
+    g = jax.grad(lambda w: mm(X, w).sum())(W)                            # d/dW sum(X W) = X^T 1
+    np.testing.assert_allclose(np.asarray(g), np.asarray(X).T @ np.ones((16, 32), np.float32), rtol=1e-5, atol=1e-5)
+    y = jax.jit(lambda a, b: 2 * mm(a, b))(X, W)
+    np.testing.assert_allclose(np.asarray(y), 2 * (np.asarray(X) @ np.asarray(W)), rtol=TOL, atol=TOL)
+    v = jax.vmap(lambda a: mm(a, W))(jnp.stack([X, -X]))
+    np.testing.assert_allclose(np.asarray(v[1]), -(np.asarray(X) @ np.asarray(W)), rtol=TOL, atol=TOL)
+    assert y.sharding.shard_shape(y.shape) == (8, 8)          # its region traced into the user's program

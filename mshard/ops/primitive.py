@@ -24,6 +24,7 @@ from ..annotate import OpNote
 from ..errors import StrategyError, StrategyIgnoredWarning
 from ..fastcall import MISS
 from ..layout import TensorStrategy, check_fits, normalize_in_strategy
+from . import direct
 
 Dims = tuple[str | None, ...]
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -40,6 +41,7 @@ class Primitive:
 
     n_tensors: int | None = None      # leading tensor arguments; the rest are attributes (None: all)
     _eager_fast = None                # the eager region's fast path (mshard.fastcall), set after an eager call
+    _fast_hits = 0                    # its hits since it was set (mshard.ops.direct)
 
     def __init__(self, name: str | None = None):
         self.name = name
@@ -80,6 +82,9 @@ class Primitive:
             # the arguments' shapes/dtypes are those it was built for (else, or on tracers: MISS and the full path)
             out = fast(args)
             if out is not MISS:
+                hits = self._fast_hits = self._fast_hits + 1
+                if hits == direct.HITS and type(out) is type(args[0]):
+                    direct.enable(self, fast.stamp)     # the next calls skip this frame (mshard.ops.direct)
                 return out
         k = len(args) if self.n_tensors is None else self.n_tensors
         tensors, attrs = list(args[:k]), args[k:]
@@ -137,7 +142,8 @@ class Primitive:
         if bound is None:
             bound = self._eager_bound = self._region().bind()     # repeated calls skip re-keying the region
         out = bound(*args)
-        self._eager_fast = bound._fast
+        if self._eager_fast is not bound._fast:
+            self._eager_fast, self._fast_hits = bound._fast, 0
         return out
 
     def _region(self):

@@ -73,8 +73,8 @@ class PipelineReport:
                 + (f"; inside a stage: {e(self.in_stage)}" if self.in_stage else "")
                 + "<table><tr><th>stage</th><th>cells</th><th>ops</th><th>forward FLOPs / micro-batch</th>"
                   f"<th>parameter bytes</th></tr>{stages}</table>"
-                + "<table><tr><th>boundary</th><th>activations</th><th>bytes / micro-batch</th><th>sent per device</th><th>sent by</th></tr>"
-                  f"{bounds}</table>" + self.schedule_table()._repr_html_())
+                + "<table><tr><th>boundary</th><th>activations</th><th>bytes / micro-batch</th>"
+                  f"<th>sent per device</th><th>sent by</th></tr>{bounds}</table>" + self.schedule_table()._repr_html_())
 
     def _stored(self) -> str:
         held, whole = self.stored_param_bytes
