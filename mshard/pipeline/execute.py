@@ -12,9 +12,10 @@ of their residual signatures). The backward then recomputes nothing, except the 
 (``jax.checkpoint``), whose residuals are their inputs: where forwards are recomputed is the recompute setting's
 choice. ``keep_residuals=False`` keeps only the stage inputs and recomputes each stage's whole forward at backward
 time (what ``bench/pipeline.py`` measures against). Measured (bench/pipeline.py, examples GPT, S=2 and 4, M=8,
-CPU): keeping residuals compiles to 33% fewer FLOPs but 5.8x the temp memory, and on a 2-core CPU runs 1.6-2.1x
-slower (the residual ring's memory traffic outweighs the saved small matmuls); with the blocks' ``recompute()``
-set, memory and time come close to the whole-stage recompute's.
+CPU, the stages data parallel inside): keeping residuals compiles to 33% fewer FLOPs but 4.7x (S=2) / 6.6x (S=4)
+the temp memory, and on a 2-core CPU runs 1.45x / 1.14x slower (the residual ring's memory traffic outweighs the
+saved small matmuls); with the blocks' ``recompute()`` set, memory comes close to the whole-stage recompute's and
+time is between the two.
 
 :func:`run_gpipe_keeping_residuals` is the other executor: gpipe's forward ticks as one scan that JAX
 differentiates, so every forward's residuals are kept until its backward (no recompute; memory grows with M).
