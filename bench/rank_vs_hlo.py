@@ -1,0 +1,117 @@
+"""Does the cost model rank plans the way the compiled programs do? (issue 14: Spearman >= 0.9 per net)
+
+    .venv/bin/python bench/rank_vs_hlo.py [--plans 50] [--models mlp,transformer,conv,embed] [--steps forward,train]
+
+For each model of ``examples/models.py`` and each step (the forward; the training step, ``value_and_grad`` of
+``sum(model(x))``), ``--plans`` random valid plans are drawn: every op not fixed by the dataset strategy takes a
+strategy drawn uniformly from its candidates (:func:`searchers.strategies.enumerate_strategies`, every mesh axis
+used, as auto_parallel's default ``fully_use_devices``). Each plan is run through mshard's own planner (a searcher
+that returns the draw, swapped in for the bench's run) and compiled. Two scores per plan:
+
+- predicted: the plan's cost-model total (:attr:`mshard.Plan.cost`), what the searchers minimise;
+- compiled: the same weighting applied to what the compiled HLO does, ``alpha * flops / flops_per_s + beta *
+  sum(latency + bytes / bandwidth)`` over its collectives (``ms.comm_report``: bytes moved per device), FLOPs from
+  ``cost_analysis()`` (a loop body counted once; these steps have no loops).
+
+Reported per (model, step): Spearman's rank correlation of the two (scipy), the number of distinct plans, and the
+plans where the two disagree most. JSON: ``bench/out/rank_vs_hlo.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import _cpu8  # first: 8 simulated CPU devices before JAX is imported, quiet XLA, paths
+
+ROOT = _cpu8.ROOT
+
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from models import MODELS, inputs  # noqa: E402
+from scipy.stats import spearmanr  # noqa: E402
+
+import mshard as ms  # noqa: E402
+from searchers import protocol  # noqa: E402
+from searchers.cost import CostParams, graph_cost  # noqa: E402
+from searchers.result import SearchResult  # noqa: E402
+from searchers.strategies import enumerate_strategies  # noqa: E402
+
+SLOT = "dynamic_programming"        # the search_mode whose searcher the bench swaps for its random draw
+
+
+def grad_step(m, *a):
+    return nnx.value_and_grad(lambda m, *a: jnp.sum(m(*a)))(m, *a)
+
+
+STEPS = {"forward": lambda m, *a: m(*a), "train": grad_step}
+
+
+def random_searcher(rng: random.Random):
+    def search(graph, params, **options):
+        st = {}
+        for op in graph.ops:
+            cands = enumerate_strategies(op, graph.mesh, fully_use_devices=True)
+            st[op.id] = op.fixed if op.fixed is not None else rng.choice(cands)
+        return SearchResult(st, graph_cost(graph, st, params), "random", 0.0)
+    return search
+
+
+def compiled_score(f, m, xs, params: CostParams) -> tuple[float, float, float]:
+    """(score, bytes moved per device, flops per device) of the compiled program of ``f(m, *xs)``."""
+    rep = ms.comm_report(f, m, *xs)
+    moved = sum(float(v["moved"]) for v in rep.by_kind.values())
+    comm = sum(5e-6 * int(v["count"]) + float(v["moved"]) / 100e9 for v in rep.by_kind.values())
+    cost = f.lower(m, *xs).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    flops = float(cost.get("flops", 0.0))
+    return params.alpha * flops / params.flops_per_s + params.beta * comm, moved, flops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--plans", type=int, default=50)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--steps", default="forward,train")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    saved = protocol.SEARCHERS[SLOT]
+    rng = random.Random(a.seed)
+    protocol.register(SLOT, random_searcher(rng))
+    params = CostParams()
+    rows = []
+    try:
+        for name in a.models.split(","):
+            for step in a.steps.split(","):
+                seen, pts = set(), []
+                for _ in range(a.plans):
+                    with ms.parallel_context(parallel_mode="auto_parallel", device_num=8, search_mode=SLOT):
+                        m, xs = MODELS[name](), inputs(name)
+                        f = ms.jit(STEPS[step])
+                        plan = f.plan(m, *xs)
+                        key = tuple(sorted((o.name, o.strategy) for o in plan.ops))
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        score, moved, flops = compiled_score(f, m, xs, params)
+                        pts.append({"predicted": float(plan.cost.total), "compiled": score, "hlo_moved": moved,
+                                    "flops": flops, "predicted_comm": float(sum(plan.cost.communication.values()))})
+                rho = spearmanr([p["predicted"] for p in pts], [p["compiled"] for p in pts]).statistic \
+                    if len(pts) > 2 else float("nan")
+                rho_bytes = spearmanr([p["predicted_comm"] for p in pts], [p["hlo_moved"] for p in pts]).statistic \
+                    if len(pts) > 2 else float("nan")
+                row = {"model": name, "step": step, "plans": len(pts), "spearman": float(rho),
+                       "spearman_bytes": float(rho_bytes), "points": pts}
+                rows.append(row)
+                print(f"{name:12s} {step:8s} plans {len(pts):3d}  spearman(total) {rho:6.3f}  "
+                      f"spearman(bytes) {rho_bytes:6.3f}", flush=True)
+    finally:
+        protocol.SEARCHERS[SLOT] = saved
+    out = ROOT / "bench" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rank_vs_hlo.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
