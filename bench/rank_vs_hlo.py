@@ -13,8 +13,9 @@ that returns the draw, swapped in for the bench's run) and compiled. Two scores 
   sum(latency + bytes / bandwidth)`` over its collectives (``ms.comm_report``: bytes moved per device), FLOPs from
   ``cost_analysis()`` (a loop body counted once; these steps have no loops).
 
-Reported per (model, step): Spearman's rank correlation of the two (scipy), the number of distinct plans, and the
-plans where the two disagree most. JSON: ``bench/out/rank_vs_hlo.json``.
+Reported per (model, step): Spearman's rank correlation of the two (scipy), and of the predicted and compiled
+bytes alone, over the distinct plans drawn; per plan, both scores, the bytes, the HLO's FLOPs and collective count,
+and the plan's redistributions that move data. JSON: ``bench/out/rank_vs_hlo.json``.
 """
 
 from __future__ import annotations
@@ -58,15 +59,16 @@ def random_searcher(rng: random.Random):
     return search
 
 
-def compiled_score(f, m, xs, params: CostParams) -> tuple[float, float, float]:
-    """(score, bytes moved per device, flops per device) of the compiled program of ``f(m, *xs)``."""
+def compiled_score(f, m, xs, params: CostParams) -> tuple[float, float, float, int]:
+    """(score, bytes moved per device, flops per device, collectives) of the compiled program of ``f(m, *xs)``."""
     rep = ms.comm_report(f, m, *xs)
     moved = sum(float(v["moved"]) for v in rep.by_kind.values())
     comm = sum(5e-6 * int(v["count"]) + float(v["moved"]) / 100e9 for v in rep.by_kind.values())
     cost = f.lower(m, *xs).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     flops = float(cost.get("flops", 0.0))
-    return params.alpha * flops / params.flops_per_s + params.beta * comm, moved, flops
+    count = sum(int(v["count"]) for v in rep.by_kind.values())
+    return params.alpha * flops / params.flops_per_s + params.beta * comm, moved, flops, count
 
 
 def main() -> None:
@@ -94,9 +96,11 @@ def main() -> None:
                         if key in seen:
                             continue
                         seen.add(key)
-                        score, moved, flops = compiled_score(f, m, xs, params)
+                        score, moved, flops, count = compiled_score(f, m, xs, params)
+                        moving = [r for r in plan.redistributions if any(r.communication.values())]
                         pts.append({"predicted": float(plan.cost.total), "compiled": score, "hlo_moved": moved,
-                                    "flops": flops, "predicted_comm": float(sum(plan.cost.communication.values()))})
+                                    "flops": flops, "predicted_comm": float(sum(plan.cost.communication.values())),
+                                    "hlo_collectives": count, "predicted_redistributions": len(moving)})
                 rho = spearmanr([p["predicted"] for p in pts], [p["compiled"] for p in pts]).statistic \
                     if len(pts) > 2 else float("nan")
                 rho_bytes = spearmanr([p["predicted_comm"] for p in pts], [p["hlo_moved"] for p in pts]).statistic \
