@@ -10,7 +10,7 @@ that returns the draw, swapped in for the bench's run) and compiled. Two scores 
 
 - predicted: the plan's cost-model total (:attr:`mshard.Plan.cost`), what the searchers minimise;
 - compiled: the same weighting applied to what the compiled HLO does, ``alpha * flops / flops_per_s + beta *
-  sum(latency + bytes / bandwidth)`` over its collectives (``ms.comm_report``: bytes moved per device), FLOPs from
+  sum(latency + bytes / bandwidth)`` over its collectives (``mshard.comm_report``: bytes moved per device), FLOPs from
   ``cost_analysis()`` (a loop body counted once; these steps have no loops).
 
 Reported per (model, step): Spearman's rank correlation of the two (scipy), and of the predicted and compiled
@@ -34,6 +34,7 @@ from models import MODELS, inputs  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
 import mshard as ms  # noqa: E402
+from mshard.comm_report import CommReport  # noqa: E402
 from searchers import protocol  # noqa: E402
 from searchers.cost import CostParams, graph_cost  # noqa: E402
 from searchers.result import SearchResult  # noqa: E402
@@ -61,10 +62,11 @@ def random_searcher(rng: random.Random):
 
 def compiled_score(f, m, xs, params: CostParams) -> tuple[float, float, float, int]:
     """(score, bytes moved per device, flops per device, collectives) of the compiled program of ``f(m, *xs)``."""
-    rep = ms.comm_report(f, m, *xs)
+    compiled = f.lower(m, *xs).compile()          # compiled once: its collectives and its FLOPs
+    rep = CommReport.from_hlo(compiled.as_text())
     moved = sum(float(v["moved"]) for v in rep.by_kind.values())
     comm = sum(5e-6 * int(v["count"]) + float(v["moved"]) / 100e9 for v in rep.by_kind.values())
-    cost = f.lower(m, *xs).compile().cost_analysis()
+    cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     flops = float(cost.get("flops", 0.0))
     count = sum(int(v["count"]) for v in rep.by_kind.values())

@@ -161,6 +161,7 @@ def test_a_direct_op_goes_back_when_the_context_a_strategy_or_a_region_changes()
     mm, _ = _direct_op()
     # inside a region the op is annotated (its strategy planned with the region), not run as its own program
     f = ms.jit(lambda a, b: jnp.tanh(mm(a, b)))
+    # float32: TOL's 8-term dot products, then tanh (1-Lipschitz) computed by XLA's and numpy's own approximations
     np.testing.assert_allclose(np.asarray(f(X, W)), np.tanh(np.asarray(X) @ np.asarray(W)), rtol=1e-5, atol=1e-5)
     assert not direct.is_direct(mm)
     assert any(r.strategy == ((2, 1), (1, 4)) for r in f.plan(X, W).ops if r.kind == "MatMul")
@@ -170,7 +171,9 @@ def test_a_direct_op_under_the_users_transformations():
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
     mm, _ = _direct_op()
     g = jax.grad(lambda w: mm(X, w).sum())(W)                            # d/dW sum(X W) = X^T 1
-    np.testing.assert_allclose(np.asarray(g), np.asarray(X).T @ np.ones((16, 32), np.float32), rtol=1e-5, atol=1e-5)
+    # float32: each entry sums 16 rows of X (|x| < 5 for these seeded normal draws), in another order than numpy:
+    # error <= 15 * 2**-24 * 16 * 5 < 1e-4
+    np.testing.assert_allclose(np.asarray(g), np.asarray(X).T @ np.ones((16, 32), np.float32), rtol=1e-5, atol=1e-4)
     y = jax.jit(lambda a, b: 2 * mm(a, b))(X, W)
     np.testing.assert_allclose(np.asarray(y), 2 * (np.asarray(X) @ np.asarray(W)), rtol=TOL, atol=TOL)
     v = jax.vmap(lambda a: mm(a, W))(jnp.stack([X, -X]))

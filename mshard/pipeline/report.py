@@ -6,6 +6,7 @@ parameter bytes, the activations that cross each stage boundary, and the schedul
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import re
 from dataclasses import dataclass, field
@@ -107,7 +108,6 @@ def with_layouts(rep: PipelineReport, slot_of: list[list[int]], carry_specs, axi
                  in_stage: str) -> PipelineReport:
     """``rep`` with each boundary activation's layout inside a stage (``carry_specs``: per carry slot, None: left
     to XLA, shown as ``?``; no specs at all: the cells' strategies decide) and the bytes one device sends."""
-    import dataclasses
     bounds = []
     for b, slots in zip(rep.boundaries, slot_of):
         lays, sent = [], 0
