@@ -5,8 +5,9 @@ Units:
 * ``compute``: seconds per device, ``flops / devices used / CostParams.flops_per_s``;
 * ``comm_bytes``: bytes sent per device, per collective kind (``"all-reduce"``,
   ``"all-gather"``, ``"reduce-scatter"``, ``"all-to-all"``), ring formulas (ALGORITHMS §2);
-* ``comm_time``: seconds, alpha-beta per mesh axis: ``latency[axis]`` per collective and axis
-  touched, plus bytes / ``bandwidth[axis]`` (a collective over several axes runs at the slowest);
+* ``comm_time``: seconds, alpha-beta per mesh axis: one ``latency`` per collective (the largest of the
+  axes it spans: XLA emits one collective over the device group, however many axes the group spans),
+  plus bytes / ``bandwidth[axis]`` (a collective over several axes runs at the slowest);
 * ``memory``: bytes per device of an op's operands and results (a redistribution: 0);
 * ``total``: ``alpha * compute + beta * comm_time + gamma * memory / memory_unit`` — MindSpore's
   weights. ``memory_unit`` (default 1 GiB) keeps the memory term a tie-breaker: with memory in
@@ -165,7 +166,7 @@ def spec_cost(spec: OpSpec, strategy: Strategy, mesh: DeviceMesh, params: CostPa
         if k > 1:
             b = 2.0 * local * (k - 1) / k
             ar_bytes += b
-            ar_time += sum(mesh.latency[a] for a in partial) + b / min(mesh.bandwidth[a] for a in partial)
+            ar_time += max(mesh.latency[a] for a in partial) + b / min(mesh.bandwidth[a] for a in partial)
     return Cost(compute, {"all-reduce": ar_bytes}, ar_time, memory, params.weigh(compute, ar_time, memory))
 
 
@@ -210,8 +211,8 @@ def redistribution_steps(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh)
     ``(kind, mesh axis, bytes per device per global byte)`` in execution order, the axis being the
     slowest one the collective's groups span; empty when only local slicing (or nothing) is needed.
 
-    >>> redistribution_steps(((0,), ()), ((), (1,)), DeviceMesh((2, 2)))   # slice dim 1, gather dim 0
-    (('all-gather', 0, 0.25),)
+    >>> redistribution_steps(((0,), ()), ((), (1,)), DeviceMesh((2, 2)))   # the split moves dim, then devices
+    (('all-to-all', 0, 0.25), ('collective-permute', 0, 0.5))
     >>> redistribution_steps(((0,), ()), ((1,), ()), DeviceMesh((2, 2)))   # same counts: a permute
     (('collective-permute', 0, 0.5),)
     >>> redistribution_steps(((0,), ()), ((), ()), DeviceMesh((2, 2)))     # gather dim 0

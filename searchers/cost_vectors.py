@@ -55,7 +55,7 @@ def candidate_tables(in_maps: tuple[tuple[int, ...], ...], out_maps: tuple[tuple
         partial = [a for d in reduction for a in s[d]]
         k = _prod(shape[a] for a in partial)
         if k > 1:
-            lat[c] = sum(mesh.latency[a] for a in partial)
+            lat[c] = max(mesh.latency[a] for a in partial)
             coef[c] = 2.0 * (k - 1) / k / min(mesh.bandwidth[a] for a in partial)
     for a in (dev, in_div, out_div, lat, coef):
         a.setflags(write=False)

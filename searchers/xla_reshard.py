@@ -60,7 +60,9 @@ class _Sh:
     __slots__ = ("dev",)
 
     def __init__(self, dev: np.ndarray):
-        self.dev = dev
+        # the order of the devices that hold the same tile carries no meaning: kept sorted, so two
+        # assignments that place every tile on the same devices are equal
+        self.dev = np.sort(dev, axis=-1)
 
     @property
     def tiles(self) -> tuple[int, ...]:
@@ -148,12 +150,6 @@ class _Sim:
             return dst                                      # a local slice
         if src.tiles == dst.tiles and src.R == dst.R:
             return self.permute(src, dst)
-        if src.R > 1 and dst.R > 1:
-            mark = len(self.steps)
-            out = self.via_tiling(src, dst)
-            if out is not None:
-                return out
-            del self.steps[mark:]
         out = self.all_to_all(src, dst)
         if out is not None:
             return out
@@ -169,7 +165,7 @@ class _Sim:
                 out = self.shift(src, dst)
             if out is not None:
                 return out
-        for attempt in (self.via_tiling, self.split_merge, self.replicate_dim, self.unreplicate_into_dim, self.grouped):
+        for attempt in (self.split_merge, self.replicate_dim, self.unreplicate_into_dim, self.grouped):
             mark = len(self.steps)
             out = attempt(src, dst)
             if out is not None:
@@ -207,10 +203,37 @@ class _Sim:
         return cur
 
     # -- 2. all-to-all ------------------------------------------------------------------------
+    @staticmethod
+    def _ratio_pairs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, int]] | None:
+        """Factor moves ``(j, i)``: dim ``j`` splits ``g`` times more than the target, dim ``i`` ``g`` times
+        less, e.g. tiles (1, 4) -> (2, 2) moves a factor 2 from dim 1 to dim 0."""
+        cur, pairs = list(src), []
+        while tuple(cur) != tuple(dst):
+            found = None
+            for i in range(len(cur)):
+                if dst[i] <= cur[i] or dst[i] % cur[i]:
+                    continue
+                g = dst[i] // cur[i]
+                for j in range(len(cur)):
+                    if j != i and cur[j] > dst[j] and cur[j] % dst[j] == 0 and cur[j] // dst[j] == g:
+                        found = (j, i, g)
+                        break
+                if found:
+                    break
+            if found is None:
+                return None
+            j, i, g = found
+            pairs.append((j, i))
+            cur[i] *= g
+            cur[j] //= g
+        return pairs
+
     def _pairs(self, src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, int]] | None:
         diff = [d for d in range(len(src)) if src[d] != dst[d]]
-        if sorted(src[d] for d in diff) != sorted(dst[d] for d in diff) or not diff:
+        if not diff:
             return None
+        if sorted(src[d] for d in diff) != sorted(dst[d] for d in diff):
+            return self._ratio_pairs(src, dst) if math.prod(src) == math.prod(dst) else None
         cur = list(src)
         pairs = []
         while True:
@@ -372,109 +395,6 @@ class _Sim:
         self._gather(src, {last: P.R})
         return self.all_to_all(tmp, dst)
 
-    def via_tiling(self, src: _Sh, dst: _Sh) -> _Sh | None:
-        """A partial side made fully tiled first: the source's replication sliced locally into the dims
-        the target splits more, the target's replication tiling the dims the source splits more; then
-        tiled -> tiled, then all-gathers to the target."""
-        if dst.R == 1:
-            return None
-        n = len(src.tiles)
-        s1 = src
-        if src.R > 1:
-            left, e = src.R, []
-            for d in range(n):
-                r = math.gcd(dst.tiles[d] // src.tiles[d], left) if dst.tiles[d] > src.tiles[d] else 1
-                e.append(r)
-                left //= r
-            if math.prod(e) > 1:
-                dev = src.dev.reshape(list(src.tiles) + e + [left])
-                order = [x for d in range(n) for x in (d, n + d)] + [2 * n]
-                s1 = _Sh(dev.transpose(order).reshape([src.tiles[d] * e[d] for d in range(n)] + [left]))
-        t1, ratios = dst, {}
-        if dst.R > 1:
-            left = dst.R // s1.R if dst.R % s1.R == 0 else 1
-            for d in range(n):
-                if left > 1 and s1.tiles[d] > dst.tiles[d] and s1.tiles[d] % dst.tiles[d] == 0:
-                    r = math.gcd(s1.tiles[d] // dst.tiles[d], left)
-                    if r > 1:
-                        ratios[d] = r
-                        left //= r
-            if ratios:
-                rs = [ratios[d] for d in sorted(ratios)]
-                dev = dst.dev.reshape(list(dst.tiles) + rs + [dst.R // math.prod(rs)])
-                order, k = [], 0
-                for d in range(n):
-                    order.append(d)
-                    if d in ratios:
-                        order.append(n + k)
-                        k += 1
-                order.append(n + k)
-                t1 = _Sh(dev.transpose(order).reshape([dst.tiles[d] * ratios.get(d, 1) for d in range(n)] + [-1]))
-        if s1 is src and t1 is dst:
-            return None
-        mark = len(self.steps)
-        if self.reshard(s1, t1, allow_full=False) is None or any(
-                st.kind != "all-to-all" for st in self.steps[mark:]):
-            return None                                     # only when all-to-alls alone reach it
-        if t1 is not dst and (self._gathered(t1, ratios, True) != dst):
-            return None
-        if t1 is not dst:
-            self._gather(t1, ratios)
-        return dst
-
-    # -- partial targets and sources through an intermediate tiling ---------------------------
-    def via_refinement(self, src: _Sh, dst: _Sh) -> _Sh | None:
-        """A partial source sliced locally to the tiling finer than both, then gathered to the target."""
-        if src.R == 1 or dst.R == 1:
-            return None
-        n = len(src.tiles)
-        fine = [max(a, b) for a, b in zip(src.tiles, dst.tiles)]
-        if any(f % a or f % b for f, a, b in zip(fine, src.tiles, dst.tiles)):
-            return None
-        size = src.ntiles * src.R
-        if size % math.prod(fine):
-            return None
-        e = [fine[d] // src.tiles[d] for d in range(n)]
-        if src.R % math.prod(e):
-            return None
-        dev = src.dev.reshape(list(src.tiles) + e + [src.R // math.prod(e)])
-        order = [x for d in range(n) for x in (d, n + d)] + [2 * n]
-        temp = _Sh(dev.transpose(order).reshape(fine + [-1]))
-        return self.to_partial(temp, dst)
-
-    def via_coarsening(self, src: _Sh, dst: _Sh) -> _Sh | None:
-        """To a partial target: first to the target's tiles with its replication tiling the dims the
-        source splits more (each such factor minor), then all-gather those factors."""
-        if dst.R == 1 or src.ntiles <= dst.ntiles or src.ntiles % dst.ntiles:
-            return None
-        extra = src.ntiles // dst.ntiles
-        if dst.R % extra or dst.R // extra != src.R:
-            return None
-        ratios: dict[int, int] = {}
-        for d in range(len(src.tiles)):
-            if extra > 1 and src.tiles[d] > dst.tiles[d] and src.tiles[d] % dst.tiles[d] == 0:
-                r = math.gcd(src.tiles[d] // dst.tiles[d], extra)
-                if r > 1:
-                    ratios[d] = r
-                    extra //= r
-        if extra != 1:
-            return None
-        n = len(dst.tiles)
-        rs = [ratios[d] for d in sorted(ratios)]
-        dev = dst.dev.reshape(list(dst.tiles) + rs + [src.R])
-        order, k = [], 0
-        for d in range(n):
-            order.append(d)
-            if d in ratios:
-                order.append(n + k)
-                k += 1
-        order.append(n + k)
-        tiles = [dst.tiles[d] * ratios.get(d, 1) for d in range(n)]
-        temp = _Sh(dev.transpose(order).reshape(tiles + [src.R]))
-        if self.reshard(src, temp, allow_full=False) is None:
-            return None
-        return self._gather_as(temp, ratios, dst)
-
     # -- 5. both tiled ------------------------------------------------------------------------
     def _split(self, s: _Sh, i: int, m: int) -> _Sh:
         t = list(s.tiles)
@@ -587,9 +507,18 @@ def reshard(src: TensorLayout, dst: TensorLayout, mesh: tuple[int, ...],
     """The collectives XLA compiles to take a tensor of global ``shape`` from layout ``src`` to ``dst``
     on a row-major mesh of ``mesh`` axis sizes; ``()`` when a local slice (or nothing) is enough.
     Without ``shape`` every dim is taken to divide evenly by its tile counts."""
-    src = tuple(tuple(a) for a in src)
-    dst = tuple(tuple(a) for a in dst)
-    mesh = tuple(mesh)
-    sim = _Sim(mesh, None if shape is None else tuple(int(s) for s in shape))
+    # a dim that no mesh axis splits on either side takes no part: dropped, so that the many layout pairs
+    # of a high-rank tensor share the simulations of the few that differ (the searchers ask for thousands)
+    keep = [d for d in range(len(src)) if src[d] or dst[d]] or [0]
+    src = tuple(tuple(src[d]) for d in keep)
+    dst = tuple(tuple(dst[d]) for d in keep)
+    shape = None if shape is None else tuple(int(shape[d]) for d in keep)
+    return _reshard(src, dst, tuple(mesh), shape)
+
+
+@lru_cache(maxsize=1 << 16)
+def _reshard(src: TensorLayout, dst: TensorLayout, mesh: tuple[int, ...],
+             shape: tuple[int, ...] | None) -> tuple[Step, ...]:
+    sim = _Sim(mesh, shape)
     sim.reshard(_from_layout(src, mesh), _from_layout(dst, mesh))
     return tuple(sim.steps)

@@ -1,11 +1,16 @@
 """The cost model's redistributions are the collectives XLA compiles (searchers.xla_reshard vs compiled HLO).
 
-For every pair of layouts of a tensor (each mesh axis on one tensor dim or none, in every order inside a dim),
-a ``jax.jit`` with ``in_shardings=src`` and ``out_shardings=dst`` is compiled and its collectives are read from
-the HLO; the model's collectives must be the same kinds with the same bytes moved per device. Exact on every
-pair of a two-axis mesh, and on the planner's (2, 2, 2) mesh for every pair in which at most one mesh axis
-changes the tensor dim it splits (reorders inside a dim included; the slow tier). Pairs that move two or three axes at once
-on (2, 2, 2) hit XLA heuristics the model does not describe yet (5% of them, bench/reshard_vs_hlo.py).
+For pairs of layouts of a tensor (each mesh axis on one tensor dim or none, in every order inside a dim), a
+``jax.jit`` whose input arrives in ``src`` and whose value is constrained to ``dst`` (``with_sharding_constraint``,
+as the executor constrains an op's operands) is compiled and its collectives are read from the HLO; the model's
+collectives must be the same kinds with the same bytes moved per device. Exact on every pair of a two-axis mesh,
+and on fixed samples of all pairs of rank-2 and rank-3 tensors on the planner's (2, 2, 2) mesh. The bench
+(bench/reshard_vs_hlo.py) compiles every pair: rank 2, 2401 of 2401 exact on (2, 2, 2); rank 3, 3 of a
+2500-pair sample differ (a permute XLA adds after an all-to-all).
+
+(A jit's ``out_shardings`` is another path: XLA's propagation first merges two compatible partially replicated
+shardings, so ``src -> dst`` becomes a local slice to the merge and a gather from it. The executor never takes that
+path for an op's operand, and the model follows the constraint.)
 """
 
 from __future__ import annotations
@@ -34,15 +39,11 @@ def layouts(rank: int, naxes: int) -> list[tuple[tuple[int, ...], ...]]:
     return sorted(out)
 
 
-def dim_of(layout) -> dict[int, int]:
-    return {a: d for d, axes in enumerate(layout) for a in axes}
-
-
 def hlo_moved(mesh, names, shape, src, dst) -> Counter:
     def spec(lay):
         return P(*[tuple(names[a] for a in axes) if axes else None for axes in lay])
-    f = jax.jit(lambda x: x * 2, in_shardings=NamedSharding(mesh, spec(src)),
-                out_shardings=NamedSharding(mesh, spec(dst)))
+    f = jax.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, spec(dst))),
+                in_shardings=NamedSharding(mesh, spec(src)))
     rep = CommReport.from_hlo(f.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().as_text())
     return Counter({k: v["moved"] for k, v in rep.by_kind.items()})
 
@@ -73,20 +74,19 @@ def test_every_pair_on_a_two_axis_mesh(mesh_shape):
     check(mesh_shape, (16, 32), [(s, d) for s in ls for d in ls])
 
 
-def single_moves(rank: int):
-    ls = layouts(rank, 3)
-    return [(s, d) for s in ls for d in ls
-            if sum(dim_of(s).get(a) != dim_of(d).get(a) for a in range(3)) <= 1]
+def all_pairs(rank: int, naxes: int = 3):
+    ls = layouts(rank, naxes)
+    return [(s, d) for s in ls for d in ls]
 
 
-def test_single_axis_moves_on_the_planner_mesh_rank2():
-    pairs = single_moves(2)                 # 0.2 s each to compile: a fixed sample of 100 (bench/reshard_vs_hlo.py: all)
-    check((2, 2, 2), (16, 32), random.Random(0).sample(pairs, min(100, len(pairs))))
+def test_every_pair_sample_on_the_planner_mesh_rank2():
+    # 2401 pairs, about 0.05 s each to compile: a fixed sample of 150 (bench/reshard_vs_hlo.py: all)
+    check((2, 2, 2), (16, 32), random.Random(0).sample(all_pairs(2), 150))
 
 
-def test_single_axis_moves_on_the_planner_mesh_rank3():
-    pairs = single_moves(3)                 # 784 pairs, 0.15 s each to compile: a fixed sample of 200
-    check((2, 2, 2), (8, 16, 32), random.Random(0).sample(pairs, 200))
+def test_every_pair_sample_on_the_planner_mesh_rank3():
+    # 11236 pairs: a fixed sample of 150
+    check((2, 2, 2), (8, 16, 32), random.Random(0).sample(all_pairs(3), 150))
 
 
 def test_examples_of_each_realisation():
