@@ -14,7 +14,8 @@ Units:
   plain bytes, ``gamma=0.001`` would outweigh every other term by orders of magnitude; set
   ``memory_unit=1`` for the literal formula.
 
-An op's partial results (split reduction dims) are resolved inside the op by an all-reduce;
+An op's partial results (split reduction dims) are resolved inside the op by all-reduces, one per split
+reduction dim as XLA compiles them;
 the consumer then slices for free, so ``"reduce-scatter"`` stays 0 in this model (a searcher that
 fuses the two may charge ``S_local * (k-1) / k`` instead). :func:`graph_cost` memory is the sum of
 the ops' memories: a proxy that counts a tensor at its producer and at each consumer, not a
@@ -123,8 +124,9 @@ def op_cost(op: Op, strategy: Strategy, graph: Graph, params: CostParams) -> Cos
     """Cost of ``op`` under ``strategy`` on ``graph.mesh``.
 
     compute = flops / devices used / flops_per_s; communication: results that are partial over
-    the axes of split reduction dims are all-reduced over that axis group (k devices):
-    ``2 * S_local * (k - 1) / k`` bytes per result; memory = local bytes of operands + results.
+    the axes of split reduction dims are all-reduced, once per split reduction dim over that dim's
+    axis group (k devices): ``2 * S_local * (k - 1) / k`` bytes per result and dim; memory = local
+    bytes of operands + results.
 
     >>> from searchers.graph import DeviceMesh, Graph
     >>> g = Graph(DeviceMesh((2, 2)))
@@ -155,19 +157,32 @@ def spec_cost(spec: OpSpec, strategy: Strategy, mesh: DeviceMesh, params: CostPa
     memory = 0.0
     for maps, nbytes in zip(spec.in_maps, spec.in_bytes):
         memory += nbytes / _count(layout_of(maps, strategy), shape)
-    partial = sorted(a for d in spec.reduction for a in strategy[d])
-    k = 1
-    for a in partial:
-        k *= shape[a]
+    groups = _reduction_groups(spec.reduction, strategy, mesh)
     ar_bytes = ar_time = 0.0
     for maps, nbytes in zip(spec.out_maps, spec.out_bytes):
         local = nbytes / _count(layout_of(maps, strategy), shape)
         memory += local
-        if k > 1:
+        for k, lat, bw in groups:
             b = 2.0 * local * (k - 1) / k
             ar_bytes += b
-            ar_time += max(mesh.latency[a] for a in partial) + b / min(mesh.bandwidth[a] for a in partial)
+            ar_time += lat + b / bw
     return Cost(compute, {"all-reduce": ar_bytes}, ar_time, memory, params.weigh(compute, ar_time, memory))
+
+
+def _reduction_groups(reduction: Sequence[int], strategy: Strategy,
+                      mesh: DeviceMesh) -> list[tuple[int, float, float]]:
+    """``(devices, latency, bandwidth)`` of each all-reduce that resolves a partial result: XLA emits one per split
+    reduction dim, over the devices of that dim's axes (a sum over two split dims is two all-reduces, one dim split
+    over two axes is one), at the largest latency and the slowest bandwidth of those axes."""
+    out = []
+    for d in reduction:
+        axes = strategy[d]
+        k = 1
+        for a in axes:
+            k *= mesh.shape[a]
+        if k > 1:
+            out.append((k, max(mesh.latency[a] for a in axes), min(mesh.bandwidth[a] for a in axes)))
+    return out
 
 
 def _count(layout: TensorLayout, shape: tuple[int, ...]) -> int:

@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .cost import CostParams, redistribution_steps
+from .cost import CostParams, _reduction_groups, redistribution_steps
 from .graph import DeviceMesh, Graph, Op, Strategy, TensorLayout
 from .spec import OpSpec, layout_of, op_spec
 
@@ -30,8 +30,8 @@ class CandidateTables:
     devices: np.ndarray      # (C,) devices used
     in_div: np.ndarray       # (C, n_in) 1 / split count of each operand
     out_div: np.ndarray      # (C, n_out) 1 / split count of each result
-    ar_lat: np.ndarray       # (C,) latency of one all-reduce over the partial axes (0: none)
-    ar_coef: np.ndarray      # (C,) all-reduce seconds per local result byte: 2(k-1)/k / slowest bandwidth
+    ar_lat: np.ndarray       # (C,) latency of the all-reduces over the partial axes, one per split reduction dim
+    ar_coef: np.ndarray      # (C,) their seconds per local result byte: sum of 2(k-1)/k / slowest bandwidth
 
 
 @lru_cache(maxsize=1 << 12)
@@ -52,11 +52,9 @@ def candidate_tables(in_maps: tuple[tuple[int, ...], ...], out_maps: tuple[tuple
             in_div[c, i] = 1.0 / _prod(counts[d] for d in m if d >= 0)
         for j, m in enumerate(out_maps):
             out_div[c, j] = 1.0 / _prod(counts[d] for d in m if d >= 0)
-        partial = [a for d in reduction for a in s[d]]
-        k = _prod(shape[a] for a in partial)
-        if k > 1:
-            lat[c] = max(mesh.latency[a] for a in partial)
-            coef[c] = 2.0 * (k - 1) / k / min(mesh.bandwidth[a] for a in partial)
+        for k, latency, bandwidth in _reduction_groups(reduction, s, mesh):
+            lat[c] += latency
+            coef[c] += 2.0 * (k - 1) / k / bandwidth
     for a in (dev, in_div, out_div, lat, coef):
         a.setflags(write=False)
     return CandidateTables(dev, in_div, out_div, lat, coef)

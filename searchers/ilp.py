@@ -188,11 +188,19 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
                                  elementwise_op_strategy_follow=elementwise_op_strategy_follow, cache=False)
         return SearchResult(dp.strategies, dp.cost, ALGORITHM, time.perf_counter() - t0,
                             notes + [msg + ": returned the dynamic_programming plan instead"] + dp.notes)
-    if not sol.optimal:
-        notes.append(f"ilp stopped at time_limit={time_limit:g} s before proving optimality: the plan costs "
-                     f"{sol.objective:.6g}, the lower bound is {sol.bound:.6g} (gap {100 * sol.gap:.3g}%)")
     choice = prob.expand({v: sol.choice[i] for i, v in enumerate(live)})
     strategies = prob.strategies(choice)
     cost = graph_cost(graph, strategies, params)
+    if not sol.optimal:
+        notes.append(f"ilp stopped at time_limit={time_limit:g} s before proving optimality: the plan costs "
+                     f"{sol.objective:.6g}, the lower bound is {sol.bound:.6g} (gap {100 * sol.gap:.3g}%)")
+        # an unproven incumbent may be far from the optimum: never return less than dynamic_programming finds
+        dp = dynamic_programming(graph, params, fully_use_devices=fully_use_devices,
+                                 elementwise_op_strategy_follow=elementwise_op_strategy_follow, cache=False)
+        if dp.cost.total < cost.total:
+            notes.append(f"the dynamic_programming plan costs less ({dp.cost.total:.6g} against {cost.total:.6g}) "
+                         "and is returned instead")
+            strategies, cost = dp.strategies, dp.cost
+            notes += dp.notes
     return no_worse_than_baselines(graph, params, SearchResult(strategies, cost, ALGORITHM, time.perf_counter() - t0,
                                                                notes), fully_use_devices=fully_use_devices)

@@ -69,9 +69,9 @@ SLOW = (
     "tests/test_examples.py",
     "tests/test_train_examples.py",
     "tests/test_train_memory.py",
-    "tests/test_reshard_model.py::test_single_axis_moves_on_the_planner_mesh_rank2",
+    "tests/test_reshard_model.py::test_every_pair_sample_on_the_planner_mesh_rank2",
     "tests/test_plan_program.py::test_predicted_communication_is_the_compiled_programs_and_replays[transformer-",
-    "tests/test_reshard_model.py::test_single_axis_moves_on_the_planner_mesh_rank3",
+    "tests/test_reshard_model.py::test_every_pair_sample_on_the_planner_mesh_rank3",
     "tests/test_searchers_e2e.py::test_plan_executes_and_matches_one_device[transformer-",
     "tests/test_train.py::test_megatron_gpt_semi_auto_matches_one_device",
     "tests/test_train.py::test_searched_megatron_step_communicates_no_more_than_its_strategies_alone",
@@ -102,8 +102,11 @@ def pytest_configure(config):
 
 
 # heavy by node id (seconds on 2 cores): a case too slow for CI's budget, covered there by a cheaper case of the same
-# path (none now: the 2-process split left room for the transformer-ilp end-to-end case and the 100k-op propagation)
-HEAVY: dict[str, int] = {}
+# path. The MiniGPT's ~390-op training step under ilp: HiGHS runs to its 60 s time limit, then dynamic_programming
+# (the MiniGPT's dynamic_programming case, and the CNN's ilp case, run in CI)
+HEAVY: dict[str, int] = {
+    "tests/test_plain_models_train.py::test_a_plain_flax_model_trains_as_on_one_device[minigpt-ilp]": 80,
+}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -98,8 +98,8 @@ def megatron(model):
 
 CONFIGS = [("data_parallel", {}), ("semi_auto_parallel", {})] + [
     ("auto_parallel", {"search_mode": m}) for m in ms.context.SEARCH_MODES]
-# the MiniGPT's training step is ~390 ops: recursive_programming searches it in ~20 s, ilp proves its optimum in
-# ~35 s and dynamic_programming takes ~12 s on 2 cores (issue 14's search speed)
+# the MiniGPT's training step is ~390 ops: recursive_programming searches it in ~20 s and dynamic_programming in
+# ~10 s on 2 cores; ilp runs to its 60 s time limit (heavy: tests/conftest.py::HEAVY; issue 14's search speed)
 
 
 def _cases():

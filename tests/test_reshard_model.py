@@ -99,3 +99,26 @@ def test_examples_of_each_realisation():
     assert reshard(((0,), ()), ((0, 1), ()), m) == ()            # a local slice
     assert [(s.kind, s.group) for s in reshard(((0, 1, 2), (), ()), ((), (0,), (1, 2)), m, (8, 16, 256))] == \
         [("all-gather", 8)]                                      # XLA's "involuntary full rematerialization"
+
+
+@pytest.mark.parametrize("split", [((0,), (1, 2)), ((0, 1), (2,)), ((0, 1, 2), ()), ((1,), (0,))])
+def test_partial_sums_are_one_all_reduce_per_split_reduction_dim(split):
+    """A sum over two dims split on different axes compiles to one all-reduce per dim (a dim split over several axes:
+    one over their devices); the model prices the same count and bytes."""
+    from searchers.cost import CostParams, op_cost
+    from searchers.graph import DeviceMesh, Graph
+    names = ("a0", "a1", "a2")
+    mesh = jax.make_mesh((2, 2, 2), names, axis_types=(AxisType.Auto,) * 3)
+    spec = P(*[tuple(names[a] for a in axes) if axes else None for axes in split])
+    f = jax.jit(jnp.sum, in_shardings=NamedSharding(mesh, spec))
+    rep = CommReport.from_hlo(f.lower(jax.ShapeDtypeStruct((32, 64), jnp.float32)).compile().as_text())
+    g = Graph(DeviceMesh((2, 2, 2)))
+    x = g.source("x", (32, 64))
+    g.add_op("sum", "reduce_sum", {"i": 32, "j": 64}, [x], [("i", "j")], [()])
+    c = op_cost(g.ops[1], split, g, CostParams())
+    groups = sorted(int(np.prod([2] * len(axes))) for axes in split if axes)
+    assert sorted(col.group_size for col in rep.collectives if col.kind == "all-reduce") == groups
+    assert rep.total_count == len(groups)
+    # both sides sum 2 * 4 B * (k-1)/k per group: exact in float64 up to one rounding per term
+    assert c.comm_bytes["all-reduce"] == pytest.approx(rep.moved("all-reduce"), rel=1e-12)
+    assert c.comm_time == pytest.approx(len(groups) * 5e-6 + c.comm_bytes["all-reduce"] / 100e9, rel=1e-12)

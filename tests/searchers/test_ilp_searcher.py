@@ -107,6 +107,11 @@ def test_time_limit_gives_a_clear_note():
     res = ilp(g, P, time_limit=0.001, cache=False)
     assert len(res.strategies) == len(g)
     assert any("time_limit=0.001" in n for n in res.notes), res.notes
+    # stopped early (no solution, or an unproven one), ilp still returns no more than dynamic_programming's plan;
+    # float64 totals of two plans, each summed once (~n * 2**-53 relative)
+    from searchers.dynamic_programming import dynamic_programming
+    dp = dynamic_programming(g, P, cache=False)
+    assert res.cost.total <= dp.cost.total * (1 + 1e-12)
 
 
 def test_time_limit_without_fallback_raises():
