@@ -64,11 +64,10 @@ def assert_equal_training(mine, losses, ref, ref_losses):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
 
 
-# (layers, S, M, schedule): S = 2, 4; M = 4, 8; both schedules; 7 blocks on 4 stages (any block count: stages of
-# 2, 2, 2 and 1 blocks, the embeddings on the first and the head on the last; 5 blocks on 2 stages are the stage
+# (layers, S, M, schedule): S = 2, 4; M = 4, 8; both schedules; 5 blocks on 4 stages (any block count: stages of
+# 2, 1, 1 and 1 blocks, the embeddings on the first and the head on the last; 3 blocks on 2 stages are the stage
 # helper's test below)
-@pytest.mark.parametrize("layers,S,M,sched", [(2, 2, 4, "1f1b"), (2, 2, 8, "gpipe"), (4, 4, 8, "1f1b"),
-                                              (7, 4, 4, "gpipe")])
+@pytest.mark.parametrize("layers,S,M,sched", [(2, 2, 4, "1f1b"), (4, 4, 8, "1f1b"), (5, 4, 4, "gpipe")])
 def test_gpt_trains_as_on_one_device(layers, S, M, sched):
     mine, losses, ref, ref_losses, rep = train_both(staged_gpt(layers, S), S, M, sched=sched, report=True)
     assert_equal_training(mine, losses, ref, ref_losses)
@@ -171,15 +170,15 @@ def test_interleaved_gpt_trains_as_on_one_device():
 
 def test_stage_helper_balances_the_cells_when_none_has_a_stage():
     from mshard.pipeline.stages import auto_stages
-    net = make_gpt(nnx.Rngs(0), layers=5)
+    net = make_gpt(nnx.Rngs(0), layers=3)
     ids = jax.ShapeDtypeStruct((4, 32), jnp.int32)
     assign, cost = auto_stages(nn.WithLossCell(net, LOSS), lambda m, *d: m(*d), [ids, ids], 2)
     # contiguous in call order: embeddings and the first blocks on 0, the rest with the head on 1
-    order = ["backbone.embedding", "backbone.position"] + [f"backbone.blocks.{i}" for i in range(5)] + \
+    order = ["backbone.embedding", "backbone.position"] + [f"backbone.blocks.{i}" for i in range(3)] + \
         ["backbone.final_norm", "backbone.head"]
     stages = [assign[c] for c in order]
     assert stages == sorted(stages) and set(stages) == {0, 1}
-    assert max(cost) <= 0.75 * sum(cost)        # five equal blocks and a head: no stage carries 3/4 of the work
+    assert max(cost) <= 0.75 * sum(cost)        # three equal blocks and a head: no stage carries 3/4 of the work
     mine, losses, ref, ref_losses, _ = train_both(net, 2, 4)
     assert_equal_training(mine, losses, ref, ref_losses)
 
