@@ -184,8 +184,7 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
                    f"and {sol.size.get('e', 0)} edge variables); raise time_limit, or use dynamic_programming")
         if not fallback:
             raise SearchLimitError(msg)
-        dp = dynamic_programming(graph, params, fully_use_devices=fully_use_devices,
-                                 elementwise_op_strategy_follow=elementwise_op_strategy_follow, cache=False)
+        dp = _dp_plan(graph, params, fully_use_devices, elementwise_op_strategy_follow)
         return SearchResult(dp.strategies, dp.cost, ALGORITHM, time.perf_counter() - t0,
                             notes + [msg + ": returned the dynamic_programming plan instead"] + dp.notes)
     choice = prob.expand({v: sol.choice[i] for i, v in enumerate(live)})
@@ -194,9 +193,8 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
     if not sol.optimal:
         notes.append(f"ilp stopped at time_limit={time_limit:g} s before proving optimality: the plan costs "
                      f"{sol.objective:.6g}, the lower bound is {sol.bound:.6g} (gap {100 * sol.gap:.3g}%)")
-        # an unproven incumbent may be far from the optimum: never return less than dynamic_programming finds
-        dp = dynamic_programming(graph, params, fully_use_devices=fully_use_devices,
-                                 elementwise_op_strategy_follow=elementwise_op_strategy_follow, cache=False)
+        # an unproven incumbent may be far from the optimum: never return a plan costlier than dynamic_programming's
+        dp = _dp_plan(graph, params, fully_use_devices, elementwise_op_strategy_follow)
         if dp.cost.total < cost.total:
             notes.append(f"the dynamic_programming plan costs less ({dp.cost.total:.6g} against {cost.total:.6g}) "
                          "and is returned instead")
@@ -204,3 +202,9 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
             notes += dp.notes
     return no_worse_than_baselines(graph, params, SearchResult(strategies, cost, ALGORITHM, time.perf_counter() - t0,
                                                                notes), fully_use_devices=fully_use_devices)
+
+
+def _dp_plan(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool) -> SearchResult:
+    """dynamic_programming's plan, what ilp falls back to or compares with when HiGHS stops at its time limit."""
+    return dynamic_programming(graph, params, fully_use_devices=fully_use_devices,
+                               elementwise_op_strategy_follow=follow, cache=False)

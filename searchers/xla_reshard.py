@@ -6,7 +6,8 @@ collectives XLA will really compile for it, not by the cheapest conceivable ones
 replication count ``R``, and the device at every tile. It tries, in this order:
 
 1. same tile counts, other devices: one **collective-permute** of the whole local shard;
-2. the same tile counts moved between dims: **all-to-alls**, one mesh factor per step (several
+2. the same tile counts moved between dims, or a factor moved from one dim to another (tiles
+   (1, 4) -> (2, 2)): **all-to-alls**, one mesh factor per step (several
    disjoint steps fused in one), then a permute if the devices end up in another order;
 3. less replication (every target count a multiple of the source's): a local slice, then a
    permute of the small shard if the order differs;
@@ -17,6 +18,10 @@ replication count ``R``, and the device at every tile. It tries, in this order:
    the dims with equal counts fixed and reshard the rest inside each group;
 6. otherwise the *involuntary full rematerialisation*: all-gather every split dim (last first)
    to the full tensor, then slice.
+
+The path modelled is the executor's: a value constrained to the target layout
+(``with_sharding_constraint``). A jit's ``out_shardings`` compiles some pairs differently (XLA's
+propagation first merges two compatible partially replicated shardings); the tests compile the constraint.
 
 A layout here is the searchers' :data:`~searchers.graph.TensorLayout` (per tensor dim, the mesh
 axes that split it, major first) on a mesh whose devices are numbered row-major (``jax.make_mesh``
