@@ -16,11 +16,13 @@ user gets without searching, and returns the cheapest of them instead of the sea
 
 Every baseline keeps the fixed ops and the ties (a write-back in its input's layout, a marked operand read again
 in the layout its op computed it in), and is taken only where its memory is no more than the search's plan's or
-the device capacity, and only where it is a plan the searcher may return: under ``fully_use_devices`` (MindSpore's
-"search only strategies that use every device") each unfixed op's strategy must be one of its candidates
-(sources and ``free_devices`` ops exempt, as in :func:`~searchers.strategies.enumerate_strategies`). So the
-replicated plan (c) counts only with idle devices allowed, and (a), (b) under ``fully_use_devices`` where they
-use every device.
+the device capacity, and only where it is a plan that uses the devices as asked: under ``fully_use_devices``
+(MindSpore's "search only strategies that use every device") each unfixed op that data reaches must use every
+device as one of its candidates does (sources, ``free_devices`` ops and ops with no operands exempt, as in
+:func:`~searchers.strategies.enumerate_strategies`). Ops no data input reaches (an iota, a mask, a parameter's own
+transform) are exempt too: the data-parallel plan computes them whole, as MindSpore's does, and fully_use_devices
+is about the work the batch flows through. So the replicated plan (c) counts only with idle devices allowed, and
+(a), (b) under ``fully_use_devices`` where the batch's path uses every device.
 
 >>> from searchers.cost import CostParams
 >>> from searchers.generators import mlp_chain
@@ -99,12 +101,22 @@ def baseline_plans(graph: Graph, params: CostParams, *, fully_use_devices: bool)
 
 
 def admissible(graph: Graph, strategies: dict[int, Strategy], *, fully_use_devices: bool) -> bool:
-    """Whether every unfixed, untied op's strategy is one of its candidates (a plan the searcher may return)."""
+    """Whether every unfixed, untied op that data reaches computes in one of its candidates (module doc)."""
     if not fully_use_devices:
         return True           # every split of a splittable dim, and whole, is a candidate
+    reached = _reached_by_data(graph)
     return all(strategies[op.id] in enumerate_strategies(op, graph.mesh, fully_use_devices=True)
-               for op in graph.ops if op.fixed is None and op.follow_operand is None
+               for op in graph.ops if reached[op.id] and op.fixed is None and op.follow_operand is None
                and op.id not in graph.operand_ties)
+
+
+def _reached_by_data(graph: Graph) -> list[bool]:
+    """Per op id: whether a data input flows into it (ops are in program order)."""
+    reached = [op.kind == "data" for op in graph.ops]
+    for op in graph.ops:
+        if not reached[op.id]:
+            reached[op.id] = any(reached[graph.tensors[t].producer] for t in op.inputs)
+    return reached
 
 
 def no_worse_than_baselines(graph: Graph, params: CostParams, result: SearchResult, *,

@@ -130,7 +130,7 @@ class Problem:
                 else:
                     spec = spec_from_key(sk)
                     cands = strategies_for(spec.sizes, spec.unsplittable, mesh.shape,
-                                           fully_use_devices and not op.is_source and not op.free_devices,
+                                           fully_use_devices and not op.any_devices,
                                            max_candidates)
                 cid = cand_ids[ck] = len(cand_lists)
                 cand_lists.append(cands)

@@ -146,6 +146,12 @@ class Op:
     def is_source(self) -> bool:
         return self.kind in SOURCE_KINDS
 
+    @property
+    def any_devices(self) -> bool:
+        """Whether ``fully_use_devices`` leaves this op free to idle devices: a source or an op with no operands
+        (an iota, a constant: its layout follows its users, as in MindSpore), or an op marked ``free_devices``."""
+        return self.is_source or not self.inputs or self.free_devices
+
     def compute_flops(self) -> float:
         if self.flops is not None:
             return float(self.flops)

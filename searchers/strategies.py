@@ -31,7 +31,8 @@ def enumerate_strategies(op: Op, mesh: DeviceMesh, *, fully_use_devices: bool = 
     first that many. ``op.fixed`` (a user strategy) is returned alone.
 
     With ``fully_use_devices`` every mesh axis must be used by an operator (source ops — data,
-    parameters — are exempt: a tensor's layout follows its users, as in MindSpore); if no strategy can do that (e.g.
+    parameters — and ops with no operands, such as an iota, are exempt: a tensor's layout follows
+    its users, as in MindSpore); if no strategy can do that (e.g.
     all dims unsplittable, or sizes not divisible) the strategies using the most devices are
     returned instead, so a search never runs out of candidates.
 
@@ -45,8 +46,8 @@ def enumerate_strategies(op: Op, mesh: DeviceMesh, *, fully_use_devices: bool = 
     """
     if op.fixed is not None:
         return [tuple(tuple(a) for a in op.fixed)]
-    if op.is_source or op.free_devices:   # fully_use_devices is about operators; a tensor's layout follows its
-        fully_use_devices = False          # users (MindSpore); free_devices: the backward and update (Op)
+    if op.any_devices:       # fully_use_devices is about operators; a tensor's layout follows its users (MindSpore),
+        fully_use_devices = False          # an op with no operands too; free_devices: the backward and update (Op)
     uns = tuple(d in op.unsplittable for d in op.dims)
     return list(strategies_for(op.split_sizes(), uns, mesh.shape, fully_use_devices, max_candidates))
 

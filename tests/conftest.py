@@ -103,9 +103,12 @@ def pytest_configure(config):
 
 # heavy by node id (seconds on 2 cores): a case too slow for CI's budget, covered there by a cheaper case of the same
 # path. The MiniGPT's ~390-op training step under ilp: HiGHS runs to its 60 s time limit, then dynamic_programming
-# (the MiniGPT's dynamic_programming case, and the CNN's ilp case, run in CI)
+# (the MiniGPT's dynamic_programming case, and the CNN's ilp case, run in CI). The GPT on 4 stages under 1f1b with 8
+# micro-batches: CI runs 1f1b on 2 stages and 4 stages under gpipe; the schedule's tables for every S, M are
+# tests/test_pipeline_schedule.py's, which compiles nothing.
 HEAVY: dict[str, int] = {
     "tests/test_plain_models_train.py::test_a_plain_flax_model_trains_as_on_one_device[minigpt-ilp]": 80,
+    "tests/test_pipeline.py::test_gpt_trains_as_on_one_device[4-4-8-1f1b]": 30,
 }
 
 

@@ -203,6 +203,17 @@ def test_elementwise_op_strategy_follow(name):
     assert any("elementwise_op_strategy_follow" in n for n in res.notes)
 
 
+def _reached_by_data(g):
+    """Op ids a data input flows into, found by a walk from the data sources over consumers."""
+    seen, todo = set(), [op.id for op in g.ops if op.kind == "data"]
+    while todo:
+        i = todo.pop()
+        if i not in seen:
+            seen.add(i)
+            todo.extend(c for t in g.ops[i].outputs for c in g.tensors[t].consumers)
+    return [op.id in seen for op in g.ops]
+
+
 def _obvious_plans(g):
     """Built here from the graph alone: the replicated plan, and the data-parallel one (every data input split on
     its batch dim over the axes that divide it, each op computing in the layout its operands arrive in)."""
@@ -233,10 +244,31 @@ def test_no_search_returns_a_plan_worse_than_the_obvious_ones(name, fully, shape
     res = search(g, P, fully_use_devices=fully, cache=False)
     for base, plan in _obvious_plans(g).items():
         movable = [op for op in g.ops if op.fixed is None and op.follow_operand is None and op.id not in g.operand_ties]
-        if fully and any(plan[op.id] not in enumerate_strategies(op, mesh, fully_use_devices=True) for op in movable):
+        reached = _reached_by_data(g)          # ops no data reaches may stay whole under fully_use_devices
+        if fully and any(reached[op.id] and plan[op.id] not in enumerate_strategies(op, mesh, fully_use_devices=True)
+                         for op in movable):
             continue
         # 1e-9: float64 re-summation of the same costs (~1e-15) and the ILP's mip_rel_gap
         assert res.cost.total <= graph_cost(g, plan, P).total * (1 + 1e-9), (base, res.notes)
+
+
+@pytest.mark.parametrize("name", [*SEARCHERS, "sharding_propagation"])
+def test_ops_no_data_reaches_do_not_keep_the_data_parallel_plan_out_under_fully_use_devices(name):
+    """x (data) @ exp(w) on a (2, 2, 2) mesh. The data-parallel plan splits x's rows over all 8 devices and
+    computes exp(w), which no data reaches, whole: nothing moves. fully_use_devices makes the search split exp(w)
+    and gather it again; the data-parallel plan still bounds it (DESIGN invariant 6), so no bytes move."""
+    g = Graph(DeviceMesh((2, 2, 2)))
+    x = g.source("x", (64, 32))
+    w = g.source("w", (32, 16), kind="param")
+    (ew,) = g.add_op("exp", "exp", {"k": 32, "n": 16}, [w], [("k", "n")], [("k", "n")])
+    g.add_op("mm", "dot_general", {"m": 64, "k": 32, "n": 16}, [x, ew], [("m", "k"), ("k", "n")], [("m", "n")])
+    assert ((), ()) not in enumerate_strategies(g.ops[2], g.mesh, fully_use_devices=True)
+    search = sharding_propagation if name == "sharding_propagation" else SEARCHERS[name]
+    res = search(g, P, fully_use_devices=True, cache=False)
+    dp = graph_cost(g, _obvious_plans(g)["data parallel"], P)
+    assert dp.communication == 0
+    # 1e-9: float64 re-summation of the same costs (~1e-15) and the ILP's mip_rel_gap
+    assert res.cost.total <= dp.total * (1 + 1e-9) and res.cost.communication == 0, res.notes
 
 
 def test_the_registry_declares_what_each_searcher_takes():
