@@ -7,6 +7,9 @@ user gets without searching, and returns the cheapest of them instead of the sea
 - ``data parallel`` (a): the data inputs not fixed by the dataset strategy split on their batch dim
   (:func:`~searchers.strategies.data_parallel_strategy`), every other op computing in the layout its operands
   arrive in (a batch split flows on, parameters stay whole);
+- ``data parallel (sliced)`` (a, under ``full_batch``): data inputs fixed whole (every device holds the batch) stay
+  whole, and their consumers compute on the batch split as in ``data parallel``: slicing a replicated tensor is
+  free, so this is data parallel at no cost for the data's arrival;
 - ``data parallel (per op)`` (a, MindSpore's form): every op not fixed splits the loop dim behind dim 0 of its
   first operand, as MindSpore's data-parallel default does, the batch sliced where it arrives whole
   (``full_batch``: slicing a replicated tensor is free);
@@ -60,6 +63,22 @@ def _with_data_split(graph: Graph, make: Callable[[], dict[int, Strategy]]) -> d
             op.fixed = None
 
 
+def _with_whole_data_sliced(graph: Graph, params: CostParams, whole: list[Op]) -> dict[int, Strategy]:
+    """follow_operands with the data inputs in ``whole`` (fixed replicated) taken as split on their batch dim, then
+    given back their own layout: every consumer slices its share locally."""
+    saved = [op.fixed for op in whole]
+    for op in whole:
+        op.fixed = data_parallel_strategy(op, graph.mesh)
+    try:
+        plan = follow_operands(graph, params).strategies
+    finally:
+        for op, f in zip(whole, saved):
+            op.fixed = f
+    for op, f in zip(whole, saved):
+        plan[op.id] = tuple(tuple(a) for a in f)
+    return plan
+
+
 def _per_op(graph: Graph, pick: Callable[[Op], Strategy]) -> dict[int, Strategy]:
     """Fixed ops as fixed, ties as tied, every other op ``pick(op)``."""
     st: list[Strategy | None] = [None] * len(graph.ops)
@@ -95,6 +114,9 @@ def baseline_plans(graph: Graph, params: CostParams, *, fully_use_devices: bool)
                                                              else data_parallel_strategy(op, graph.mesh))),
         "semi_auto": semi_auto,
     }
+    whole = [op for op in graph.ops if op.kind == "data" and op.fixed is not None and not any(op.fixed)]
+    if whole:
+        plans["data parallel (sliced)"] = _with_whole_data_sliced(graph, params, whole)
     if not fully_use_devices:
         plans["replicated"] = _per_op(graph, replicated)
     return plans

@@ -271,6 +271,25 @@ def test_ops_no_data_reaches_do_not_keep_the_data_parallel_plan_out_under_fully_
     assert res.cost.total <= dp.total * (1 + 1e-9) and res.cost.communication == 0, res.notes
 
 
+@pytest.mark.parametrize("name", [*SEARCHERS, "sharding_propagation"])
+def test_under_full_batch_data_parallel_slices_the_whole_batch_for_free(name):
+    """full_batch: x arrives whole on every device (fixed replicated). Data parallel is then free to start: the
+    product takes its share of x's rows by a local slice and exp(w), which no data reaches, stays whole, so
+    nothing moves. w has one column: under fully_use_devices the search splits exp(w) on its rows and gathers them
+    (or sums partial products); this plan bounds it."""
+    g = Graph(DeviceMesh((2, 2, 2)))
+    x = g.source("x", (64, 32), fixed=((), ()))
+    w = g.source("w", (32, 1), kind="param")
+    (ew,) = g.add_op("exp", "exp", {"k": 32, "n": 1}, [w], [("k", "n")], [("k", "n")])
+    g.add_op("mm", "dot_general", {"m": 64, "k": 32, "n": 1}, [x, ew], [("m", "k"), ("k", "n")], [("m", "n")])
+    sliced = {0: ((), ()), 1: ((), ()), 2: ((), ()), 3: ((0, 1, 2), (), ())}
+    assert graph_cost(g, sliced, P).communication == 0
+    search = sharding_propagation if name == "sharding_propagation" else SEARCHERS[name]
+    res = search(g, P, fully_use_devices=True, cache=False)
+    # 1e-9: float64 re-summation of the same costs (~1e-15) and the ILP's mip_rel_gap
+    assert res.cost.total <= graph_cost(g, sliced, P).total * (1 + 1e-9) and res.cost.communication == 0, res.notes
+
+
 def test_the_registry_declares_what_each_searcher_takes():
     """searchers.protocol: every search_mode is a Searcher whose declared options are keyword parameters of its
     function (the planner passes only those), and the exact searchers are the ones that tie write-backs."""
