@@ -19,7 +19,8 @@ the compiled FLOPs per device (``cost_analysis``) and their ratio to the replica
 split), and the search seconds. The summary line says on how many training steps every searcher moves no more bytes
 than data_parallel (the issue's target, where data_parallel fits in memory: it does for every model here), and on
 how many of those at no more than 1.1x data_parallel's FLOPs per device (bytes bought with replicated compute do
-not count).
+not count); the same for the bytes moved per device (``comm_report``'s ring estimate: an all-reduce of N bytes
+moves about 2N, an all-gather about N, so the two measures disagree where a plan trades one for the other).
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def _measure(build, plan: str, dataset: str, training: bool) -> dict:
         cost = cost[0] if isinstance(cost, list) else cost
         rep = ms.comm_report(f, *args)
         p = f.plan(*args)
-    return {"bytes": int(sum(v["bytes"] for v in rep.by_kind.values())), "collectives": rep.total_count,
+    return {"bytes": int(sum(v["bytes"] for v in rep.by_kind.values())),
+            "moved": float(sum(v["moved"] for v in rep.by_kind.values())), "collectives": rep.total_count,
             "flops": float(cost.get("flops", 0.0)), "search_s": float(getattr(p, "seconds", 0.0) or 0.0)}
 
 
@@ -148,6 +150,9 @@ def main(argv=None) -> None:
                     if "bytes" in r and "bytes" in base:
                         row["bytes_vs_dp"] = (r["bytes"] / base["bytes"] if base["bytes"]
                                               else (1.0 if r["bytes"] == 0 else float("inf")))
+                    if "moved" in r and "moved" in base:
+                        row["moved_vs_dp"] = (r["moved"] / base["moved"] if base["moved"]
+                                              else (1.0 if r["moved"] == 0 else float("inf")))
                     if "flops" in r and rep.get("flops"):
                         row["flops_vs_replicated"] = r["flops"] / rep["flops"]
                     rows.append(row)
@@ -160,19 +165,26 @@ def main(argv=None) -> None:
         return rows_by.get((r["model"], True, "data_parallel", "data_parallel"), {}).get("flops", 0.0)
     # at equal compute: a plan may not buy its bytes with a replicated (8x) computation
     even = [r for r in ok if r.get("flops", float("inf")) <= 1.1 * dp_flops(r)]
+    # moved: what one device sends, the ring estimate per collective kind (an all-reduce of N bytes moves about
+    # 2N, an all-gather of N about N): the traffic the cost model prices
+    moved_ok = [r for r in train if r.get("moved_vs_dp", float("inf")) <= 1.0]
+    moved_even = [r for r in moved_ok if r.get("flops", float("inf")) <= 1.1 * dp_flops(r)]
     summary = {"training_search_rows": len(train), "no_more_bytes_than_data_parallel": len(ok),
                "and_no_more_than_1.1x_its_flops": len(even),
+               "no_more_moved_than_data_parallel": len(moved_ok), "moved_and_no_more_than_1.1x_its_flops":
+                   len(moved_even),
                "worse": [(r["model"], r["dataset"], r["plan"], r.get("bytes_vs_dp", r.get("error")))
                          for r in train if r not in ok]}
     from rich.console import Console
     from rich.table import Table
     t = Table(title="plans vs baselines: collective bytes and FLOPs per device (compiled HLO, 8 CPU devices)")
-    for c in ("model", "pass", "dataset", "plan", "bytes", "vs dp", "collectives", "flops vs replicated",
+    for c in ("model", "pass", "dataset", "plan", "bytes", "vs dp", "moved vs dp", "collectives", "flops vs replicated",
               "search s"):
         t.add_column(c, justify="left" if c in ("model", "pass", "dataset", "plan") else "right")
     for r in rows:
         t.add_row(r["model"], r["pass"], r["dataset"], r["plan"], f"{r.get('bytes', '-'):,}" if "bytes" in r
                   else r.get("error", "-")[:40], f"{r['bytes_vs_dp']:.2f}" if "bytes_vs_dp" in r else "-",
+                  f"{r['moved_vs_dp']:.2f}" if "moved_vs_dp" in r else "-",
                   str(r.get("collectives", "-")),
                   f"{r['flops_vs_replicated']:.3f}" if "flops_vs_replicated" in r else "-",
                   f"{r.get('search_s', 0):.2f}")

@@ -5,7 +5,9 @@ edges in both directions. When an op is first reached it is decided at once, aga
 neighbour already decided (operand producers and result consumers): among its candidates keep
 those with the least summed redistribution cost against those sides (a layout equal to the
 neighbour's, or obtainable by a free local slice, costs 0), then take the least own cost
-(ties: candidate order). This is MindSpore's rule (edge_costmodel.cc: zero-communication
+(ties: candidate order). Every split is a candidate, one that idles devices too: fully_use_devices restricts the
+cost-model searchers, not propagation (issue 14: a ReLU that feeds a MatMul operand laid out (2, 1) takes (2, 1)
+on 8 devices). This is MindSpore's rule (edge_costmodel.cc: zero-communication
 candidates first, the least computation cost among them; else the least communication).
 Costs compare with a relative tolerance of 1e-9, so float rounding never decides a tie.
 A source op gets one strategy, so a parameter consumed by several ops
@@ -42,7 +44,7 @@ from .cost import Cost, CostParams, counted_cost
 from .cost_vectors import candidate_tables, cost_vector, redistribution_affine
 from .graph import DeviceMesh, Graph, Strategy, TensorLayout, tied_strategy
 from .result import SearchResult
-from .spec import OpSpec, SpecKey, all_devices, distinct_spec_keys, layout_of, spec_from_key
+from .spec import OpSpec, SpecKey, distinct_spec_keys, layout_of, spec_from_key
 from .strategies import data_parallel_strategy, strategies_for
 
 ALGORITHM = "sharding_propagation"
@@ -77,8 +79,8 @@ class _Tables:
     ``sid`` indexes distinct :class:`OpSpec` (structure + sizes); structure-level tables are
     shared by every spec of one structure."""
 
-    def __init__(self, graph: Graph, params: CostParams, fully: bool, max_candidates: int | None):
-        self.mesh, self.params, self.fully, self.maxc = graph.mesh, params, fully, max_candidates
+    def __init__(self, graph: Graph, params: CostParams, max_candidates: int | None):
+        self.mesh, self.params, self.maxc = graph.mesh, params, max_candidates
         self.key_ids: dict[SpecKey, int] = {}
         self.specs: list[OpSpec] = []
         self.structs: list[_Struct | None] = []     # per sid
@@ -117,8 +119,8 @@ class _Tables:
         spec = self.specs[sid]
         st = self.by_struct.get(self.struct_of[sid])
         if st is None:
-            cands = strategies_for(spec.sizes, spec.unsplittable, self.mesh.shape,
-                                   all_devices(spec, self.fully), self.maxc)
+            # every split, idle devices allowed: a neighbour takes the layout that needs no redistribution
+            cands = strategies_for(spec.sizes, spec.unsplittable, self.mesh.shape, False, self.maxc)
             in_lids = [self._lids(m, cands) for m in spec.in_maps]
             out_lids = [self._lids(m, cands) for m in spec.out_maps]
             tables = candidate_tables(spec.in_maps, spec.out_maps, spec.reduction, cands, self.mesh)
@@ -181,25 +183,26 @@ def sharding_propagation(graph: Graph, params: CostParams, *, fully_use_devices:
                          max_candidates: int | None = None, baselines: bool = True) -> SearchResult:
     """Propagate the fixed strategies of ``graph`` to every op it can reach (see module doc), then return the
     cheaper of that plan and the obvious ones (:mod:`searchers.baselines`; ``baselines=False``: the propagated
-    plan as it is)."""
+    plan as it is). ``fully_use_devices`` does not restrict the propagation (a neighbour takes the layout that
+    needs no redistribution even where that idles devices, as MindSpore's propagation does: the option is the
+    cost-model searchers'); it only keeps the replicated plan out of the baselines."""
     # the search allocates only acyclic tuples and lists: pausing the cyclic garbage collector
     # saves its repeated scans of the (large) live graph, about a third of the time at 100k ops
     enabled = gc.isenabled()
     gc.disable()
     try:
-        res = _propagate(graph, params, fully_use_devices, max_candidates)
+        res = _propagate(graph, params, max_candidates)
         return no_worse_than_baselines(graph, params, res, fully_use_devices=fully_use_devices) if baselines else res
     finally:
         if enabled:
             gc.enable()
 
 
-def _propagate(graph: Graph, params: CostParams, fully_use_devices: bool,
-               max_candidates: int | None) -> SearchResult:
+def _propagate(graph: Graph, params: CostParams, max_candidates: int | None) -> SearchResult:
     t0 = time.perf_counter()
     mesh, ops = graph.mesh, graph.ops
     n = len(ops)
-    tab = _Tables(graph, params, fully_use_devices, max_candidates)
+    tab = _Tables(graph, params, max_candidates)
     keys, index = distinct_spec_keys(graph)
     sids = np.asarray([tab.spec_id(k) for k in keys], dtype=np.intp)[index].tolist()
     in_src, out_edges = _adjacency(graph)

@@ -143,7 +143,7 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     t0 = time.perf_counter()
     mesh, ops, tensors = graph.mesh, graph.ops, graph.tensors
     n, n_axes = len(ops), len(mesh.shape)
-    tab = _Tables(graph, params, False, None)          # every partial strategy is a candidate here
+    tab = _Tables(graph, params, None)          # every partial strategy is a candidate here
     # flat layout slots (every op's operands then results) and each op's refs: the slots of its
     # neighbours its cost depends on (searchers.slots)
     flat = flat_ops(graph)

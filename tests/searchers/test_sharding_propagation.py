@@ -104,6 +104,22 @@ def test_backward_direction_picks_a_producer_that_needs_no_gather():
     assert s[1] == ((1,), (0,)) and s[0] == ((1,), (0,))
 
 
+@pytest.mark.parametrize("fully", [False, True])
+def test_a_neighbour_takes_the_layout_that_needs_no_redistribution_even_idling_devices(fully):
+    """Issue 14's example: a ReLU feeding a MatMul operand laid out (2, 1) on 8 devices takes (2, 1), as MindSpore's
+    propagation does, with fully_use_devices on or off (it restricts the cost-model searchers only): nothing is
+    redistributed."""
+    g = Graph(DeviceMesh((2, 2, 2)))
+    x = g.source("x", (16, 8))
+    w = g.source("w", (8, 4), kind="param")
+    (r,) = g.add_op("relu", "max", {"i": 16, "j": 8}, [x], [("i", "j")], [("i", "j")])
+    g.add_op("mm", "dot_general", {"m": 16, "k": 8, "n": 4}, [r, w], [("m", "k"), ("k", "n")], [("m", "n")],
+             fixed=((0,), (), ()))
+    res = sharding_propagation(g, P, fully_use_devices=fully, cache=False)
+    assert res.strategies[2] == ((0,), ()) and res.strategies[0] == ((0,), ())
+    assert res.cost.communication == 0
+
+
 def test_no_fixed_op_means_data_parallel_with_a_note():
     g = mlp_chain(2, 64, 32, DeviceMesh((2, 2)))
     res = sharding_propagation(g, P)
