@@ -20,12 +20,12 @@ user gets without searching, and returns the cheapest of them instead of the sea
 Every baseline keeps the fixed ops and the ties (a write-back in its input's layout, a marked operand read again
 in the layout its op computed it in), and is taken only where its memory is no more than the search's plan's or
 the device capacity, and only where it is a plan that uses the devices as asked: under ``fully_use_devices``
-(MindSpore's "search only strategies that use every device") each unfixed op that data reaches must use every
-device as one of its candidates does (sources, ``free_devices`` ops and ops with no operands exempt, as in
-:func:`~searchers.strategies.enumerate_strategies`). Ops no data input reaches (an iota, a mask, a parameter's own
-transform) are exempt too: the data-parallel plan computes them whole, as MindSpore's does, and fully_use_devices
-is about the work the batch flows through. So the replicated plan (c) counts only with idle devices allowed, and
-(a), (b) under ``fully_use_devices`` where the batch's path uses every device.
+(MindSpore's "search only strategies that use every device") the batch must enter the computation over every
+device, i.e. every unfixed consumer of a data input computes in one of its candidates (sources, ``free_devices``
+ops and ops with no operands are exempt, as in :func:`~searchers.strategies.enumerate_strategies`). What follows
+may compute whole as data parallel does: a batch norm's per-channel statistics, the scalars after the loss, an
+iota, a parameter's own transform. So the replicated plan (c), and a data-parallel plan that would compute the
+whole batch on every device, count only with idle devices allowed.
 
 >>> from searchers.cost import CostParams
 >>> from searchers.generators import mlp_chain
@@ -123,22 +123,13 @@ def baseline_plans(graph: Graph, params: CostParams, *, fully_use_devices: bool)
 
 
 def admissible(graph: Graph, strategies: dict[int, Strategy], *, fully_use_devices: bool) -> bool:
-    """Whether every unfixed, untied op that data reaches computes in one of its candidates (module doc)."""
+    """Whether every unfixed, untied consumer of a data input computes in one of its candidates (module doc)."""
     if not fully_use_devices:
         return True           # every split of a splittable dim, and whole, is a candidate
-    reached = _reached_by_data(graph)
-    return all(strategies[op.id] in enumerate_strategies(op, graph.mesh, fully_use_devices=True)
-               for op in graph.ops if reached[op.id] and op.fixed is None and op.follow_operand is None
-               and op.id not in graph.operand_ties)
-
-
-def _reached_by_data(graph: Graph) -> list[bool]:
-    """Per op id: whether a data input flows into it (ops are in program order)."""
-    reached = [op.kind == "data" for op in graph.ops]
-    for op in graph.ops:
-        if not reached[op.id]:
-            reached[op.id] = any(reached[graph.tensors[t].producer] for t in op.inputs)
-    return reached
+    entry = {c for op in graph.ops if op.kind == "data" for t in op.outputs for c in graph.tensors[t].consumers}
+    return all(strategies[c] in enumerate_strategies(graph.ops[c], graph.mesh, fully_use_devices=True)
+               for c in entry if graph.ops[c].fixed is None and graph.ops[c].follow_operand is None
+               and c not in graph.operand_ties)
 
 
 def no_worse_than_baselines(graph: Graph, params: CostParams, result: SearchResult, *,
