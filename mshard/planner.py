@@ -39,6 +39,7 @@ from searchers import DeviceMesh, Graph
 from searchers.cost import CostParams, graph_cost, op_cost, redistribution_cost
 from searchers.graph import (
     constant_tensors,
+    mark_merged_reductions,
     ms_strategy,
     operand_layout,
     operand_tied_strategy,
@@ -235,6 +236,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     trace = jaxpr_to_graph(closed, dmesh, [i.kind for i in inputs], [i.name for i in inputs], state, primitives=True)
     graph = trace.graph
     _free_derived(graph, n_user)
+    mark_merged_reductions(graph)        # a step's gradient all-reduces: XLA combines them into one
     # fixed: user inputs (data, parameter_plan), annotated marks, a loaded strategy file
     for i in range(len(inputs)):
         sliced = algorithm == "semi_auto" and inputs[i].kind == "param" and any(base.inputs[i])

@@ -15,8 +15,10 @@ Units:
   ``memory_unit=1`` for the literal formula.
 
 An op's partial results (split reduction dims) are resolved inside the op by all-reduces, one per split
-reduction dim as XLA compiles them;
-the consumer then slices for free, so ``"reduce-scatter"`` stays 0 in this model (a searcher that
+reduction dim as XLA compiles them. XLA's all-reduce combiner merges a training step's gradient all-reduces
+(none depends on another) into one collective: the k ops of that set
+(:func:`~searchers.graph.mark_merged_reductions`) pay their bytes and 1/k of a latency each. The
+consumer then slices for free, so ``"reduce-scatter"`` stays 0 in this model (a searcher that
 fuses the two may charge ``S_local * (k-1) / k`` instead). :func:`graph_cost` memory is the sum of
 the ops' memories: a proxy that counts a tensor at its producer and at each consumer, not a
 peak; searchers with a memory limit should use per-op memory.
@@ -165,7 +167,7 @@ def spec_cost(spec: OpSpec, strategy: Strategy, mesh: DeviceMesh, params: CostPa
         for k, lat, bw in groups:
             b = 2.0 * local * (k - 1) / k
             ar_bytes += b
-            ar_time += lat + b / bw
+            ar_time += lat * spec.latency_share + b / bw
     return Cost(compute, {"all-reduce": ar_bytes}, ar_time, memory, params.weigh(compute, ar_time, memory))
 
 

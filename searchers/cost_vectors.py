@@ -68,11 +68,12 @@ def _prod(xs: Iterable[int]) -> int:
 
 
 def cost_vector(t: CandidateTables, flops: float, in_bytes: Sequence[int], out_bytes: Sequence[int],
-                params: CostParams) -> np.ndarray:
-    """Weighted totals per candidate from :class:`CandidateTables` and the op's sizes."""
+                params: CostParams, latency_share: float = 1.0) -> np.ndarray:
+    """Weighted totals per candidate from :class:`CandidateTables` and the op's sizes (``latency_share``: the part
+    of a latency the op's all-reduces pay, :func:`searchers.graph.mark_merged_reductions`)."""
     out_local = t.out_div @ np.asarray(out_bytes, dtype=float)
     memory = t.in_div @ np.asarray(in_bytes, dtype=float) + out_local
-    comm = len(out_bytes) * t.ar_lat + t.ar_coef * out_local
+    comm = latency_share * len(out_bytes) * t.ar_lat + t.ar_coef * out_local
     comm = np.where(t.ar_coef > 0, comm, 0.0)
     return (params.alpha * flops / params.flops_per_s) / t.devices + params.beta * comm \
         + (params.gamma / params.memory_unit) * memory
@@ -83,7 +84,7 @@ def spec_cost_vector(spec: OpSpec, candidates: tuple[Strategy, ...], mesh: Devic
                      params: CostParams) -> np.ndarray:
     """Totals of :func:`~searchers.cost.spec_cost` for every candidate (memoised; read-only)."""
     t = candidate_tables(spec.in_maps, spec.out_maps, spec.reduction, candidates, mesh)
-    v = cost_vector(t, spec.flops, spec.in_bytes, spec.out_bytes, params)
+    v = cost_vector(t, spec.flops, spec.in_bytes, spec.out_bytes, params, spec.latency_share)
     v.setflags(write=False)
     return v
 

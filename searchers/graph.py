@@ -127,6 +127,8 @@ class Op:
                                                 # update, which MindSpore derives from the forward, not searches)
     follow_operand: int | None = None           # this operand keeps its producer's layout: the op's strategy is
                                                 # tied to the producer's (mshard's writeback: state stored in place)
+    latency_share: float = 1.0                  # the part of a latency its partial-sum all-reduces pay: 1/k for the k
+                                                # reductions XLA combines into one (mark_merged_reductions)
 
     def split_sizes(self) -> tuple[int, ...]:
         """Per loop dim, the number a split count must divide (its size, or gcd with its split_limit)."""
@@ -373,3 +375,45 @@ def layer_instances(graph: Graph) -> list[tuple[str, list[int]]]:
             prev = here
         out[-1][1].append(op.id)
     return out
+
+
+def mark_merged_reductions(graph: Graph) -> int:
+    """Give ``latency_share = 1/k`` to the k ops with a reduction dim whose results flow, through ops without one,
+    only into the region's results or a ``writeback`` (a gradient's reduction in a training step: the weight-
+    gradient product, a bias gradient's sum; the loss's sum); returns k.
+
+    XLA's all-reduce combiner merges all-reduces that do not depend on one another into one collective: a data-
+    parallel training step compiles to one all-reduce of every gradient and the loss, not one per parameter. The
+    ops marked here are such a set (none reaches another, since nothing after one reduces), so their all-reduces
+    cost their bytes and share one latency (:mod:`searchers.cost`). A region with one such op (a forward whose last
+    op reduces) is priced as before.
+
+    >>> g = Graph(DeviceMesh((2,)))
+    >>> x, w = g.source("x", (4, 3)), g.source("w", (3, 2), kind="param")
+    >>> (gw,) = g.add_op("dw", "dot_general", {"k": 3, "m": 4, "n": 2}, [x, x], [("m", "k"), ("m", "k")],
+    ...                  [("k", "n")])
+    >>> (nw,) = g.add_op("upd", "add", {"k": 3, "n": 2}, [w, gw], [("k", "n")] * 2, [("k", "n")])
+    >>> _ = g.add_op("wb", "writeback", {"k": 3, "n": 2}, [nw, w], [("k", "n")] * 2, [("k", "n")], follow_operand=1)
+    >>> (s,) = g.add_op("loss", "reduce_sum", {"m": 4, "k": 3}, [x], [("m", "k")], [()])
+    >>> g.outputs.append(s)
+    >>> mark_merged_reductions(g), [(op.name, op.latency_share) for op in g.ops if op.latency_share != 1.0]
+    (2, [('dw', 0.5), ('loss', 0.5)])
+    """
+    n = len(graph.ops)
+    out = set(graph.outputs)
+    to_end = [False] * n         # a writeback or a region result is reached
+    reduces_after = [False] * n  # an op with a reduction dim is reached
+    for op in reversed(graph.ops):
+        to_end[op.id] = any(t in out for t in op.outputs)
+        for t in op.outputs:
+            for c in graph.tensors[t].consumers:
+                cop = graph.ops[c]
+                to_end[op.id] = to_end[op.id] or cop.kind == "writeback" or to_end[c]
+                reduces_after[op.id] = reduces_after[op.id] or bool(cop.reduction_dims) or reduces_after[c]
+    marked = [op for op in graph.ops
+              if op.reduction_dims and not op.is_source and to_end[op.id] and not reduces_after[op.id]]
+    for op in graph.ops:
+        op.latency_share = 1.0
+    for op in marked:
+        op.latency_share = 1.0 / len(marked)
+    return len(marked)

@@ -126,7 +126,8 @@ class _Tables:
             tables = candidate_tables(spec.in_maps, spec.out_maps, spec.reduction, cands, self.mesh)
             st = self.by_struct[self.struct_of[sid]] = _Struct(cands, in_lids, out_lids, tables)
         self.structs[sid] = st
-        self.own[sid] = cost_vector(st.tables, spec.flops, spec.in_bytes, spec.out_bytes, self.params)
+        self.own[sid] = cost_vector(st.tables, spec.flops, spec.in_bytes, spec.out_bytes, self.params,
+                                    spec.latency_share)
         return st
 
     def _lids(self, maps: tuple[int, ...], cands: Sequence[Strategy]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:

@@ -35,6 +35,7 @@ class OpSpec(NamedTuple):
     reduction: tuple[int, ...]               # loop-dim indices no result uses
     flops: float
     free_devices: bool = False               # Op.free_devices: exempt from fully_use_devices
+    latency_share: float = 1.0               # Op.latency_share: the part of a latency its all-reduces pay
 
 
 def op_spec(op: Op, graph: Graph) -> OpSpec:
@@ -65,7 +66,7 @@ def _struct_id(op: Op) -> int:
     """The interned id of ``op``'s name-free structure (dims, maps, unsplittable, flops, split limits)."""
     lim = op.split_limit
     key = (tuple(op.dims.items()), tuple(op.in_dims), tuple(op.out_dims), op.unsplittable, op.flops,
-           op.kind in SOURCE_KINDS, tuple(sorted(lim.items())) if lim else None, op.free_devices)
+           op.kind in SOURCE_KINDS, tuple(sorted(lim.items())) if lim else None, op.free_devices, op.latency_share)
     sid = _STRUCT_IDS.get(key)
     if sid is None:
         sid = _STRUCT_IDS[key] = len(_STRUCTS)
@@ -120,8 +121,8 @@ def distinct_spec_keys(graph: Graph, flat: Flat | None = None) -> tuple[list[Spe
 
 def spec_from_key(key: SpecKey) -> OpSpec:
     """The :class:`OpSpec` a :func:`spec_key` stands for."""
-    sizes, uns, in_maps, out_maps, red, flops, free = _STRUCTS[key[0]]
-    return OpSpec(sizes, uns, in_maps, out_maps, key[1], key[2], red, flops, free)
+    sizes, uns, in_maps, out_maps, red, flops, free, share = _STRUCTS[key[0]]
+    return OpSpec(sizes, uns, in_maps, out_maps, key[1], key[2], red, flops, free, share)
 
 
 def all_devices(spec: OpSpec, fully_use_devices: bool) -> bool:
@@ -142,7 +143,7 @@ def _structure(op: Op) -> tuple:
     used = {i for m in out_maps for i in m}
     uns = op.unsplittable
     return (op.split_sizes(), tuple(d in uns for d in op.dims), in_maps, out_maps,
-            tuple(i for i in range(len(idx)) if i not in used), op.compute_flops(), op.free_devices)
+            tuple(i for i in range(len(idx)) if i not in used), op.compute_flops(), op.free_devices, op.latency_share)
 
 
 def layout_of(maps: tuple[int, ...], strategy: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:

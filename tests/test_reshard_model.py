@@ -16,7 +16,9 @@ path for an op's operand, and the model follows the constraint.)
 from __future__ import annotations
 
 import itertools
+import pathlib
 import random
+import sys
 from collections import Counter
 
 import jax
@@ -122,3 +124,34 @@ def test_partial_sums_are_one_all_reduce_per_split_reduction_dim(split):
     # both sides sum 2 * 4 B * (k-1)/k per group: exact in float64 up to one rounding per term
     assert c.comm_bytes["all-reduce"] == pytest.approx(rep.moved("all-reduce"), rel=1e-12)
     assert c.comm_time == pytest.approx(len(groups) * 5e-6 + c.comm_bytes["all-reduce"] / 100e9, rel=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["dynamic_programming", "sharding_propagation"])
+def test_a_training_steps_gradient_all_reduces_are_one_collective(mode):
+    """XLA's all-reduce combiner merges the gradient all-reduces of a data-parallel step (none depends on another)
+    and the loss's into one tuple all-reduce. The model gives these reductions one latency between them
+    (searchers.graph.mark_merged_reductions): the three share one latency, as many as the compiled step's
+    all-reduces."""
+    import optax
+
+    import mshard as ms
+    from mshard import nn
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    from models import MLP, inputs
+
+    (x,) = inputs("mlp")
+    m = MLP()
+    y = jnp.zeros_like(m(x))
+    with ms.parallel_context(parallel_mode="auto_parallel", search_mode=mode, device_num=8,
+                             dataset_strategy="data_parallel", gradients_mean=True):
+        step = nn.TrainOneStepCell(nn.WithLossCell(m, nn.MSELoss()), optax.sgd(0.01))
+        plan = step.plan(x, y)
+        rep = ms.comm_report(step, x, y)
+    assert {s for s in plan.param_specs.values() if len(s)} == {P(None, None)}   # data parallel: weights whole
+    latency, bandwidth = 5e-6, 100e9                                    # DeviceMesh's defaults per axis
+    reduces = [o for o in plan.ops if "all-reduce" in o.cost.communication]
+    assert len(reduces) == 3, [o.name for o in reduces]                # the loss and the two weight gradients
+    # the latencies the model charges: comm_time less the bytes' time, in units of one latency
+    charged = sum((o.cost.comm_time - o.cost.communication["all-reduce"] / bandwidth) / latency for o in reduces)
+    # float64: each subtraction loses ~1e-22 s of a 5e-6 s latency, far below 1e-9 of it
+    assert rep.count("all-reduce") == 1 and charged == pytest.approx(1.0, rel=1e-9), (charged, rep.by_kind)
