@@ -46,6 +46,7 @@ from .cost import Cost, CostParams, graph_cost
 from .follow import follow_operands
 from .graph import Graph, Op, Strategy, operand_tied_strategy, replicated, tied_strategy
 from .result import SearchResult
+from .spec import op_spec
 from .strategies import data_parallel_strategy, enumerate_strategies
 
 _REL = 1e-9       # a baseline must be cheaper by more than float64 re-summation noise to replace the search's plan
@@ -139,8 +140,12 @@ def no_worse_than_baselines(graph: Graph, params: CostParams, result: SearchResu
     t0 = time.perf_counter()
     best: tuple[float, str, dict[int, Strategy], Cost] | None = None
     limit = max(result.cost.memory, params.device_memory_capacity)
+    specs = [op_spec(op, graph) for op in graph.ops]        # once for every plan priced (half of graph_cost's time)
+    priced: dict[int, Cost] = {}                            # a baseline that is another's plan is priced once
     for name, plan in baseline_plans(graph, params, fully_use_devices=fully_use_devices).items():
-        cost = graph_cost(graph, plan, params)
+        cost = priced.get(id(plan))
+        if cost is None:
+            cost = priced[id(plan)] = graph_cost(graph, plan, params, specs=specs)
         if cost.total < result.cost.total * (1 - _REL) and cost.memory <= limit and (
                 best is None or cost.total < best[0]) and admissible(graph, plan, fully_use_devices=fully_use_devices):
             best = (cost.total, name, plan, cost)
