@@ -52,31 +52,25 @@ from .strategies import data_parallel_strategy, enumerate_strategies
 _REL = 1e-9       # a baseline must be cheaper by more than float64 re-summation noise to replace the search's plan
 
 
-def _with_data_split(graph: Graph, make: Callable[[], dict[int, Strategy]]) -> dict[int, Strategy]:
-    """``make()`` run with every unfixed data input held at its data-parallel split."""
-    held = [op for op in graph.ops if op.kind == "data" and op.fixed is None]
+def _with_data_split(graph: Graph, held: list[Op], make: Callable[[], dict[int, Strategy]]) -> dict[int, Strategy]:
+    """``make()`` run with the data inputs ``held`` fixed at their data-parallel split, their own ``fixed`` given
+    back after."""
+    saved = [op.fixed for op in held]
     for op in held:
         op.fixed = data_parallel_strategy(op, graph.mesh)
     try:
         return make()
     finally:
-        for op in held:
-            op.fixed = None
+        for op, f in zip(held, saved):
+            op.fixed = f
 
 
 def _with_whole_data_sliced(graph: Graph, params: CostParams, whole: list[Op]) -> dict[int, Strategy]:
     """follow_operands with the data inputs in ``whole`` (fixed replicated) taken as split on their batch dim, then
     given back their own layout: every consumer slices its share locally."""
-    saved = [op.fixed for op in whole]
+    plan = _with_data_split(graph, whole, lambda: follow_operands(graph, params).strategies)
     for op in whole:
-        op.fixed = data_parallel_strategy(op, graph.mesh)
-    try:
-        plan = follow_operands(graph, params).strategies
-    finally:
-        for op, f in zip(whole, saved):
-            op.fixed = f
-    for op, f in zip(whole, saved):
-        plan[op.id] = tuple(tuple(a) for a in f)
+        plan[op.id] = tuple(tuple(a) for a in op.fixed)
     return plan
 
 
@@ -107,10 +101,11 @@ def data_parallel(graph: Graph, params: CostParams, **_: Any) -> SearchResult:
 def baseline_plans(graph: Graph, params: CostParams, *, fully_use_devices: bool) -> dict[str, dict[int, Strategy]]:
     """The baselines of the module doc, by name (strategies for every op id)."""
     semi_auto = follow_operands(graph, params).strategies
+    unfixed = [op for op in graph.ops if op.kind == "data" and op.fixed is None]
     plans = {
         # with every data input already fixed (a dataset strategy), the data-parallel plan is semi_auto's
-        "data parallel": (_with_data_split(graph, lambda: follow_operands(graph, params).strategies)
-                          if any(op.kind == "data" and op.fixed is None for op in graph.ops) else semi_auto),
+        "data parallel": (_with_data_split(graph, unfixed, lambda: follow_operands(graph, params).strategies)
+                          if unfixed else semi_auto),
         "data parallel (per op)": _per_op(graph, lambda op: (replicated(op) if op.is_source and op.kind != "data"
                                                              else data_parallel_strategy(op, graph.mesh))),
         "semi_auto": semi_auto,
