@@ -39,20 +39,20 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
-from .cost import Cost, CostParams, graph_cost
-from .follow import follow_operands
+from .cost import Cost, CostParams
+from .follow import follow_operands, follow_strategies
 from .graph import Graph, Op, Strategy, operand_tied_strategy, replicated, tied_strategy
+from .plan_cost import PlanIndex
 from .result import SearchResult
-from .spec import op_spec
 from .strategies import data_parallel_strategy, enumerate_strategies
 
 _REL = 1e-9       # a baseline must be cheaper by more than float64 re-summation noise to replace the search's plan
 
 
-def _with_data_split(graph: Graph, held: list[Op], make: Callable[[], dict[int, Strategy]]) -> dict[int, Strategy]:
+def _with_data_split(graph: Graph, held: list[Op], make: Callable[[], list[Strategy]]) -> list[Strategy]:
     """``make()`` run with the data inputs ``held`` fixed at their data-parallel split, their own ``fixed`` given
     back after."""
     saved = [op.fixed for op in held]
@@ -65,28 +65,22 @@ def _with_data_split(graph: Graph, held: list[Op], make: Callable[[], dict[int, 
             op.fixed = f
 
 
-def _with_whole_data_sliced(graph: Graph, params: CostParams, whole: list[Op]) -> dict[int, Strategy]:
-    """follow_operands with the data inputs in ``whole`` (fixed replicated) taken as split on their batch dim, then
-    given back their own layout: every consumer slices its share locally."""
-    plan = _with_data_split(graph, whole, lambda: follow_operands(graph, params).strategies)
-    for op in whole:
-        plan[op.id] = tuple(tuple(a) for a in op.fixed)
-    return plan
-
-
-def _per_op(graph: Graph, pick: Callable[[Op], Strategy]) -> dict[int, Strategy]:
-    """Fixed ops as fixed, ties as tied, every other op ``pick(op)``."""
-    st: list[Strategy | None] = [None] * len(graph.ops)
-    for op in graph.ops:
+def _per_op(graph: Graph, ix: PlanIndex, pick: Callable[[Op], Strategy]) -> list[Strategy]:
+    """Fixed ops as fixed, ties as tied, every other op ``pick(op)`` (asked once per op shape and kind)."""
+    st: list[Strategy | None] = [None] * len(graph.ops)      # None: not decided yet (a tie may look ahead)
+    memo: dict[tuple[int, str], Strategy] = {}
+    for op, si in zip(graph.ops, ix.spec_index):
         if op.fixed is not None:
-            st[op.id] = op.fixed
+            s = op.fixed
         elif op.follow_operand is not None:
-            st[op.id] = tied_strategy(graph, op, st) or replicated(op)
+            s = tied_strategy(graph, op, st) or replicated(op)
         elif op.id in graph.operand_ties:
-            st[op.id] = operand_tied_strategy(graph, op, st) or replicated(op)
+            s = operand_tied_strategy(graph, op, st) or replicated(op)
         else:
-            st[op.id] = pick(op)
-    return dict(enumerate(st))
+            got = memo.get((si, op.kind))
+            s = memo[si, op.kind] = pick(op) if got is None else got
+        st[op.id] = s
+    return cast(list[Strategy], st)          # every op is decided by now
 
 
 def data_parallel(graph: Graph, params: CostParams, **_: Any) -> SearchResult:
@@ -98,27 +92,33 @@ def data_parallel(graph: Graph, params: CostParams, **_: Any) -> SearchResult:
         "(MindSpore's data parallel)"])
 
 
-def baseline_plans(graph: Graph, params: CostParams, *, fully_use_devices: bool) -> dict[str, dict[int, Strategy]]:
-    """The baselines of the module doc, by name (strategies for every op id)."""
-    semi_auto = follow_operands(graph, params).strategies
+def baseline_plans(graph: Graph, params: CostParams, *, fully_use_devices: bool,
+                   index: PlanIndex | None = None) -> dict[str, list[Strategy]]:
+    """The baselines of the module doc, by name (a strategy per op id); ``index``: the graph's
+    :class:`~searchers.plan_cost.PlanIndex`, if at hand. ``params`` is accepted for the searcher signature."""
+    ix = PlanIndex(graph) if index is None else index
+    semi_auto = follow_strategies(graph, ix)
     unfixed = [op for op in graph.ops if op.kind == "data" and op.fixed is None]
     plans = {
         # with every data input already fixed (a dataset strategy), the data-parallel plan is semi_auto's
-        "data parallel": (_with_data_split(graph, unfixed, lambda: follow_operands(graph, params).strategies)
+        "data parallel": (_with_data_split(graph, unfixed, lambda: follow_strategies(graph, ix))
                           if unfixed else semi_auto),
-        "data parallel (per op)": _per_op(graph, lambda op: (replicated(op) if op.is_source and op.kind != "data"
-                                                             else data_parallel_strategy(op, graph.mesh))),
+        "data parallel (per op)": _per_op(graph, ix, lambda op: (replicated(op) if op.is_source and op.kind != "data"
+                                                                 else data_parallel_strategy(op, graph.mesh))),
         "semi_auto": semi_auto,
     }
     whole = [op for op in graph.ops if op.kind == "data" and op.fixed is not None and not any(op.fixed)]
-    if whole:
-        plans["data parallel (sliced)"] = _with_whole_data_sliced(graph, params, whole)
+    if whole:       # follow with the whole data taken as split, then the data given back its own (whole) layout
+        sliced = _with_data_split(graph, whole, lambda: follow_strategies(graph, ix))
+        for op in whole:
+            sliced[op.id] = tuple(tuple(a) for a in op.fixed)
+        plans["data parallel (sliced)"] = sliced
     if not fully_use_devices:
-        plans["replicated"] = _per_op(graph, replicated)
+        plans["replicated"] = _per_op(graph, ix, replicated)
     return plans
 
 
-def admissible(graph: Graph, strategies: dict[int, Strategy], *, fully_use_devices: bool) -> bool:
+def admissible(graph: Graph, strategies: Sequence[Strategy] | Mapping[int, Strategy], *, fully_use_devices: bool) -> bool:
     """Whether every unfixed, untied consumer of a data input computes in one of its candidates (module doc)."""
     if not fully_use_devices:
         return True           # every split of a splittable dim, and whole, is a candidate
@@ -129,18 +129,18 @@ def admissible(graph: Graph, strategies: dict[int, Strategy], *, fully_use_devic
 
 
 def no_worse_than_baselines(graph: Graph, params: CostParams, result: SearchResult, *,
-                            fully_use_devices: bool) -> SearchResult:
+                            fully_use_devices: bool, index: PlanIndex | None = None) -> SearchResult:
     """``result``, or the cheapest baseline where it costs less on the same cost model (noted); its ``seconds``
-    include the check."""
+    include the check. ``index``: the graph's :class:`~searchers.plan_cost.PlanIndex`, if the searcher has one."""
     t0 = time.perf_counter()
-    best: tuple[float, str, dict[int, Strategy], Cost] | None = None
+    best: tuple[float, str, list[Strategy], Cost] | None = None
     limit = max(result.cost.memory, params.device_memory_capacity)
-    specs = [op_spec(op, graph) for op in graph.ops]        # once for every plan priced (half of graph_cost's time)
+    ix = PlanIndex(graph) if index is None else index
     priced: dict[int, Cost] = {}                            # a baseline that is another's plan is priced once
-    for name, plan in baseline_plans(graph, params, fully_use_devices=fully_use_devices).items():
+    for name, plan in baseline_plans(graph, params, fully_use_devices=fully_use_devices, index=ix).items():
         cost = priced.get(id(plan))
         if cost is None:
-            cost = priced[id(plan)] = graph_cost(graph, plan, params, specs=specs)
+            cost = priced[id(plan)] = ix.cost(plan, params)
         if cost.total < result.cost.total * (1 - _REL) and cost.memory <= limit and (
                 best is None or cost.total < best[0]) and admissible(graph, plan, fully_use_devices=fully_use_devices):
             best = (cost.total, name, plan, cost)
@@ -148,6 +148,6 @@ def no_worse_than_baselines(graph: Graph, params: CostParams, result: SearchResu
     if best is None:
         return dataclasses.replace(result, seconds=seconds)
     total, name, plan, cost = best
-    return dataclasses.replace(result, strategies=plan, cost=cost, seconds=seconds, notes=list(result.notes) + [
+    return dataclasses.replace(result, strategies=dict(enumerate(plan)), cost=cost, seconds=seconds, notes=list(result.notes) + [
         f"the {name} plan costs {total:.4g} on this cost model, below the search's {result.cost.total:.4g}: "
         f"returned it (no search returns a plan worse than the obvious ones)"])

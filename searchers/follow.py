@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import math
 import time
+from typing import cast
 
-from .cost import CostParams, graph_cost
-from .graph import Graph, Op, Strategy, operand_layout, operand_tied_strategy, replicated, result_layout, tied_strategy
+from .cost import CostParams, _canon
+from .graph import Graph, Strategy, TensorLayout, operand_layout, operand_tied_strategy, replicated, tied_strategy
+from .plan_cost import PlanIndex
 from .result import SearchResult
+from .spec import OpSpec, layout_of
 
 
 def follow_operands(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
@@ -38,53 +41,73 @@ def follow_operands(graph: Graph, params: CostParams, *, fully_use_devices: bool
     semi_auto splits only what the user asked for. ``first_operand_first`` takes the operands' axes in operand
     order instead (MindSpore's data parallel: an op follows the batch split of its first operand)."""
     t0 = time.perf_counter()
-    mesh = graph.mesh
-    st: list[Strategy | None] = [None] * len(graph.ops)
-    for op in graph.ops:
-        if op.fixed is not None:
-            st[op.id] = op.fixed
-        elif op.is_source:
-            st[op.id] = replicated(op)
-        elif op.follow_operand is not None:
-            st[op.id] = tied_strategy(graph, op, st) or replicated(op)
-        elif op.id in graph.operand_ties:
-            st[op.id] = operand_tied_strategy(graph, op, st) or replicated(op)
-        else:
-            st[op.id] = _follow(graph, op, st, mesh.shape, first_operand_first)
-    for op in graph.ops:                      # an unfixed parameter: stored as its first fixed consumer computes
-        if op.is_source and op.fixed is None and op.kind == "param":
-            tid = op.outputs[0]
-            users = [c for c in graph.tensors[tid].consumers if graph.ops[c].fixed is not None]
-            cs = st[graph.ops[users[0]].id] if users else None
-            if cs is not None:
-                cons = graph.ops[users[0]]
-                lay = operand_layout(cons, cs, cons.inputs.index(tid))
-                where = dict(zip(op.out_dims[0], lay))
-                st[op.id] = tuple(tuple(where.get(d, ())) for d in op.dims)
-    strategies: dict[int, Strategy] = {op.id: s for op, s in zip(graph.ops, st) if s is not None}
-    return SearchResult(strategies, graph_cost(graph, strategies, params), "semi_auto", time.perf_counter() - t0,
+    ix = PlanIndex(graph)
+    strategies = dict(enumerate(follow_strategies(graph, ix, first_operand_first=first_operand_first)))
+    return SearchResult(strategies, ix.cost(strategies, params), "semi_auto", time.perf_counter() - t0,
                         ["semi_auto: ops without a user strategy compute in the layout their operands arrive in "
                          "(nothing new is split; the batch stays data parallel)"])
 
 
-def _follow(graph: Graph, op: Op, st: list[Strategy | None], shape: tuple[int, ...],
+def follow_strategies(graph: Graph, ix: PlanIndex, *, first_operand_first: bool = False) -> list[Strategy]:
+    """:func:`follow_operands`' strategies, one per op id, on the graph's :class:`~searchers.plan_cost.PlanIndex`
+    (ops of one shape whose operands arrive alike are decided once)."""
+    shape = graph.mesh.shape
+    st: list[Strategy | None] = [None] * len(graph.ops)      # None: not decided yet (a tie may look ahead)
+    out_l: list[tuple[TensorLayout, ...]] = []
+    # (spec, arriving layouts) -> (strategy, result layouts); (spec, strategy) -> result layouts
+    memo: dict[tuple[int, tuple[TensorLayout, ...]], tuple[Strategy, tuple[TensorLayout, ...]]] = {}
+    outs: dict[tuple[int, Strategy], tuple[TensorLayout, ...]] = {}
+    specs = ix.specs
+    for op, si, srcs in zip(graph.ops, ix.spec_index, ix.in_src):
+        if op.fixed is not None or op.is_source or op.follow_operand is not None or op.id in graph.operand_ties:
+            if op.fixed is not None:
+                s = _canon(op.fixed)
+            elif op.is_source:
+                s = replicated(op)
+            elif op.follow_operand is not None:
+                s = tied_strategy(graph, op, st) or replicated(op)
+            else:
+                s = operand_tied_strategy(graph, op, st) or replicated(op)
+            got_out = outs.get((si, s))
+            if got_out is None:
+                got_out = outs[si, s] = tuple([layout_of(m, s) for m in specs[si].out_maps])
+            st[op.id] = s
+            out_l.append(got_out)
+            continue
+        lays = tuple([out_l[p][j] for p, j in srcs])
+        got = memo.get((si, lays))
+        if got is None:
+            s = _follow(specs[si], lays, shape, first_operand_first)
+            got = memo[si, lays] = (s, tuple([layout_of(m, s) for m in specs[si].out_maps]))
+        st[op.id] = got[0]
+        out_l.append(got[1])
+    for op in graph.ops:                      # an unfixed parameter: stored as its first fixed consumer computes
+        if op.is_source and op.fixed is None and op.kind == "param":
+            tid = op.outputs[0]
+            users = [c for c in graph.tensors[tid].consumers if graph.ops[c].fixed is not None]
+            if users:
+                cons = graph.ops[users[0]]
+                lay = operand_layout(cons, cast(Strategy, st[cons.id]), cons.inputs.index(tid))
+                where = dict(zip(op.out_dims[0], lay))
+                st[op.id] = tuple(tuple(where.get(d, ())) for d in op.dims)
+    return cast(list[Strategy], st)        # every op is decided by now
+
+
+def _follow(spec: OpSpec, lays: tuple[TensorLayout, ...], shape: tuple[int, ...],
             first_operand_first: bool = False) -> Strategy:
-    sizes = dict(zip(op.dims, op.split_sizes()))
-    arriving: list[tuple[int, int, int, tuple[tuple[int, ...], ...]]] = []
-    for i, tid in enumerate(op.inputs):
-        prod = graph.producer(tid)
-        s = st[prod.id]
-        lay = result_layout(prod, s if s is not None else replicated(prod), prod.outputs.index(tid))
+    """The strategy of an op of ``spec`` whose operands arrive in ``lays`` (module doc)."""
+    arriving: list[tuple[int, int, int, TensorLayout]] = []
+    for i, lay in enumerate(lays):
         n = math.prod(shape[a] for axes in lay for a in axes)
-        arriving.append((i, 0, i, lay) if first_operand_first else (-n, -graph.tensors[tid].nbytes, i, lay))
-    where: dict[str, tuple[int, ...]] = {}
+        arriving.append((i, 0, i, lay) if first_operand_first else (-n, -spec.in_bytes[i], i, lay))
+    where: dict[int, tuple[int, ...]] = {}
     used: set[int] = set()
     for _, _, i, lay in sorted(arriving):
-        for d, axes in zip(op.in_dims[i], lay):
-            if d is None or not axes or d in where or d in op.unsplittable or set(axes) & used:
+        for d, axes in zip(spec.in_maps[i], lay):
+            if d < 0 or not axes or d in where or spec.unsplittable[d] or set(axes) & used:
                 continue
-            if sizes[d] % math.prod(shape[a] for a in axes):
+            if spec.sizes[d] % math.prod(shape[a] for a in axes):
                 continue
             where[d] = tuple(axes)
             used.update(axes)
-    return tuple(where.get(d, ()) for d in op.dims)
+    return tuple(where.get(d, ()) for d in range(len(spec.sizes)))

@@ -30,21 +30,23 @@ Work is linear in edges x candidates; cost vectors and decisions are memoised pe
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
 from .baselines import no_worse_than_baselines
 from .cache import cached_search
-from .cost import Cost, CostParams, counted_cost
+from .cost import CostParams
 from .cost_vectors import candidate_tables, cost_vector, redistribution_affine
 from .graph import DeviceMesh, Graph, Strategy, TensorLayout, tied_strategy
+from .plan_cost import PlanIndex
 from .result import SearchResult
-from .spec import OpSpec, SpecKey, distinct_spec_keys, layout_of, spec_from_key
+from .spec import OpSpec, SpecKey, layout_of, spec_from_key
 from .strategies import data_parallel_strategy, strategies_for
 
 ALGORITHM = "sharding_propagation"
@@ -192,21 +194,29 @@ def sharding_propagation(graph: Graph, params: CostParams, *, fully_use_devices:
     enabled = gc.isenabled()
     gc.disable()
     try:
-        res = _propagate(graph, params, max_candidates)
-        return no_worse_than_baselines(graph, params, res, fully_use_devices=fully_use_devices) if baselines else res
+        t0 = time.perf_counter()
+        ix = PlanIndex(graph)
+        res = _propagate(graph, params, max_candidates, ix)
+        res = dataclasses.replace(res, seconds=time.perf_counter() - t0)        # the index's time included
+        return (no_worse_than_baselines(graph, params, res, fully_use_devices=fully_use_devices, index=ix)
+                if baselines else res)
     finally:
         if enabled:
             gc.enable()
 
 
-def _propagate(graph: Graph, params: CostParams, max_candidates: int | None) -> SearchResult:
+def _propagate(graph: Graph, params: CostParams, max_candidates: int | None, ix: PlanIndex) -> SearchResult:
     t0 = time.perf_counter()
     mesh, ops = graph.mesh, graph.ops
     n = len(ops)
     tab = _Tables(graph, params, max_candidates)
-    keys, index = distinct_spec_keys(graph)
+    keys, index = ix.spec_keys
     sids = np.asarray([tab.spec_id(k) for k in keys], dtype=np.intp)[index].tolist()
-    in_src, out_edges = _adjacency(graph)
+    in_src = ix.in_src
+    out_edges: list[list[tuple[int, int, int]]] = [[] for _ in ops]
+    for c, row in enumerate(in_src):             # (result index, consumer, operand index), consumers in program order
+        for k, (p, j) in enumerate(row):
+            out_edges[p].append((j, c, k))
     st = _State(n)
 
     def set_strategy(i: int, s: Strategy) -> None:
@@ -239,8 +249,8 @@ def _propagate(graph: Graph, params: CostParams, max_candidates: int | None) -> 
         s = tied_strategy(graph, op, st.chosen)
         if s is not None and s != st.chosen[op.id] and op.fixed is None and s in tab.ensure(sids[op.id]).cands:
             set_strategy(op.id, s)
-    cost = _predicted_cost(tab, sids, in_src, st, mesh, params)
     chosen = {i: s for i, s in enumerate(st.chosen) if s is not None}     # every op is decided by now
+    cost = ix.cost(chosen, params)
     return SearchResult(chosen, cost, ALGORITHM, time.perf_counter() - t0, notes)
 
 
@@ -251,26 +261,6 @@ class _State:
         self.chosen: list[Strategy | None] = [None] * n
         self.in_l: list[tuple[int, ...] | None] = [None] * n
         self.out_l: list[tuple[int, ...] | None] = [None] * n
-
-
-def _adjacency(graph: Graph) -> tuple[list[list[tuple[int, int]]], list[list[tuple[int, int, int]]]]:
-    """``in_src[c]``: (producer, result index) per operand of op c; ``out_edges[p]``: (result
-    index, consumer, operand index) per use of op p's results, consumers in program order."""
-    tensors = graph.tensors
-    res_index = [0] * len(tensors)
-    for op in graph.ops:
-        for j, tid in enumerate(op.outputs):
-            res_index[tid] = j
-    out_edges: list[list[tuple[int, int, int]]] = [[] for _ in graph.ops]
-    in_src: list[list[tuple[int, int]]] = []
-    for op in graph.ops:
-        row = []
-        for k, tid in enumerate(op.inputs):
-            p, j = tensors[tid].producer, res_index[tid]
-            row.append((p, j))
-            out_edges[p].append((j, op.id, k))
-        in_src.append(row)
-    return in_src, out_edges
 
 
 def _bfs(queue: deque[int], tab: _Tables, sids: list[int], in_src: list[list[tuple[int, int]]],
@@ -300,32 +290,10 @@ def _bfs(queue: deque[int], tab: _Tables, sids: list[int], in_src: list[list[tup
             queue.append(v)
 
 
-def _predicted_cost(tab: _Tables, sids: list[int], in_src: list[list[tuple[int, int]]], st: _State, mesh: DeviceMesh,
-                    params: CostParams) -> Cost:
-    """:func:`~searchers.cost.graph_cost` of the decisions, counted on the layout ids at hand."""
-    ops: Counter = Counter(zip(sids, st.chosen))
-    red: Counter = Counter()
-    specs = tab.specs
-    in_l = cast(list[tuple[int, ...]], st.in_l)       # every op is decided by now
-    out_l = cast(list[tuple[int, ...]], st.out_l)
-    for v, row in enumerate(in_src):
-        lv, nb = in_l[v], specs[sids[v]].in_bytes
-        for k, (p, j) in enumerate(row):
-            src = out_l[p][j]
-            if src != lv[k]:
-                red[src, lv[k], nb[k]] += 1
-    by_spec: Counter = Counter()
-    for (sid, s), c in ops.items():       # distinct sids may share an OpSpec (dim names differ)
-        by_spec[specs[sid], s] += c
-    lay = tab.layouts
-    return counted_cost(by_spec, {(lay[a], lay[b], nb): c for (a, b, nb), c in red.items()}, mesh, params)
-
-
 def _main() -> None:  # pragma: no cover - a benchmark, run by hand
     import argparse
 
     from .generators import graph_of_size
-    from .graph import DeviceMesh
 
     ap = argparse.ArgumentParser(description="time sharding_propagation on a synthetic graph")
     ap.add_argument("--ops", type=int, default=100_000)

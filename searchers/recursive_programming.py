@@ -69,6 +69,7 @@ from .cache import cached_search
 from .cost import Cost, CostParams, counted_cost
 from .cost_vectors import layout_cost_matrix
 from .graph import SOURCE_KINDS, DeviceMesh, Graph, Op, Strategy, Tensor, tied_strategy
+from .plan_cost import PlanIndex
 from .progress import Progress
 from .propagation import _Tables
 from .result import SearchResult
@@ -402,7 +403,8 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     cost = _cost(tab, sids, chosen, lay, sl.e_in, sl.e_src, sl.e_bytes, mesh, params)
     return no_worse_than_baselines(graph, params, SearchResult(dict(enumerate(chosen)), cost, ALGORITHM,
                                                                time.perf_counter() - t0, notes),
-                                   fully_use_devices=fully)
+                                   fully_use_devices=fully,
+                                   index=PlanIndex(graph, flat=flat, spec_keys=(keys, index), slots=sl))
 
 
 def _levels(movable: list[int], sl: Slots, sids: list[int], tab: _Tables, rounds_of: Callable[[int], _Rounds],

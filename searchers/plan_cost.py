@@ -1,0 +1,92 @@
+"""Many whole plans of one graph priced fast: :func:`~searchers.cost.graph_cost` with the graph indexed once.
+
+The baseline check (:mod:`searchers.baselines`) prices several plans of the same graph, up to 100k ops each.
+:class:`PlanIndex` computes what every pricing shares once: each op's :class:`~searchers.spec.OpSpec` (one per
+distinct op shape), and every edge as (consumer, operand slot, producer, result slot, bytes) in numpy arrays.
+:meth:`PlanIndex.cost` then interns each distinct (op shape, strategy) pair, looks up the layouts it gives its
+operands and results, and compares the two ends of every edge in numpy: the Python work is one dict lookup per op.
+The result equals ``graph_cost(graph, plan, params)`` (every edge charged, the searchers' objective).
+
+>>> from searchers.cost import CostParams, graph_cost
+>>> from searchers.generators import mlp_chain
+>>> from searchers.graph import DeviceMesh
+>>> from searchers.strategies import data_parallel_strategy
+>>> g = mlp_chain(2, 64, 64, DeviceMesh((2, 4)))
+>>> plan = {op.id: data_parallel_strategy(op, g.mesh) for op in g.ops}
+>>> p = CostParams()
+>>> abs(PlanIndex(g).cost(plan, p).total - graph_cost(g, plan, p).total) < 1e-12
+True
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from .cost import Cost, CostParams, _canon, counted_cost
+from .errors import SearchGraphError
+from .graph import Graph, Strategy, TensorLayout
+from .slots import Flat, Slots, flat_ops, slot_graph
+from .spec import OpSpec, SpecKey, distinct_spec_keys, layout_of, spec_from_key
+
+
+class PlanIndex:
+    """One graph, indexed for pricing and following plans (module doc)."""
+
+    def __init__(self, graph: Graph, *, flat: Flat | None = None,
+                 spec_keys: tuple[list[SpecKey], np.ndarray] | None = None, slots: Slots | None = None):
+        """``flat``, ``spec_keys`` (:func:`~searchers.spec.distinct_spec_keys`) and ``slots``: the graph's, where a
+        searcher has them at hand already."""
+        self.graph = graph
+        flat = flat_ops(graph) if flat is None and (spec_keys is None or slots is None) else flat
+        keys, index = distinct_spec_keys(graph, flat) if spec_keys is None else spec_keys
+        self.spec_keys: tuple[list[SpecKey], np.ndarray] = (keys, index)
+        self.specs: list[OpSpec] = [spec_from_key(k) for k in keys]
+        self.spec_index: list[int] = index.tolist()                 # per op: its spec's index in ``specs``
+        s = slot_graph(graph, flat) if slots is None else slots
+        cons = s.owner[s.e_in]
+        prod = s.owner[s.e_src]
+        self._edges = (cons, s.e_in - s.base[cons], prod, s.e_src - s.base[prod] - s.n_in[prod], s.e_bytes)
+        # per op, (producer, result index) of each operand, for passes in program order
+        starts = np.searchsorted(cons, np.arange(len(graph.ops) + 1))
+        pj = list(zip(prod.tolist(), self._edges[3].tolist()))
+        self.in_src: list[list[tuple[int, int]]] = [pj[a:b] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
+
+    def cost(self, plan: Mapping[int, Strategy] | Sequence[Strategy], params: CostParams) -> Cost:
+        """``graph_cost(graph, plan, params)``; ``plan`` has a strategy for every op id."""
+        pairs: dict[tuple[int, Strategy], int] = {}
+        pid = np.empty(len(self.spec_index), dtype=np.intp)
+        for v, si in enumerate(self.spec_index):
+            try:
+                s = plan[v]
+            except (KeyError, IndexError):
+                raise SearchGraphError(f"plan_cost: no strategy for op {v} ({self.graph.ops[v].name})") from None
+            try:
+                k = pairs.setdefault((si, s), len(pairs))
+            except TypeError:                           # a strategy given with lists: canonical form first
+                k = pairs.setdefault((si, _canon(s)), len(pairs))
+            pid[v] = k
+        lay_ids: dict[TensorLayout, int] = {}
+        n_in = max((len(self.specs[si].in_maps) for si, _ in pairs), default=0)
+        n_out = max((len(self.specs[si].out_maps) for si, _ in pairs), default=0)
+        pin = np.full((len(pairs), max(n_in, 1)), -1, dtype=np.intp)
+        pout = np.full((len(pairs), max(n_out, 1)), -1, dtype=np.intp)
+        op_counts: Counter = Counter()
+        counts = np.bincount(pid, minlength=len(pairs)).tolist()
+        for k, (si, s) in enumerate(pairs):
+            spec, s = self.specs[si], _canon(s)
+            op_counts[spec, s] += counts[k]
+            for row, maps in ((pin, spec.in_maps), (pout, spec.out_maps)):
+                for i, m in enumerate(maps):
+                    row[k, i] = lay_ids.setdefault(layout_of(m, s), len(lay_ids))
+        cons, slot, prod, res, nbytes = self._edges
+        want, have = pin[pid[cons], slot], pout[pid[prod], res]
+        moved = want != have
+        red: dict[tuple[TensorLayout, TensorLayout, int], int] = {}
+        if moved.any():
+            rows, n = np.unique(np.stack([have[moved], want[moved], nbytes[moved]], axis=1), axis=0, return_counts=True)
+            layouts = list(lay_ids)
+            red = {(layouts[h], layouts[w], b): c for (h, w, b), c in zip(rows.tolist(), n.tolist())}
+        return counted_cost(op_counts, red, self.graph.mesh, params)
