@@ -70,6 +70,8 @@ class OpNote:
     in_dims: tuple[tuple[str | None, ...], ...] | None = None
     out_dims: tuple[tuple[str | None, ...], ...] | None = None
     fixed: frozenset[str] = frozenset()              # loop dims the primitive cannot split (Softmax's axis, ...)
+    halo: tuple[tuple[str, int], ...] = ()           # (loop dim, rows beyond a block it reads): a conv window
+    halo_apart: frozenset[str] = frozenset()         # loop dims a search never splits with a halo dim (mshard.guards)
     uid: int = field(default_factory=lambda: next(_uid))
 
     @property

@@ -5,8 +5,10 @@ substitution: the same strategy realised safely (an operand resharded before the
 keeps the layout the strategy gives it, so what the user asked for is still what the program holds). It
 cites the reproducer that shows plain ``jax.jit`` giving wrong values, and a strict-xfail test in
 ``tests/test_guards.py`` keeps checking that XLA is still wrong: when a JAX upgrade fixes it, that test
-fails and says to lift the guard. Searches never reach a guarded layout: the conv rule keeps windowed
-spatial dims unsplittable (:func:`mshard.rules.conv_rule`), so only a user's strategy can ask for one.
+fails and says to lift the guard. Searches never reach a guarded layout: a convolution's halo dims (its
+"same" windows, :func:`mshard.rules.conv_rule`, ``ops.Conv2D.halo``) are never split together with its
+out-channels (``halo_apart``, which the searchers' candidate strategies keep), so only a user's strategy can ask
+for one.
 
 >>> [g.name for g in GUARDS]
 ['conv_halo_out_channels']

@@ -115,7 +115,10 @@ class Plan:
         return {op.name: op.strategy for op in self.ops}
 
     def find(self, pattern: str) -> list[str]:
-        """Op names matching the regex ``pattern`` (``re.search``), in program order."""
+        """Op names matching the regex ``pattern`` (``re.search``), in program order; a name ``find`` returned
+        (``jvp(network)/...`` holds regex characters) matches itself first."""
+        if any(op.name == pattern for op in self.ops):
+            return [pattern]
         rx = re.compile(pattern)
         return [op.name for op in self.ops if rx.search(op.name)]
 

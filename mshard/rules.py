@@ -81,6 +81,9 @@ class IterSpace:
     also divide this number; result dims mapped to such a loop dim may differ from its size (they
     are multiples of this number). The tracer turns it into ``unsplittable`` where the mesh
     allows a split that would break it (:mod:`searchers` knows no such constraint).
+    ``halo``: for a windowed op (a convolution), loop dim -> rows of the operand beyond a device's
+    block that it reads when that dim is split (XLA's partitioner exchanges them with the
+    neighbours); ``halo_apart``: loop dims a search never splits together with a halo dim.
 
     >>> s = einsum_space("mk,kn->mn", [(8, 4), (4, 2)], [(8, 2)])
     >>> s.dims, s.reduction_dims
@@ -94,6 +97,8 @@ class IterSpace:
     unsplittable: frozenset[str] = frozenset()
     flops: float | None = None
     split_divides: dict[str, int] = field(default_factory=dict)
+    halo: dict[str, int] = field(default_factory=dict)
+    halo_apart: frozenset[str] = frozenset()
 
     @property
     def reduction_dims(self) -> tuple[str, ...]:
@@ -146,7 +151,8 @@ def register(*names: str) -> Callable[[Rule], Rule]:
 def space(ins: Sequence[Sequence[str | None]], outs: Sequence[Sequence[str | None]],
           in_shapes: Sequence[Sequence[int]], out_shapes: Sequence[Sequence[int]], *,
           reduce: str = "sum", unsplittable: Iterable[str] = (), flops: float | None = None,
-          split_divides: Mapping[str, int] | None = None) -> IterSpace:
+          split_divides: Mapping[str, int] | None = None, halo: Mapping[str, int] | None = None,
+          halo_apart: Iterable[str] = ()) -> IterSpace:
     """An :class:`IterSpace` from per-tensor label tuples. Loop dims are ordered by first
     appearance in the results, then in the operands (free dims first, reductions last, as einsum).
 
@@ -164,7 +170,8 @@ def space(ins: Sequence[Sequence[str | None]], outs: Sequence[Sequence[str | Non
             if d is not None and d not in dims:
                 dims[d] = size[d]
     s = IterSpace(dims, tuple(tuple(x) for x in ins), tuple(tuple(x) for x in outs), reduce,
-                  frozenset(d for d in unsplittable if d in dims), flops, dict(split_divides or {}))
+                  frozenset(d for d in unsplittable if d in dims), flops, dict(split_divides or {}),
+                  dict(halo or {}), frozenset(halo_apart))
     s.check(in_shapes, out_shapes)
     return s
 
@@ -317,10 +324,15 @@ def conv_rule(in_shapes, out_shapes, *, window_strides, padding, lhs_dilation=No
               dimension_numbers, feature_group_count=1, batch_group_count=1, **_) -> IterSpace:
     """``n c S, o c K -> n o S``: n and o free, c (and the kernel window K) reduced.
 
-    A spatial dim is free (shared by input and output) only for a 1x1 kernel with stride 1, no
-    padding and no dilation; otherwise the input's spatial dim is replicated and the output's is
-    unsplittable (splitting it would need halo exchange). Grouped convolutions keep c and o
-    unsplittable (feature_group_count > 1; and n, as XLA gathers it), batch-grouped ones n and o.
+    A spatial dim is free (shared by input and output) for a 1x1 kernel with stride 1, no padding
+    and no dilation. A "same" window (stride 1, no input dilation, padding >= 0 on each side, the
+    output as large as the input) shares it too, with a *halo*: a device split on it reads
+    ``rhs_dilation * (k - 1)`` rows of its neighbours' blocks, which XLA exchanges (two
+    collective-permutes); a search never splits it together with o (``halo_apart``: XLA computes
+    wrong values for that pair, :mod:`mshard.guards`). Any other window (strided, valid, input
+    dilated) keeps the input's spatial dim replicated and the output's unsplittable. Grouped
+    convolutions keep c and o unsplittable (feature_group_count > 1; and n, as XLA gathers it),
+    batch-grouped ones n and o, and get no halo.
     """
     lhs, rhs = in_shapes[0], in_shapes[1]
     out = out_shapes[0]
@@ -342,19 +354,26 @@ def conv_rule(in_shapes, out_shapes, *, window_strides, padding, lhs_dilation=No
         lab_l[ls[1]] = "c"
     else:   # XLA's partitioner all-gathers a grouped conv's batch too: keep it whole
         unsplit |= {"n", "c", "o"}
+    rhs_dilation = tuple(rhs_dilation or (1,) * nsp)
+    halo: dict[str, int] = {}
     for i in range(nsp):
         s, k = f"s{i}", f"k{i}"
         lab_o[os_[2 + i]] = s
         lab_r[rs[2 + i]] = k
         unsplit.add(k)
-        pointwise = (rhs[rs[2 + i]] == 1 and window_strides[i] == 1 and tuple(padding[i]) == (0, 0)
-                     and lhs_dilation[i] == 1 and lhs[ls[2 + i]] == out[os_[2 + i]])
-        if pointwise:
+        size, kernel = lhs[ls[2 + i]], rhs[rs[2 + i]]
+        same = (window_strides[i] == 1 and lhs_dilation[i] == 1 and size == out[os_[2 + i]]
+                and min(padding[i]) >= 0)
+        if same and kernel == 1 and tuple(padding[i]) == (0, 0):
             lab_l[ls[2 + i]] = s
+        elif same and kernel > 1 and feature_group_count == 1 and batch_group_count == 1:
+            lab_l[ls[2 + i]] = s
+            halo[s] = rhs_dilation[i] * (kernel - 1)
         else:
             unsplit.add(s)
     flops = 2.0 * _size(out) * rhs[rs[1]] * _size([rhs[d] for d in rs[2:]])
-    return space([lab_l, lab_r], [lab_o], in_shapes[:2], out_shapes, unsplittable=unsplit, flops=flops)
+    return space([lab_l, lab_r], [lab_o], in_shapes[:2], out_shapes, unsplittable=unsplit, flops=flops,
+                 halo=halo, halo_apart={"o"} if halo else ())
 
 
 # -- reductions, written once --------------------------------------------------------------------

@@ -289,7 +289,8 @@ class _Tracer:
         itemsizes = [_itemsize(e.outvars[0].aval) for e in outs]
         res = self.graph.add_op(name, note.kind, dims, inputs, in_dims, out_dims, [_shape(e.outvars[0].aval) for e in outs],
                                 itemsize=itemsizes[0], reduce=reduce, unsplittable=frozenset(note.fixed) & set(dims),
-                                split_limit=limit or None)
+                                split_limit=limit or None, halo={d: r for d, r in note.halo if d in dims} or None,
+                                halo_apart=note.halo_apart & set(dims))
         op = self.graph.ops[-1]
         for tid, size in zip(res, itemsizes):
             self.graph.tensors[tid].itemsize = size
@@ -397,7 +398,8 @@ class _Tracer:
         itemsizes = [_itemsize(v.aval) for v in eqn.outvars]
         outs = self.graph.add_op(name, prim, s.dims, inputs, s.in_dims, s.out_dims, out_shapes,
                                  itemsize=itemsizes[0] if itemsizes else 4, reduce=s.reduce,
-                                 unsplittable=frozenset(unsplit), flops=s.flops, split_limit=limit)
+                                 unsplittable=frozenset(unsplit), flops=s.flops, split_limit=limit,
+                                 halo=s.halo or None, halo_apart=s.halo_apart)
         for tid, size in zip(outs, itemsizes):
             self.graph.tensors[tid].itemsize = size
         if prim == "sharding_constraint":

@@ -168,7 +168,33 @@ def spec_cost(spec: OpSpec, strategy: Strategy, mesh: DeviceMesh, params: CostPa
             b = 2.0 * local * (k - 1) / k
             ar_bytes += b
             ar_time += lat * spec.latency_share + b / bw
-    return Cost(compute, {"all-reduce": ar_bytes}, ar_time, memory, params.weigh(compute, ar_time, memory))
+    by = {"all-reduce": ar_bytes}
+    if spec.halo:
+        halo_bytes, halo_time = _halo(spec, strategy, mesh)
+        by["collective-permute"] = halo_bytes
+        ar_time += halo_time
+    return Cost(compute, by, ar_time, memory, params.weigh(compute, ar_time, memory))
+
+
+def _halo(spec: OpSpec, strategy: Strategy, mesh: DeviceMesh) -> tuple[float, float]:
+    """(bytes, seconds) of the halo exchange of a windowed op (``OpSpec.halo``). Each operand that follows a split
+    halo dim sends its neighbours ``halo`` rows of its local block, in two collective-permutes (one each way, as
+    XLA's partitioner emits for a window), at the slowest of the dim's axes; the dims are exchanged one after
+    another, a later one on the block already widened by the earlier ones' halos (which is how the corners
+    travel)."""
+    nbytes = seconds = 0.0
+    for maps, size in zip(spec.in_maps, spec.in_bytes):
+        block = size / _count(layout_of(maps, strategy), mesh.shape)
+        for d in maps:
+            rows = spec.halo[d] if d >= 0 else 0
+            axes = strategy[d] if d >= 0 else ()
+            if not rows or not axes:
+                continue
+            b = block * rows * _count((axes,), mesh.shape) / spec.sizes[d]
+            nbytes += b
+            seconds += 2 * max(mesh.latency[a] for a in axes) + b / min(mesh.bandwidth[a] for a in axes)
+            block += b
+    return nbytes, seconds
 
 
 def _reduction_groups(reduction: Sequence[int], strategy: Strategy,

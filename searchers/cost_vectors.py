@@ -32,13 +32,15 @@ class CandidateTables:
     out_div: np.ndarray      # (C, n_out) 1 / split count of each result
     ar_lat: np.ndarray       # (C,) latency of the all-reduces over the partial axes, one per split reduction dim
     ar_coef: np.ndarray      # (C,) their seconds per local result byte: sum of 2(k-1)/k / slowest bandwidth
+    halo_lat: np.ndarray | None = None    # (C,) latency of the halo exchanges (cost._halo); None: no halo
+    halo_coef: np.ndarray | None = None   # (C, n_in) their seconds per global operand byte
 
 
 @lru_cache(maxsize=1 << 12)
 def candidate_tables(in_maps: tuple[tuple[int, ...], ...], out_maps: tuple[tuple[int, ...], ...],
                      reduction: tuple[int, ...], candidates: tuple[Strategy, ...],
-                     mesh: DeviceMesh) -> CandidateTables:
-    """:class:`CandidateTables` of an op structure (memoised)."""
+                     mesh: DeviceMesh, halo: tuple[float, ...] = ()) -> CandidateTables:
+    """:class:`CandidateTables` of an op structure (memoised); ``halo``: per loop dim, halo rows / dim size."""
     shape, C = mesh.shape, len(candidates)
     dev = np.empty(C)
     in_div = np.empty((C, len(in_maps)))
@@ -57,7 +59,20 @@ def candidate_tables(in_maps: tuple[tuple[int, ...], ...], out_maps: tuple[tuple
             coef[c] += 2.0 * (k - 1) / k / bandwidth
     for a in (dev, in_div, out_div, lat, coef):
         a.setflags(write=False)
-    return CandidateTables(dev, in_div, out_div, lat, coef)
+    if not any(halo):
+        return CandidateTables(dev, in_div, out_div, lat, coef)
+    h_lat, h_coef = np.zeros(C), np.zeros((C, len(in_maps)))
+    for c, s in enumerate(candidates):           # as searchers.cost._halo, per global operand byte
+        for i, m in enumerate(in_maps):
+            block = in_div[c, i]
+            for d in m:
+                if d < 0 or not halo[d] or not s[d]:
+                    continue
+                b = block * halo[d] * _prod(shape[a] for a in s[d])
+                h_lat[c] += 2 * max(mesh.latency[a] for a in s[d])
+                h_coef[c, i] += b / min(mesh.bandwidth[a] for a in s[d])
+                block += b
+    return CandidateTables(dev, in_div, out_div, lat, coef, h_lat, h_coef)
 
 
 def _prod(xs: Iterable[int]) -> int:
@@ -75,6 +90,8 @@ def cost_vector(t: CandidateTables, flops: float, in_bytes: Sequence[int], out_b
     memory = t.in_div @ np.asarray(in_bytes, dtype=float) + out_local
     comm = latency_share * len(out_bytes) * t.ar_lat + t.ar_coef * out_local
     comm = np.where(t.ar_coef > 0, comm, 0.0)
+    if t.halo_lat is not None:
+        comm = comm + t.halo_lat + t.halo_coef @ np.asarray(in_bytes, dtype=float)
     return (params.alpha * flops / params.flops_per_s) / t.devices + params.beta * comm \
         + (params.gamma / params.memory_unit) * memory
 
@@ -83,10 +100,15 @@ def cost_vector(t: CandidateTables, flops: float, in_bytes: Sequence[int], out_b
 def spec_cost_vector(spec: OpSpec, candidates: tuple[Strategy, ...], mesh: DeviceMesh,
                      params: CostParams) -> np.ndarray:
     """Totals of :func:`~searchers.cost.spec_cost` for every candidate (memoised; read-only)."""
-    t = candidate_tables(spec.in_maps, spec.out_maps, spec.reduction, candidates, mesh)
+    t = candidate_tables(spec.in_maps, spec.out_maps, spec.reduction, candidates, mesh, halo_fractions(spec))
     v = cost_vector(t, spec.flops, spec.in_bytes, spec.out_bytes, params, spec.latency_share)
     v.setflags(write=False)
     return v
+
+
+def halo_fractions(spec: OpSpec) -> tuple[float, ...]:
+    """Per loop dim, halo rows / dim size (``()`` for an op without a halo): what :func:`candidate_tables` takes."""
+    return tuple(h / n for h, n in zip(spec.halo, spec.sizes)) if spec.halo else ()
 
 
 def op_cost_vector(op: Op, candidates: Sequence[Strategy], graph: Graph, params: CostParams) -> np.ndarray:

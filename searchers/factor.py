@@ -131,7 +131,7 @@ class Problem:
                     spec = spec_from_key(sk)
                     cands = strategies_for(spec.sizes, spec.unsplittable, mesh.shape,
                                            fully_use_devices and not op.any_devices,
-                                           max_candidates)
+                                           max_candidates, spec.apart)
                 cid = cand_ids[ck] = len(cand_lists)
                 cand_lists.append(cands)
             cands = cand_lists[cid]

@@ -129,11 +129,24 @@ class Op:
                                                 # tied to the producer's (mshard's writeback: state stored in place)
     latency_share: float = 1.0                  # the part of a latency its partial-sum all-reduces pay: 1/k for the k
                                                 # reductions XLA combines into one (mark_merged_reductions)
+    halo: dict[str, int] | None = None          # loop dim -> rows of an operand beyond a device's block it reads (a
+                                                # convolution window): splitting it costs a halo exchange
+    halo_apart: frozenset[str] = frozenset()    # loop dims never split together with a split halo dim (XLA's
+                                                # partitioner miscompiles the pair: mshard.guards)
 
     def split_sizes(self) -> tuple[int, ...]:
         """Per loop dim, the number a split count must divide (its size, or gcd with its split_limit)."""
         lim = self.split_limit or {}
         return tuple(math.gcd(n, lim[d]) if d in lim else n for d, n in self.dims.items())
+
+    def apart(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(indices of the halo dims, indices of the ``halo_apart`` dims) in ``dims`` order: no candidate strategy
+        splits one of each (``((), ())`` for an op without a halo)."""
+        if not self.halo:
+            return (), ()
+        names = list(self.dims)
+        return (tuple(i for i, d in enumerate(names) if self.halo.get(d)),
+                tuple(i for i, d in enumerate(names) if d in self.halo_apart))
 
     @property
     def dim_names(self) -> tuple[str, ...]:

@@ -42,7 +42,7 @@ import numpy as np
 from .baselines import no_worse_than_baselines
 from .cache import cached_search
 from .cost import CostParams
-from .cost_vectors import candidate_tables, cost_vector, redistribution_affine
+from .cost_vectors import candidate_tables, cost_vector, halo_fractions, redistribution_affine
 from .graph import DeviceMesh, Graph, Strategy, TensorLayout, tied_strategy
 from .plan_cost import PlanIndex
 from .result import SearchResult
@@ -122,10 +122,11 @@ class _Tables:
         st = self.by_struct.get(self.struct_of[sid])
         if st is None:
             # every split, idle devices allowed: a neighbour takes the layout that needs no redistribution
-            cands = strategies_for(spec.sizes, spec.unsplittable, self.mesh.shape, False, self.maxc)
+            cands = strategies_for(spec.sizes, spec.unsplittable, self.mesh.shape, False, self.maxc, spec.apart)
             in_lids = [self._lids(m, cands) for m in spec.in_maps]
             out_lids = [self._lids(m, cands) for m in spec.out_maps]
-            tables = candidate_tables(spec.in_maps, spec.out_maps, spec.reduction, cands, self.mesh)
+            tables = candidate_tables(spec.in_maps, spec.out_maps, spec.reduction, cands, self.mesh,
+                                      halo_fractions(spec))
             st = self.by_struct[self.struct_of[sid]] = _Struct(cands, in_lids, out_lids, tables)
         self.structs[sid] = st
         self.own[sid] = cost_vector(st.tables, spec.flops, spec.in_bytes, spec.out_bytes, self.params,

@@ -177,7 +177,8 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
         if got is None:
             spec = tab.specs[sid]
             cands = tab.ensure(sid).cands
-            finals = strategies_for(spec.sizes, spec.unsplittable, mesh.shape, all_devices(spec, fully))
+            finals = strategies_for(spec.sizes, spec.unsplittable, mesh.shape, all_devices(spec, fully), None,
+                                    spec.apart)
             key = (cands, finals)
             got = by_sets.get(key)
             if got is None:

@@ -36,6 +36,8 @@ class OpSpec(NamedTuple):
     flops: float
     free_devices: bool = False               # Op.free_devices: exempt from fully_use_devices
     latency_share: float = 1.0               # Op.latency_share: the part of a latency its all-reduces pay
+    halo: tuple[int, ...] = ()               # Op.halo per loop dim (0: none); () when the op has none
+    apart: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())   # no strategy splits one of [0] and one of [1]
 
 
 def op_spec(op: Op, graph: Graph) -> OpSpec:
@@ -65,8 +67,10 @@ def spec_key(op: Op, graph: Graph) -> SpecKey:
 def _struct_id(op: Op) -> int:
     """The interned id of ``op``'s name-free structure (dims, maps, unsplittable, flops, split limits)."""
     lim = op.split_limit
+    halo = op.halo
     key = (tuple(op.dims.items()), tuple(op.in_dims), tuple(op.out_dims), op.unsplittable, op.flops,
-           op.kind in SOURCE_KINDS, tuple(sorted(lim.items())) if lim else None, op.free_devices, op.latency_share)
+           op.kind in SOURCE_KINDS, tuple(sorted(lim.items())) if lim else None, op.free_devices, op.latency_share,
+           (tuple(sorted(halo.items())), op.halo_apart) if halo else None)
     sid = _STRUCT_IDS.get(key)
     if sid is None:
         sid = _STRUCT_IDS[key] = len(_STRUCTS)
@@ -121,8 +125,8 @@ def distinct_spec_keys(graph: Graph, flat: Flat | None = None) -> tuple[list[Spe
 
 def spec_from_key(key: SpecKey) -> OpSpec:
     """The :class:`OpSpec` a :func:`spec_key` stands for."""
-    sizes, uns, in_maps, out_maps, red, flops, free, share = _STRUCTS[key[0]]
-    return OpSpec(sizes, uns, in_maps, out_maps, key[1], key[2], red, flops, free, share)
+    sizes, uns, in_maps, out_maps, red, flops, free, share, halo, apart = _STRUCTS[key[0]]
+    return OpSpec(sizes, uns, in_maps, out_maps, key[1], key[2], red, flops, free, share, halo, apart)
 
 
 def all_devices(spec: OpSpec, fully_use_devices: bool) -> bool:
@@ -142,8 +146,10 @@ def _structure(op: Op) -> tuple:
     out_maps = tuple(tuple(-1 if d is None else idx[d] for d in dd) for dd in op.out_dims)
     used = {i for m in out_maps for i in m}
     uns = op.unsplittable
+    halo = tuple(op.halo.get(d, 0) for d in op.dims) if op.halo else ()
     return (op.split_sizes(), tuple(d in uns for d in op.dims), in_maps, out_maps,
-            tuple(i for i in range(len(idx)) if i not in used), op.compute_flops(), op.free_devices, op.latency_share)
+            tuple(i for i in range(len(idx)) if i not in used), op.compute_flops(), op.free_devices, op.latency_share,
+            halo, op.apart())
 
 
 def layout_of(maps: tuple[int, ...], strategy: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:

@@ -49,12 +49,14 @@ def enumerate_strategies(op: Op, mesh: DeviceMesh, *, fully_use_devices: bool = 
     if op.any_devices:       # fully_use_devices is about operators; a tensor's layout follows its users (MindSpore),
         fully_use_devices = False          # an op with no operands too; free_devices: the backward and update (Op)
     uns = tuple(d in op.unsplittable for d in op.dims)
-    return list(strategies_for(op.split_sizes(), uns, mesh.shape, fully_use_devices, max_candidates))
+    return list(strategies_for(op.split_sizes(), uns, mesh.shape, fully_use_devices, max_candidates, op.apart()))
 
 
 def strategies_for(sizes: tuple[int, ...], unsplittable: tuple[bool, ...], mesh_shape: tuple[int, ...],
-                   fully_use_devices: bool = False, max_candidates: int | None = None) -> tuple[Strategy, ...]:
-    """:func:`enumerate_strategies` on plain loop-dim sizes (memoised).
+                   fully_use_devices: bool = False, max_candidates: int | None = None,
+                   apart: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> tuple[Strategy, ...]:
+    """:func:`enumerate_strategies` on plain loop-dim sizes (memoised). ``apart``: no strategy splits a loop dim of
+    ``apart[0]`` (a convolution's halo dims) together with one of ``apart[1]`` (its out-channels: ``Op.halo_apart``).
 
     A split count is a product of mesh axis sizes, so it divides the device count ``N``; it
     divides a size exactly when it divides ``gcd(size, N)``. Sizes are memoised by that gcd, so
@@ -65,12 +67,13 @@ def strategies_for(sizes: tuple[int, ...], unsplittable: tuple[bool, ...], mesh_
     """
     n = math.prod(mesh_shape)
     return _strategies_for(tuple(math.gcd(s, n) for s in sizes), unsplittable, tuple(mesh_shape),
-                           fully_use_devices, max_candidates)
+                           fully_use_devices, max_candidates, apart)
 
 
 @lru_cache(maxsize=4096)
 def _strategies_for(sizes: tuple[int, ...], unsplittable: tuple[bool, ...], mesh_shape: tuple[int, ...],
-                    fully_use_devices: bool, max_candidates: int | None) -> tuple[Strategy, ...]:
+                    fully_use_devices: bool, max_candidates: int | None,
+                    apart: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> tuple[Strategy, ...]:
     n_dims, n_axes = len(sizes), len(mesh_shape)
     found: list[tuple[int, Strategy]] = []
     counts = [1] * n_dims
@@ -92,6 +95,9 @@ def _strategies_for(sizes: tuple[int, ...], unsplittable: tuple[bool, ...], mesh
             counts[d] //= k
 
     rec(0, 1)
+    if apart[0] and apart[1]:
+        found = [(u, s) for u, s in found
+                 if not (any(s[d] for d in apart[0]) and any(s[d] for d in apart[1]))]
     if fully_use_devices:
         every = [(u, s) for u, s in found if sum(len(a) for a in s) == n_axes]
         best = max(u for u, _ in found)

@@ -77,15 +77,24 @@ def _accepted(make, shapes, attrs) -> set:
     return out
 
 
+# Strategies a user may ask for that a search never picks: XLA's partitioner computes wrong values for them, so the
+# program realises them another way (mshard.guards: a 3x3 "same" window split over height or width with split
+# out-channels runs with the kernel gathered over its out-channels); a search must not price a layout the program
+# does not run.
+GUARDED = {"Conv2D_same": lambda st: (st[0][2] > 1 or st[0][3] > 1) and st[1][0] > 1}
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_searcher_may_choose_exactly_what_a_user_may_ask(case):
     """On main, searches split Softmax's axis (the attention net got ((1, 1, 1, 8),)) while
     ops.Softmax(axis=-1).shard(((1, 1, 1, 8),)) was refused; a primitive object was not one op of the search."""
     make, shapes, attrs = CASES[case]
     searchable, accepted = _searchable(make, shapes, attrs), _accepted(make, shapes, attrs)
+    guarded = {st for st in accepted if GUARDED.get(case, lambda st: False)(st)}
     assert searchable, case
     assert searchable - accepted == set(), f"{case}: searched but refused: {sorted(searchable - accepted)[:5]}"
-    assert accepted - searchable == set(), f"{case}: accepted but never searched: {sorted(accepted - searchable)[:5]}"
+    assert accepted - searchable == guarded, f"{case}: accepted but never searched: {sorted(accepted - searchable)[:5]}"
+    assert guarded or case not in GUARDED, case          # the guarded pairs exist and are asked for
 
 
 def test_softmax_axis_is_neither_searched_nor_accepted():

@@ -191,7 +191,7 @@ CASES += [
     # convolutions
     Case("conv3x3", "conv_general_dilated",
          lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=NHWC),
-         (f32(2, 6, 6, 4), f32(3, 3, 4, 6)), expect_unsplittable={"s0", "s1", "k0", "k1"}),
+         (f32(2, 6, 6, 4), f32(3, 3, 4, 6)), expect_unsplittable={"k0", "k1"}),     # s0, s1: halo dims
     Case("conv1x1", "conv_general_dilated",
          lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "VALID"), (f32(2, 4, 6, 6), f32(6, 4, 1, 1))),
     Case("conv_strided", "conv_general_dilated",
@@ -385,8 +385,9 @@ def test_rule(case: Case):
             # may vectorise differently (a few ulps, compounded over betainc's continued-fraction iterations); atol: outputs ~ 0
             np.testing.assert_allclose(_np(g), r, rtol=2e-5, atol=1e-5, err_msg=f"{case.id}: split {d}")
         kinds = set(COLLECTIVE.findall(compiled.as_text()))
-        want = {"all-reduce"} if d in s.reduction_dims else set()
-        ok = kinds <= {"all-reduce", "reduce-scatter"} and bool(kinds) if want else not kinds
+        # a reduction dim: partial sums combined; a halo dim (a "same" window): the neighbours' rows exchanged
+        want = {"all-reduce"} if d in s.reduction_dims else {"collective-permute"} if d in s.halo else set()
+        ok = kinds <= {"all-reduce", "reduce-scatter"} and bool(kinds) if d in s.reduction_dims else kinds == want
         if (case.id, d) in KNOWN_COMM:
             continue
         assert ok, (f"{case.id}: splitting {d} ({s.dims[d]}) gave collectives {sorted(kinds)}, "

@@ -227,8 +227,10 @@ def test_convnet():
     r = trace(convnet, CONV_ARGS, ["data", "param", "param", "param"], ["x", "w1", "w2", "wd"])
     g = r.graph
     (c1,) = [g.ops[t.op] for t in r.eqns if t.name == "conv1/conv_general_dilated"]
-    assert c1.in_dims[0] == ("n", None, None, "c") and c1.out_dims[0] == ("n", "s0", "s1", "o")
-    assert {"s0", "s1", "k0", "k1"} <= c1.unsplittable and "n" not in c1.unsplittable
+    # a 3x3 "same" window: height and width are shared by input and output, split with a 2-row halo exchange
+    assert c1.in_dims[0] == ("n", "s0", "s1", "c") and c1.out_dims[0] == ("n", "s0", "s1", "o")
+    assert {"k0", "k1"} <= c1.unsplittable and not {"n", "s0", "s1"} & c1.unsplittable
+    assert c1.halo == {"s0": 2, "s1": 2} and c1.halo_apart == {"o"}
     (c2,) = [g.ops[t.op] for t in r.eqns if t.name == "conv2/conv_general_dilated"]
     assert not {"n", "o", "c", "s0", "s1"} & c2.unsplittable   # a 1x1 conv splits spatially too
     (pool,) = [g.ops[t.op] for t in r.eqns if t.primitive == "reduce_window_max"]

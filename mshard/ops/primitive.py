@@ -171,8 +171,14 @@ class Primitive:
         strategy = self.in_strategy
         if strategy is not None:
             check_strategy(self._where(), self.kind, shapes, in_dims, fixed, strategy, device_num)
+        halo, apart = self.halo(shapes)
         return OpNote(self.kind, self.name, strategy or (None,) * len(shapes), self.out_strategy, tuple(shapes),
-                      tuple(in_dims), tuple(out_dims), frozenset(fixed))
+                      tuple(in_dims), tuple(out_dims), frozenset(fixed), tuple(sorted(halo.items())), apart)
+
+    def halo(self, shapes) -> tuple[dict[str, int], frozenset[str]]:
+        """A windowed primitive's halo: (loop dim -> rows of its input beyond a device's block that it reads, the
+        loop dims a search never splits together with a halo dim); none by default."""
+        return {}, frozenset()
 
 
 def check_strategy(where: str, kind: str, shapes: Sequence[tuple[int, ...]], in_dims: Sequence[Dims],

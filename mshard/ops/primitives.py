@@ -422,6 +422,16 @@ class Conv2D(Primitive):
         fixed = frozenset({"kh", "kw"} | (set() if halo else {"hi", "wi", "ho", "wo"}))
         return (("n", "c", h, w), ("o", "c", "kh", "kw")), (("n", "o", ho, wo),), fixed
 
+    def halo(self, shapes) -> tuple[dict[str, int], frozenset[str]]:
+        """pad_mode="same", stride 1: a split of h or w reads ``dilation * (kernel - 1)`` rows of its neighbours'
+        blocks (XLA exchanges them); a search never splits them together with out-channels (guard
+        conv_halo_out_channels: XLA computes wrong values for that pair)."""
+        if not (self.pad_mode == "same" and self.stride == (1, 1)):
+            return {}, frozenset()
+        kernel = shapes[1][2:]
+        rows = {d: dil * (k - 1) for d, k, dil in zip(("h", "w"), kernel, self.dilation) if k > 1}
+        return rows, frozenset({"o"}) if rows else frozenset()
+
 
 _DN = ("NCHW", "OIHW", "NCHW")
 
