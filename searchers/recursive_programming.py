@@ -142,85 +142,110 @@ def recursive_programming(graph: Graph, params: CostParams, *, fully_use_devices
 def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine: int, polish: int | str,
             block_size: int) -> SearchResult:
     t0 = time.perf_counter()
-    mesh, ops, tensors = graph.mesh, graph.ops, graph.tensors
-    n, n_axes = len(ops), len(mesh.shape)
-    tab = _Tables(graph, params, None)          # every partial strategy is a candidate here
-    # flat layout slots (every op's operands then results) and each op's refs: the slots of its
-    # neighbours its cost depends on (searchers.slots)
-    flat = flat_ops(graph)
-    sl = slot_graph(graph, flat)
-    keys, index = distinct_spec_keys(graph, flat)
-    sid_a = np.asarray([tab.spec_id(k) for k in keys], dtype=np.intp)[index]
-    sids = sid_a.tolist()
-    base, rp = sl.base.tolist(), sl.ref_ptr.tolist()
-    in_base, out_end = base[:-1], base[1:]
-    in_end = out_base = (sl.base[:-1] + sl.n_in).tolist()
-    rl, pl, nin = sl.ref_slot.tolist(), sl.ref_pos.tolist(), sl.n_in.tolist()
-    refs = [rl[i:j] for i, j in zip(rp, rp[1:])]
-    # a signature says which operand / result each ref is: (operand count, result index per consumer ref)
-    sig_ids: dict[tuple, int] = {}
-    sigs: list[tuple] = []
-    sig_of = []
-    for k, i, j in zip(nin, rp, rp[1:]):
-        t = (k, tuple(pl[i + k:j]))
-        g = sig_ids.get(t)
-        if g is None:
-            g = sig_ids[t] = len(sigs)
-            sigs.append(tuple((0, q) for q in range(k)) + tuple((1, x - k) for x in t[1]))
-        sig_of.append(g)
-    rounds: dict[int, _Rounds] = {}
-    by_sets: dict[tuple, _Rounds] = {}       # structures with the same candidates share their round tables
+    search = _Search(graph, params, fully)
+    chosen, notes = search.run(follow, refine, polish, block_size)
+    cost = _cost(search.tab, search.sids, chosen, search.lay, search.sl.e_in, search.sl.e_src, search.sl.e_bytes,
+                 graph.mesh, params)
+    return no_worse_than_baselines(graph, params, SearchResult(dict(enumerate(chosen)), cost, ALGORITHM,
+                                                               time.perf_counter() - t0, notes),
+                                   fully_use_devices=fully, index=search.index())
 
-    def rounds_of(sid: int) -> _Rounds:
+
+class _Search:
+    """One search: the graph's tables (what a cut costs, per op shape) and its one state, ``state`` (each op's
+    candidate index) and ``lay`` (the layout id of every slot: an op's operands, then its results), both lists;
+    the level batches (numpy) read and write them through arrays made for each sweep."""
+
+    def __init__(self, graph: Graph, params: CostParams, fully: bool):
+        self.graph, self.params, self.fully = graph, params, fully
+        mesh, ops = graph.mesh, graph.ops
+        self.n, self.n_axes = len(ops), len(mesh.shape)
+        self.tab = tab = _Tables(graph, params, None)          # every partial strategy is a candidate here
+        # flat layout slots (every op's operands then results) and each op's refs: the slots of its
+        # neighbours its cost depends on (searchers.slots)
+        self.flat = flat_ops(graph)
+        self.sl = sl = slot_graph(graph, self.flat)
+        self.keys = distinct_spec_keys(graph, self.flat)
+        keys, index = self.keys
+        self.sid_a = np.asarray([tab.spec_id(k) for k in keys], dtype=np.intp)[index]
+        self.sids = self.sid_a.tolist()
+        base, rp = sl.base.tolist(), sl.ref_ptr.tolist()
+        self.in_base, self.out_end = base[:-1], base[1:]
+        self.in_end = self.out_base = (sl.base[:-1] + sl.n_in).tolist()
+        rl, pl, nin = sl.ref_slot.tolist(), sl.ref_pos.tolist(), sl.n_in.tolist()
+        self.refs = [rl[i:j] for i, j in zip(rp, rp[1:])]
+        # a signature says which operand / result each ref is: (operand count, result index per consumer ref)
+        sig_ids: dict[tuple, int] = {}
+        self.sigs: list[tuple] = []
+        self.sig_of: list[int] = []
+        for k, i, j in zip(nin, rp, rp[1:]):
+            t = (k, tuple(pl[i + k:j]))
+            g = sig_ids.get(t)
+            if g is None:
+                g = sig_ids[t] = len(self.sigs)
+                self.sigs.append(tuple((0, q) for q in range(k)) + tuple((1, x - k) for x in t[1]))
+            self.sig_of.append(g)
+        self._rounds: dict[int, _Rounds] = {}
+        self._by_sets: dict[tuple, _Rounds] = {}     # structures with the same candidates share their round tables
+        self._leaf_msgs: dict[tuple[int, int, int], np.ndarray] = {}
+        self._own_lists: dict[int, list[float]] = {}
+        self._side_lists: dict[tuple, list[float]] = {}
+        self._fin_own: dict[int, np.ndarray] = {}
+        self._fin_side: dict[tuple, np.ndarray] = {}
+        self._cand_slots: dict[int, np.ndarray] = {}
+        self._start()
+
+    # -- what a cut costs, per op shape ------------------------------------------------------------------------
+    def rounds_of(self, sid: int) -> _Rounds:
+        tab = self.tab
         struct = tab.struct_of[sid]
-        got = rounds.get(struct)
+        got = self._rounds.get(struct)
         if got is None:
             spec = tab.specs[sid]
             cands = tab.ensure(sid).cands
-            finals = strategies_for(spec.sizes, spec.unsplittable, mesh.shape, all_devices(spec, fully), None,
-                                    spec.apart)
+            finals = strategies_for(spec.sizes, spec.unsplittable, tab.mesh.shape, all_devices(spec, self.fully),
+                                    None, spec.apart)
             key = (cands, finals)
-            got = by_sets.get(key)
+            got = self._by_sets.get(key)
             if got is None:
-                got = by_sets[key] = _Rounds(cands, finals, n_axes)
-            rounds[struct] = got
+                got = self._by_sets[key] = _Rounds(cands, finals, self.n_axes)
+            self._rounds[struct] = got
         return got
 
-    leaf_msgs: dict[tuple[int, int, int], np.ndarray] = {}
-
-    def side(sid: int, out: int, idx: int, lid: int) -> np.ndarray:
+    def side(self, sid: int, out: int, idx: int, lid: int) -> np.ndarray:
         """Redistribution per candidate against one neighbour's layout ``lid``; ``lid < 0`` marks a
         leaf input (of spec ``-lid - 1``) that follows this op: its best response per candidate."""
+        tab = self.tab
         if lid >= 0:
             return tab.vector(sid, out, idx, lid)
         key = (sid, idx, -lid - 1)
-        got = leaf_msgs.get(key)
+        got = self._leaf_msgs.get(key)
         if got is None:
             usid = -lid - 1
-            su, fin = tab.ensure(usid), rounds_of(usid).final_array
+            su, fin = tab.ensure(usid), self.rounds_of(usid).final_array
             src = tuple(tab.layouts[su.out_rows[i][0]] for i in fin)
             dst = tuple(tab.layouts[row[idx]] for row in tab.ensure(sid).in_rows)
-            R = layout_cost_matrix(src, dst, tab.specs[usid].out_bytes[0], mesh, params)
-            got = leaf_msgs[key] = (tab.own[usid][fin][:, None] + R).min(axis=0)   # type: ignore[index]
+            R = layout_cost_matrix(src, dst, tab.specs[usid].out_bytes[0], tab.mesh, self.params)
+            got = self._leaf_msgs[key] = (tab.own[usid][fin][:, None] + R).min(axis=0)   # type: ignore[index]
         return got
 
-    own_lists: dict[int, list[float]] = {}
-    side_lists: dict[tuple, list[float]] = {}
-
-    def decide(sid: int, sig: int, r: int, state: int, lids: tuple) -> int:
+    def decide(self, sid: int, sig: int, r: int, state: int, lids: tuple) -> int:
+        """Round ``r``'s cut for an op of spec ``sid`` at partial strategy ``state`` against neighbour layouts
+        ``lids``."""
         # a round offers a handful of cuts: plain floats beat numpy's per-call overhead here
-        kids = rounds_of(sid).kid_lists.get((r, state))
+        kids = self.rounds_of(sid).kid_lists.get((r, state))
         if kids is None:
             return state
-        own = own_lists.get(sid)
+        own = self._own_lists.get(sid)
         if own is None:
-            own = own_lists[sid] = tab.own[sid].tolist()     # type: ignore[union-attr]
+            own = self._own_lists[sid] = self.tab.own[sid].tolist()     # type: ignore[union-attr]
+        side_lists = self._side_lists
         vecs = []
-        for (out, idx), lid in zip(sigs[sig], lids):
+        for (out, idx), lid in zip(self.sigs[sig], lids):
             key = (sid, out, idx, lid)
             v = side_lists.get(key)
             if v is None:
-                v = side_lists[key] = side(sid, out, idx, lid).tolist()
+                v = side_lists[key] = self.side(sid, out, idx, lid).tolist()
             vecs.append(v)
         costs = []
         for k in kids:
@@ -235,94 +260,105 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
                 return k
         return state
 
-    fin_own: dict[int, np.ndarray] = {}
-    fin_side: dict[tuple, np.ndarray] = {}
-
-    def final_costs(sid: int, sig: int, lids: Iterable[int | None]) -> np.ndarray:
+    def final_costs(self, sid: int, sig: int, lids: Iterable[int | None]) -> np.ndarray:
         """Own cost plus the side against each neighbour layout in ``lids`` (None: left out), per final
         candidate of spec ``sid``."""
-        fin = rounds_of(sid).final_array
-        cost = fin_own.get(sid)
+        fin = self.rounds_of(sid).final_array
+        cost = self._fin_own.get(sid)
         if cost is None:
-            cost = fin_own[sid] = tab.own[sid][fin]           # type: ignore[index]
-        for (out, idx), lid in zip(sigs[sig], lids):
+            cost = self._fin_own[sid] = self.tab.own[sid][fin]           # type: ignore[index]
+        for (out, idx), lid in zip(self.sigs[sig], lids):
             if lid is None:
                 continue
             key = (sid, out, idx, lid)
-            v = fin_side.get(key)
+            v = self._fin_side.get(key)
             if v is None:
-                v = fin_side[key] = side(sid, out, idx, lid)[fin]
+                v = self._fin_side[key] = self.side(sid, out, idx, lid)[fin]
             cost = cost + v
         return cost
 
-    def refine_one(sid: int, sig: int, state: int, lids: tuple) -> int:
-        ro = rounds_of(sid)
+    def refine_one(self, sid: int, sig: int, state: int, lids: tuple) -> int:
+        ro = self.rounds_of(sid)
         fin = ro.final_array
-        cost = final_costs(sid, sig, lids)
+        cost = self.final_costs(sid, sig, lids)
         cur = cost[int(np.searchsorted(fin, state))] if state in ro.finals else np.inf
         best = int(np.argmin(cost))
         return int(fin[best]) if cost[best] < cur - _REL_TIE * abs(cur) else state
 
-    # heaviest first: fixed ops, then by the replicated cost, then program order. Every op
-    # starts replicated (the state before round 0): per spec, its replicated candidate and that
-    # candidate's slot layouts, spread over the slots; fixed ops hold their strategy
-    weight = np.zeros(len(tab.specs))
-    rep = np.zeros(len(tab.specs), dtype=np.intp)
-    rep_slots = np.zeros((len(tab.specs), int(np.diff(sl.base).max(initial=1))), dtype=np.intp)
-    cand_slots: dict[int, np.ndarray] = {}
-
-    def slots_of(sid: int) -> np.ndarray:
+    def slots_of(self, sid: int) -> np.ndarray:
         """Per candidate of spec ``sid``, the layout id of every slot of its block (operands, results)."""
-        got = cand_slots.get(sid)
+        got = self._cand_slots.get(sid)
         if got is None:
-            st = tab.ensure(sid)
-            got = cand_slots[sid] = np.asarray([a + b for a, b in zip(st.in_rows, st.out_rows)],
-                                               dtype=np.intp).reshape(len(st.cands), -1)
+            st = self.tab.ensure(sid)
+            got = self._cand_slots[sid] = np.asarray([a + b for a, b in zip(st.in_rows, st.out_rows)],
+                                                     dtype=np.intp).reshape(len(st.cands), -1)
         return got
 
-    for sid in range(len(tab.specs)):
-        tab.ensure(sid)
-        weight[sid] = float(np.max(tab.own[sid]))   # type: ignore[arg-type]
-        rep[sid] = r = rounds_of(sid).rep
-        row = slots_of(sid)[r]
-        rep_slots[sid, :len(row)] = row
-    is_fixed = np.array([op.fixed is not None for op in ops], dtype=bool)
-    order_a = np.lexsort((np.arange(n), -weight[sid_a], ~is_fixed)) if n else np.zeros(0, dtype=np.intp)
-    owner = sl.owner
-    state_a = rep[sid_a]
-    lay_a = rep_slots[sid_a[owner], np.arange(len(owner)) - sl.base[owner]]
-    fixed_strategy: dict[int, Strategy] = {}
-    for v in np.flatnonzero(is_fixed).tolist():
-        f = fixed_strategy[v] = tuple(tuple(a) for a in ops[v].fixed)    # type: ignore[union-attr]
-        spec = tab.specs[sids[v]]
-        state_a[v] = 0
-        lay_a[in_base[v]:out_end[v]] = [tab.lid(layout_of(m, f)) for m in spec.in_maps + spec.out_maps]
-    # leaves: inputs used once (a weight of one op) follow their user, as MindSpore's merge
-    # elimination folds them; their slot holds a marker until the end
-    source = np.array([op.kind in SOURCE_KINDS for op in ops], dtype=bool)
-    uses = np.bincount(flat.inputs, minlength=len(tensors))
-    user = np.full(len(tensors), -1, dtype=np.intp)
-    user[flat.inputs] = owner[sl.e_in]
-    result = flat.outputs[np.minimum(starts(flat.n_out)[:-1], max(len(flat.outputs) - 1, 0))]   # ops with one result
-    leaf = source & ~is_fixed & (flat.n_out == 1)
-    leaf &= (uses[result] == 1)
-    leaf &= ~is_fixed[np.where(leaf, user[result], 0)]
-    leaves = np.flatnonzero(leaf).tolist()
-    lay_a[sl.base[:-1][leaf] + flat.n_in[leaf]] = -sid_a[leaf] - 1
-    lay, state = lay_a.tolist(), state_a.tolist()
-    movable_a = order_a[~(is_fixed | leaf)[order_a]]
-    movable = movable_a.tolist()
-    rank_a = np.empty(n, dtype=np.intp)
-    rank_a[order_a] = np.arange(n)
-    rank = rank_a.tolist()
-    structs = tab.structs
-    get = lay.__getitem__
+    # -- the state -------------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        """Every op replicated (the state before round 0), fixed ops at their strategy, leaves marked; the order:
+        heaviest first (fixed ops, then by the replicated cost, then program order)."""
+        tab, sl, flat, ops, n = self.tab, self.sl, self.flat, self.graph.ops, self.n
+        sid_a, in_base, out_end = self.sid_a, self.in_base, self.out_end
+        weight = np.zeros(len(tab.specs))
+        rep = np.zeros(len(tab.specs), dtype=np.intp)
+        rep_slots = np.zeros((len(tab.specs), int(np.diff(sl.base).max(initial=1))), dtype=np.intp)
+        for sid in range(len(tab.specs)):
+            tab.ensure(sid)
+            weight[sid] = float(np.max(tab.own[sid]))   # type: ignore[arg-type]
+            rep[sid] = r = self.rounds_of(sid).rep
+            row = self.slots_of(sid)[r]
+            rep_slots[sid, :len(row)] = row
+        is_fixed = np.array([op.fixed is not None for op in ops], dtype=bool)
+        order_a = np.lexsort((np.arange(n), -weight[sid_a], ~is_fixed)) if n else np.zeros(0, dtype=np.intp)
+        owner = sl.owner
+        state_a = rep[sid_a]
+        lay_a = rep_slots[sid_a[owner], np.arange(len(owner)) - sl.base[owner]]
+        self.fixed_strategy: dict[int, Strategy] = {}
+        for v in np.flatnonzero(is_fixed).tolist():
+            f = self.fixed_strategy[v] = tuple(tuple(a) for a in ops[v].fixed)    # type: ignore[union-attr]
+            spec = tab.specs[self.sids[v]]
+            state_a[v] = 0
+            lay_a[in_base[v]:out_end[v]] = [tab.lid(layout_of(m, f)) for m in spec.in_maps + spec.out_maps]
+        # leaves: inputs used once (a weight of one op) follow their user, as MindSpore's merge
+        # elimination folds them; their slot holds a marker until the end
+        source = np.array([op.kind in SOURCE_KINDS for op in ops], dtype=bool)
+        uses = np.bincount(flat.inputs, minlength=len(self.graph.tensors))
+        user = np.full(len(self.graph.tensors), -1, dtype=np.intp)
+        user[flat.inputs] = owner[sl.e_in]
+        result = flat.outputs[np.minimum(starts(flat.n_out)[:-1], max(len(flat.outputs) - 1, 0))]  # one result
+        leaf = source & ~is_fixed & (flat.n_out == 1)
+        leaf &= (uses[result] == 1)
+        leaf &= ~is_fixed[np.where(leaf, user[result], 0)]
+        self.leaves = np.flatnonzero(leaf).tolist()
+        lay_a[sl.base[:-1][leaf] + flat.n_in[leaf]] = -sid_a[leaf] - 1
+        self.lay: list[int] = lay_a.tolist()
+        self.state: list[int] = state_a.tolist()
+        self.movable = order_a[~(is_fixed | leaf)[order_a]].tolist()
+        rank_a = np.empty(n, dtype=np.intp)
+        rank_a[order_a] = np.arange(n)
+        self.rank = rank_a.tolist()
 
-    def one_by_one(entries: list[tuple], memo: dict[tuple, int], choose: Callable[[int, int, int, tuple], int]) -> int:
+    def _set(self, v: int, c: int) -> None:
+        """Op ``v`` takes candidate ``c``: its state and the layouts of its block."""
+        st = self.tab.structs[self.sids[v]]
+        self.state[v] = c
+        self.lay[self.in_base[v]:self.in_end[v]] = st.in_rows[c]      # type: ignore[union-attr]
+        self.lay[self.out_base[v]:self.out_end[v]] = st.out_rows[c]   # type: ignore[union-attr]
+
+    # -- sweeps ----------------------------------------------------------------------------------------------
+    def _entries(self, vs: Iterable[int]) -> list[tuple]:
+        return [(v, self.sids[v], self.sig_of[v], self.refs[v], self.in_base[v], self.in_end[v], self.out_base[v],
+                 self.out_end[v]) for v in vs]
+
+    def _one_by_one(self, entries: list[tuple], memo: dict[tuple, int],
+                    choose: Callable[[int, int, int, tuple], int]) -> int:
         """Give each op of ``entries``, in order, its choice against its neighbours' current
         layouts; memoised on (spec, signature, state, neighbour layouts). How many ops moved."""
         moved = 0
         mget = memo.get
+        state, lay, structs = self.state, self.lay, self.tab.structs
+        get = lay.__getitem__
         for v, sid, sig, rf, ib, ie, ob, oe in entries:
             s0 = state[v]
             key = (sid, sig, s0, *map(get, rf))
@@ -337,75 +373,72 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
                 lay[ob:oe] = st.out_rows[c]   # type: ignore[union-attr]
         return moved
 
-    def entries(vs: Iterable[int]) -> list[tuple]:
-        return [(v, sids[v], sig_of[v], refs[v], in_base[v], in_end[v], out_base[v], out_end[v]) for v in vs]
-
-    levels = (_levels(movable, sl, sids, tab, rounds_of, side, slots_of, n_axes)
-              if len(movable) >= LEVEL_MIN_OPS else None)
-    if levels is None:
-        work = entries(movable)
-    else:
-        work = entries(movable[i] for i in levels.tail.tolist())
-        st_np, lay_np = state_a, lay_a           # still equal to state and lay
-
-    def sweep(memo: dict[tuple, int], rnd: int | None) -> int:
-        """Round ``rnd`` (None: a refinement sweep): the large levels at once, then the rest op by
+    def _sweep(self, levels: LevelBatch | None, work: list[tuple], memo: dict[tuple, int], rnd: int | None) -> int:
+        """Round ``rnd`` (None: a refinement sweep): the large levels at once, then the rest (``work``) op by
         op. How many ops moved."""
         def choose(sid: int, sig: int, s0: int, lids: tuple) -> int:
-            return refine_one(sid, sig, s0, lids) if rnd is None else decide(sid, sig, rnd, s0, lids)
+            return self.refine_one(sid, sig, s0, lids) if rnd is None else self.decide(sid, sig, rnd, s0, lids)
 
         if levels is None:
-            return one_by_one(work, memo, choose)
+            return self._one_by_one(work, memo, choose)
+        st_np, lay_np = np.asarray(self.state, dtype=np.intp), np.asarray(self.lay, dtype=np.intp)
         moved = levels.sweep(rnd, st_np, lay_np)
-        lay[:] = lay_np.tolist()
-        state[:] = st_np.tolist()
-        if work:
-            moved += one_by_one(work, memo, choose)
-            levels.apply(levels.tail, np.asarray([state[e[0]] for e in work], dtype=np.intp), st_np, lay_np)
-        return moved
+        self.lay[:] = lay_np.tolist()
+        self.state[:] = st_np.tolist()
+        return moved + (self._one_by_one(work, memo, choose) if work else 0)
 
-    with Progress(f"recursive_programming: {n} ops", n * n_axes) as bar:
-        for r in range(n_axes):
-            sweep({}, r)           # a memo per round: (spec, signature, state, *neighbour layouts) -> cut
-            bar.advance(n)
-        memo: dict[tuple, int] = {}
-        for _sweep in range(refine):
-            if not sweep(memo, None):
-                break
-        if polish == "auto":
-            polish = 2 if len(movable) <= POLISH_AUTO_OPS else 0
-        if polish:
-            view = _View(ops, tensors, sids, sig_of, sigs, refs, in_base, in_end, out_base, out_end, lay, state,
-                         tab, rounds_of, final_costs, movable)
-            view.sweeps(int(polish), block_size, rank, sl.e_src, sl.e_in)
-        for u in leaves:                  # each leaf's best response to its user's final layout
-            (c,) = tensors[ops[u].outputs[0]].consumers
-            want = lay[in_base[c] + ops[c].inputs.index(ops[u].outputs[0])]
-            fin = rounds_of(sids[u]).final_array
-            cost = tab.own[sids[u]][fin] + tab.vector(sids[u], 1, 0, want)[fin]   # type: ignore[index]
-            k = state[u] = int(fin[int(np.argmin(cost))])
-            lay[out_base[u]] = structs[sids[u]].out_rows[k][0]   # type: ignore[union-attr]
-        followers = _follow(ops, movable, sids, tab, refs, lay, in_base, out_base, state, rounds_of) \
-            if follow else 0
-    chosen: list[Strategy] = [fixed_strategy[v] if v in fixed_strategy else
-                              structs[sids[v]].cands[state[v]] for v in range(n)]   # type: ignore[union-attr]
-    for op in (o for o in ops if o.follow_operand is not None):   # the tied op takes its operand's layout
-        s = tied_strategy(graph, op, chosen)
-        cands = structs[sids[op.id]].cands      # type: ignore[union-attr]
-        if s is None or s == chosen[op.id] or op.id in fixed_strategy or s not in cands:
-            continue
-        v, c = op.id, cands.index(s)
-        chosen[v], state[v] = s, c
-        lay[in_base[v]:in_end[v]] = structs[sids[v]].in_rows[c]     # type: ignore[union-attr]
-        lay[out_base[v]:out_end[v]] = structs[sids[v]].out_rows[c]  # type: ignore[union-attr]
-    notes = []
-    if followers:
-        notes.append(f"elementwise_op_strategy_follow: {followers} elementwise op(s) take their consumer's layout")
-    cost = _cost(tab, sids, chosen, lay, sl.e_in, sl.e_src, sl.e_bytes, mesh, params)
-    return no_worse_than_baselines(graph, params, SearchResult(dict(enumerate(chosen)), cost, ALGORITHM,
-                                                               time.perf_counter() - t0, notes),
-                                   fully_use_devices=fully,
-                                   index=PlanIndex(graph, flat=flat, spec_keys=(keys, index), slots=sl))
+    def run(self, follow: bool, refine: int, polish: int | str, block_size: int) -> tuple[list[Strategy], list[str]]:
+        """The rounds, the refinement sweeps, the block polish, the leaves' best responses and the ties; -> (a
+        strategy per op id, notes)."""
+        graph, tab, sids, movable = self.graph, self.tab, self.sids, self.movable
+        ops, tensors = graph.ops, graph.tensors
+        levels = (_levels(movable, self.sl, sids, tab, self.rounds_of, self.side, self.slots_of, self.n_axes)
+                  if len(movable) >= LEVEL_MIN_OPS else None)
+        work = self._entries(movable if levels is None else (movable[i] for i in levels.tail.tolist()))
+        followers = 0
+        with Progress(f"recursive_programming: {self.n} ops", self.n * self.n_axes) as bar:
+            for r in range(self.n_axes):
+                self._sweep(levels, work, {}, r)    # a memo per round: (spec, signature, state, *layouts) -> cut
+                bar.advance(self.n)
+            memo: dict[tuple, int] = {}
+            for _sweep in range(refine):
+                if not self._sweep(levels, work, memo, None):
+                    break
+            if polish == "auto":
+                polish = 2 if len(movable) <= POLISH_AUTO_OPS else 0
+            if polish:
+                view = _View(ops, tensors, sids, self.sig_of, self.sigs, self.refs, self.in_base, self.in_end,
+                             self.out_base, self.out_end, self.lay, self.state, tab, self.rounds_of,
+                             self.final_costs, movable)
+                view.sweeps(int(polish), block_size, self.rank, self.sl.e_src, self.sl.e_in)
+            for u in self.leaves:                  # each leaf's best response to its user's final layout
+                (c,) = tensors[ops[u].outputs[0]].consumers
+                want = self.lay[self.in_base[c] + ops[c].inputs.index(ops[u].outputs[0])]
+                fin = self.rounds_of(sids[u]).final_array
+                cost = tab.own[sids[u]][fin] + tab.vector(sids[u], 1, 0, want)[fin]   # type: ignore[index]
+                k = self.state[u] = int(fin[int(np.argmin(cost))])
+                self.lay[self.out_base[u]] = tab.structs[sids[u]].out_rows[k][0]   # type: ignore[union-attr]
+            if follow:
+                followers = _follow(ops, movable, sids, tab, self.refs, self.lay, self.in_base, self.out_base,
+                                    self.state, self.rounds_of)
+        fixed = self.fixed_strategy
+        chosen: list[Strategy] = [fixed[v] if v in fixed else tab.structs[sids[v]].cands[self.state[v]]  # type: ignore[union-attr]
+                                  for v in range(self.n)]
+        for op in (o for o in ops if o.follow_operand is not None):   # the tied op takes its operand's layout
+            s = tied_strategy(graph, op, chosen)
+            cands = tab.structs[sids[op.id]].cands      # type: ignore[union-attr]
+            if s is None or s == chosen[op.id] or op.id in fixed or s not in cands:
+                continue
+            chosen[op.id] = s
+            self._set(op.id, cands.index(s))
+        notes = []
+        if followers:
+            notes.append(f"elementwise_op_strategy_follow: {followers} elementwise op(s) take their consumer's layout")
+        return chosen, notes
+
+    def index(self) -> PlanIndex:
+        """The graph's :class:`~searchers.plan_cost.PlanIndex`, from the tables at hand (the baseline check)."""
+        return PlanIndex(self.graph, flat=self.flat, spec_keys=self.keys, slots=self.sl)
 
 
 def _levels(movable: list[int], sl: Slots, sids: list[int], tab: _Tables, rounds_of: Callable[[int], _Rounds],
