@@ -94,7 +94,8 @@ class LevelBatch:
         self._tables(own, cand_slots, kids, finals, n_axes)
         # side vectors, one table row per (spec, position, neighbour layout); a folded leaf's
         # marker -usid - 1 is shifted into range by ``len(own)``
-        self.P = int(sl.ref_pos.max(initial=0)) + 1
+        # positions: as many as the widest block (a result no op reads has a slot but no ref)
+        self.P = max(int(sl.ref_pos.max(initial=0)) + 1, max((len(slot_bytes[k]) for k in self.used.tolist()), default=0))
         self.L = len(layouts)
         self.W = self.L + len(own)
         self.shift = len(own)

@@ -106,6 +106,22 @@ def test_slots_match_the_graph():
         assert all(s.owner[x] == op.id for x in range(s.base[op.id], s.base[op.id + 1]))
 
 
+def _unread_results_chains(chains: int, length: int, mesh: DeviceMesh) -> Graph:
+    """Parallel chains of elementwise ops, built interleaved (levels of ``chains`` ops), each with an op that has four
+    results of which only the first is read: its block is wider than any position a ref meets (a traced GPT training
+    step has such ops, and the level path sized its tables by the refs alone)."""
+    g = Graph(mesh)
+    xs = [g.source(f"x{c}", (16, 8)) for c in range(chains)]
+    for i in range(length):
+        for c in range(chains):
+            if i == length // 2:
+                xs[c] = g.add_op(f"split{c}.{i}", "split", {"i": 16, "j": 8}, [xs[c]], [("i", "j")],
+                                 [("i", "j")] * 4)[0]
+            else:
+                (xs[c],) = g.add_op(f"neg{c}.{i}", "neg", {"i": 16, "j": 8}, [xs[c]], [("i", "j")], [("i", "j")])
+    return g
+
+
 def _graphs():
     fixed = random_dag(1200, 6, DeviceMesh((2, 2, 2)))
     for op in fixed.ops[::7]:
@@ -118,6 +134,7 @@ def _graphs():
         pytest.param(random_dag(1500, 4, DeviceMesh((2, 2))), {"refine": 3, "polish": 0}, id="random-refine-3"),
         pytest.param(_multi_output_dag(800, 5, DeviceMesh((2, 2, 2))), {}, id="two-results"),
         pytest.param(fixed, {}, id="fixed-sources"),
+        pytest.param(_unread_results_chains(40, 12, DeviceMesh((2, 2, 2))), {}, id="unread-results"),
         pytest.param(transformer_stack(3, 8, 32, 64, 4, 128, DeviceMesh((2, 2, 2)), backward=True), {},
                      id="transformer"),
     ]
