@@ -2,12 +2,12 @@
 
     .venv/bin/python bench/conv_halo.py [--size 256] [--out bench/out/conv_halo.json]
 
-A plain flax conv stack (NHWC: 3x3 4->8, 3x3 8->8, 5x5 8->4, ReLUs between) on a (2, size, size, 4) batch that
-arrives split over height (4 ways) and width (2 ways), ``dataset_strategy=((1, 4, 2, 1),)``, on 8 simulated CPU
-devices. Per search_mode of auto_parallel, the forward's compiled HLO: collective count and bytes per device by kind
-(``ms.comm_report``), FLOPs per device (``cost_analysis``) against the one-device program's, and whether the values
-equal one device's. Run on a tree before convolutions could keep a spatial split (163b411) to see what the searchers
-did then. Results go to ``--out`` as JSON and a table is printed.
+``examples/models.py``'s SameConvs (plain flax, NHWC: 3x3 4->8, 3x3 8->8, 5x5 8->4, ReLUs between) on a
+(2, size, size, 4) batch that arrives split over height (4 ways) and width (2 ways), ``dataset_strategy=((1, 4, 2,
+1),)``, on 8 simulated CPU devices. Per search_mode of auto_parallel, the forward's compiled HLO: collective count
+and bytes per device by kind (``ms.comm_report``), FLOPs per device (``cost_analysis``) against the one-device
+program's, and whether the values equal one device's. Run on a tree before convolutions could keep a spatial split
+(163b411) to see what the searchers did then. Results go to ``--out`` as JSON and a table is printed.
 """
 
 from __future__ import annotations
@@ -22,21 +22,11 @@ ROOT = _cpu8.ROOT
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+from models import SameConvs  # noqa: E402
 
 import mshard as ms  # noqa: E402
 
 MODES = ("sharding_propagation", "recursive_programming", "dynamic_programming", "ilp")
-
-
-class Convs(nnx.Module):
-    def __init__(self, rngs):
-        self.c1 = nnx.Conv(4, 8, (3, 3), padding="SAME", rngs=rngs)
-        self.c2 = nnx.Conv(8, 8, (3, 3), padding="SAME", rngs=rngs)
-        self.c3 = nnx.Conv(8, 4, (5, 5), padding="SAME", rngs=rngs)
-
-    def __call__(self, x):
-        return self.c3(jax.nn.relu(self.c2(jax.nn.relu(self.c1(x)))))
 
 
 def _row(f, args, ref) -> dict:
@@ -55,7 +45,7 @@ def main(argv=None) -> None:
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "conv_halo.json"))
     a = ap.parse_args(argv)
-    net = Convs(nnx.Rngs(0))
+    net = SameConvs()
     x = np.random.default_rng(0).standard_normal((2, a.size, a.size, 4)).astype(np.float32)
     ref = np.asarray(net(jnp.asarray(x)))
     one = jax.jit(lambda m, v: m(v)).lower(net, x).compile().cost_analysis()

@@ -81,6 +81,20 @@ class ConvNet(nn.Cell):
         return y.reshape(y.shape[0], -1) @ self.head[...]
 
 
+class SameConvs(nnx.Module):
+    """Plain flax, NHWC: three "same" convolutions (3x3 c_in->c, 3x3 c->c, 5x5 c->c_in) with ReLUs between; an
+    image batch split over height/width keeps that split through them (halo exchanges)."""
+
+    def __init__(self, c_in=4, c=8, seed=0):
+        rngs = nnx.Rngs(seed)
+        self.c1 = nnx.Conv(c_in, c, (3, 3), padding="SAME", rngs=rngs)
+        self.c2 = nnx.Conv(c, c, (3, 3), padding="SAME", rngs=rngs)
+        self.c3 = nnx.Conv(c, c_in, (5, 5), padding="SAME", rngs=rngs)
+
+    def __call__(self, x):
+        return self.c3(jax.nn.relu(self.c2(jax.nn.relu(self.c1(x)))))
+
+
 class EmbedClassifier(nn.Cell):
     """Embedding lookup -> mean over the sequence -> dense -> softmax cross-entropy against labels."""
 

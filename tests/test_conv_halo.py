@@ -4,6 +4,9 @@ Before, a traced convolution kept its spatial dims whole, so an image batch spli
 case) was gathered before every conv; and ``ops.Conv2D`` could be searched into the one pair XLA miscompiles (a
 split window with split out-channels, which a guard then rewrote behind the plan's back)."""
 
+import pathlib
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,25 +18,16 @@ from train_helpers import assert_params_close, reference_train
 import mshard as ms
 from mshard import nn
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from models import SameConvs
+
 
 def host(*shape, seed=0):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
-class PlainConvs(nnx.Module):
-    """Plain flax (NHWC), three "same" convs: 3x3, 3x3, 5x5."""
-
-    def __init__(self, rngs):
-        self.c1 = nnx.Conv(4, 8, (3, 3), padding="SAME", rngs=rngs)
-        self.c2 = nnx.Conv(8, 8, (3, 3), padding="SAME", rngs=rngs)
-        self.c3 = nnx.Conv(8, 4, (5, 5), padding="SAME", rngs=rngs)
-
-    def __call__(self, x):
-        return self.c3(jax.nn.relu(self.c2(jax.nn.relu(self.c1(x)))))
-
-
 def test_a_height_width_split_batch_stays_split_through_plain_convs():
-    net = PlainConvs(nnx.Rngs(0))
+    net = SameConvs()
     x = host(2, 16, 16, 4)
     ref = net(jnp.asarray(x))
     with ms.parallel_context(parallel_mode="auto_parallel", search_mode="sharding_propagation", device_num=8,
@@ -57,6 +51,19 @@ def test_a_height_width_split_batch_stays_split_through_plain_convs():
     assert predicted == pytest.approx(rep.moved("collective-permute"), rel=1e-12)
 
 
+def _mse(p, y):
+    return jnp.mean((p - y) ** 2)
+
+
+def _train_both(net, data, lr):
+    """SGD on ``data`` with mean squared error: on one device (a copy of ``net``) and as planned in the current
+    context (``net`` itself); -> (the step, its losses, the one-device net, its losses)."""
+    ref, _, ref_losses = reference_train(net, optax.sgd(lr), data, _mse)
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, _mse), optax.sgd(lr))
+    losses = [float(step(*b)) for b in ms.dataset.shard_batch(iter(data))]
+    return step, losses, ref, ref_losses
+
+
 class Conv2dNet(nn.Cell):
     def __init__(self, rngs):
         self.c1 = nn.Conv2d(4, 4, 3, pad_mode="same", rngs=rngs)
@@ -75,12 +82,7 @@ def test_a_searched_conv2d_never_splits_its_window_with_its_out_channels():
                                  gradients_mean=True, dataset_strategy=((1, 1, 4, 1), (1, 1)))
     data = [(host(2, 4, 8, 8, seed=k), host(2, 10, seed=10 + k)) for k in range(2)]
     net = Conv2dNet(nnx.Rngs(0))
-
-    def loss(p, y):
-        return jnp.mean((p - y) ** 2)
-    ref, _, ref_losses = reference_train(net, optax.sgd(1e-2), data, loss)
-    step = nn.TrainOneStepCell(nn.WithLossCell(net, loss), optax.sgd(1e-2))
-    losses = [float(step(*b)) for b in ms.dataset.shard_batch(iter(data))]
+    step, losses, ref, ref_losses = _train_both(net, data, 1e-2)
     plan = step.plan(*data[0])
     for name in plan.find("Conv2D"):
         (_, _, h, w), (o, _, _, _) = plan.strategy_of(name)
@@ -111,12 +113,7 @@ def test_training_through_even_dilated_and_one_sided_windows_matches_one_device(
                                  dataset_strategy=((1, 2, 4, 1), (1, 2, 4, 1)))
     data = [(host(4, 8, 16, 3, seed=k), host(4, 8, 16, 2, seed=10 + k)) for k in range(2)]
     net = OddWindows(nnx.Rngs(0))
-
-    def loss(p, y):
-        return jnp.mean((p - y) ** 2)
-    ref, _, ref_losses = reference_train(net, optax.sgd(1e-1), data, loss)
-    step = nn.TrainOneStepCell(nn.WithLossCell(net, loss), optax.sgd(1e-1))
-    losses = [float(step(*b)) for b in ms.dataset.shard_batch(iter(data))]
+    step, losses, ref, ref_losses = _train_both(net, data, 1e-1)
     rep = ms.comm_report(step, *[jnp.asarray(a) for a in data[0]])
     assert rep.count("collective-permute") > 0, rep.by_kind          # the windows ran split, with halos
     # float32: sums of <= 16 * 6 products per output, reordered by the split, over 2 SGD steps: ~1e-6 relative
