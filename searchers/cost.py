@@ -248,7 +248,6 @@ def redistribution_cost(src: TensorLayout, dst: TensorLayout, shape: Sequence[in
     return _redist(src, dst, nbytes, mesh, params)
 
 
-@lru_cache(maxsize=1 << 16)
 def redistribution_steps(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> tuple[tuple[str, int, float], ...]:
     """The collectives XLA compiles to convert ``src`` to ``dst`` (:func:`searchers.xla_reshard.reshard`):
     ``(kind, mesh axis, bytes per device per global byte)`` in execution order, the axis being the
@@ -263,6 +262,16 @@ def redistribution_steps(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh)
     """
     if src == dst:
         return ()
+    # a tensor dim split in neither layout takes no part (xla_reshard.reshard drops it too): pairs that differ only
+    # in such dims (a rank-4 activation and its rank-2 view) are one entry of this memo
+    keep = [i for i, (a, b) in enumerate(zip(src, dst)) if a or b]
+    if len(keep) < len(src):
+        return _steps(tuple(src[i] for i in keep), tuple(dst[i] for i in keep), mesh)
+    return _steps(src, dst, mesh)
+
+
+@lru_cache(maxsize=1 << 16)
+def _steps(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> tuple[tuple[str, int, float], ...]:
     steps = []
     for st in reshard(src, dst, mesh.shape):
         axes = st.axes or tuple(range(len(mesh.shape)))

@@ -91,6 +91,31 @@ def test_every_pair_sample_on_the_planner_mesh_rank3():
     check((2, 2, 2), (8, 16, 32), random.Random(0).sample(all_pairs(3), 100))
 
 
+def test_rank4_pairs_with_dims_split_in_neither_layout():
+    """searchers.cost.redistribution_steps memoises a pair with the dims split in neither layout dropped (a rank-4
+    activation and its rank-2 view share one entry, as xla_reshard.reshard already simulates them): on a sample of
+    rank-4 pairs with such dims, its steps are what XLA compiles."""
+    from searchers.cost import redistribution_steps
+    from searchers.graph import DeviceMesh
+    m = (2, 2, 2)
+    names = ("a0", "a1", "a2")
+    mesh = jax.make_mesh(m, names, axis_types=(AxisType.Auto,) * 3)
+    shape = (8, 4, 8, 16)
+    ls = layouts(4, 3)
+    rng = random.Random(1)
+    pairs = [(rng.choice(ls), rng.choice(ls)) for _ in range(400)]
+    sample = [(s, d) for s, d in pairs if s != d and any(not a and not b for a, b in zip(s, d))][:25]
+    assert len(sample) == 25
+    for src, dst in sample:
+        pred: Counter = Counter()
+        for kind, _, coef in redistribution_steps(src, dst, DeviceMesh(m)):
+            pred[kind] += coef * 4 * int(np.prod(shape))
+        real = hlo_moved(mesh, names, shape, src, dst)
+        # sums of a few products of powers of two with (k-1)/k: equal up to float64 rounding
+        assert set(real) == set(pred) and all(pred[k] == pytest.approx(real[k], rel=1e-12) for k in real), \
+            (src, dst, dict(pred), dict(real))
+
+
 def test_examples_of_each_realisation():
     # the kinds XLA picks (each checked against HLO above): a permute for the same counts in another device order,
     # an all-to-all for a split moving dims, an all-gather to replicate, full rematerialisation when nothing fits
