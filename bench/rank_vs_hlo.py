@@ -15,7 +15,8 @@ that returns the draw, swapped in for the bench's run) and compiled. Two scores 
 
 Reported per (model, step): Spearman's rank correlation of the two (scipy), and of the predicted and compiled
 bytes alone, over the distinct plans drawn; per plan, both scores, the bytes, the HLO's FLOPs and collective count,
-and the plan's redistributions that move data. JSON: ``bench/out/rank_vs_hlo.json``.
+the plan's redistributions that move data, the collectives the plan pays for (in latencies) and the compiled ones
+per kind (where the two disagree is where the ranking goes wrong). JSON: ``bench/out/rank_vs_hlo.json``.
 """
 
 from __future__ import annotations
@@ -60,8 +61,30 @@ def random_searcher(rng: random.Random):
     return search
 
 
-def compiled_score(f, m, xs, params: CostParams) -> tuple[float, float, float, int]:
-    """(score, bytes moved per device, flops per device, collectives) of the compiled program of ``f(m, *xs)``."""
+def _latencies(plan) -> float:
+    """The collectives the plan pays for, in latencies: its communication time less its bytes' time, over the
+    default 5 us (every axis has the default link here)."""
+    return (float(plan.cost.comm_time) - float(sum(plan.cost.communication.values())) / 100e9) / 5e-6
+
+
+def _planned_kinds(plan) -> dict[str, int]:
+    """Per collective kind, how many of the plan's redistributions move bytes with it, and (all-reduce) how many ops
+    resolve partial sums (an op's cost also holds its operands' redistributions, so only its all-reduce counts here;
+    a redistribution of two steps of one kind counts once: ``predicted_latencies`` has the exact count)."""
+    out: dict[str, int] = {}
+    for r in plan.redistributions:
+        for kind, b in r.communication.items():
+            if b:
+                out[kind] = out.get(kind, 0) + 1
+    reducing = sum(1 for o in plan.ops if o.cost.communication.get("all-reduce"))
+    if reducing:
+        out["all-reduce"] = reducing
+    return out
+
+
+def compiled_score(f, m, xs, params: CostParams) -> tuple[float, float, float, int, dict[str, int]]:
+    """(score, bytes moved per device, flops per device, collectives, collectives per kind) of the compiled program
+    of ``f(m, *xs)``."""
     compiled = f.lower(m, *xs).compile()          # compiled once: its collectives and its FLOPs
     rep = CommReport.from_hlo(compiled.as_text())
     moved = sum(float(v["moved"]) for v in rep.by_kind.values())
@@ -70,7 +93,8 @@ def compiled_score(f, m, xs, params: CostParams) -> tuple[float, float, float, i
     cost = cost[0] if isinstance(cost, list) else cost
     flops = float(cost.get("flops", 0.0))
     count = sum(int(v["count"]) for v in rep.by_kind.values())
-    return params.alpha * flops / params.flops_per_s + params.beta * comm, moved, flops, count
+    kinds = {k: int(v["count"]) for k, v in rep.by_kind.items()}
+    return params.alpha * flops / params.flops_per_s + params.beta * comm, moved, flops, count, kinds
 
 
 def main() -> None:
@@ -98,11 +122,13 @@ def main() -> None:
                         if key in seen:
                             continue
                         seen.add(key)
-                        score, moved, flops, count = compiled_score(f, m, xs, params)
+                        score, moved, flops, count, hlo_kinds = compiled_score(f, m, xs, params)
                         moving = [r for r in plan.redistributions if any(r.communication.values())]
                         pts.append({"predicted": float(plan.cost.total), "compiled": score, "hlo_moved": moved,
                                     "flops": flops, "predicted_comm": float(sum(plan.cost.communication.values())),
-                                    "hlo_collectives": count, "predicted_redistributions": len(moving)})
+                                    "hlo_collectives": count, "predicted_redistributions": len(moving),
+                                    "predicted_latencies": _latencies(plan), "hlo_by_kind": hlo_kinds,
+                                    "planned_by_kind": _planned_kinds(plan)})
                 rho = spearmanr([p["predicted"] for p in pts], [p["compiled"] for p in pts]).statistic \
                     if len(pts) > 2 else float("nan")
                 rho_bytes = spearmanr([p["predicted_comm"] for p in pts], [p["hlo_moved"] for p in pts]).statistic \
