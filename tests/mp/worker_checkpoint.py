@@ -82,6 +82,17 @@ if phase == "save":
             sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
             self.w = nnx.Param(jax.make_array_from_callback((1 << 14, 1024), sh,
                                                             lambda i: np.ones((1 << 11, 1024), np.float32)))
+    if pid == 1:
+        # process 1's shards of step 3 never finish writing: without this, on a loaded machine its background writer
+        # could finish (and step 3 commit) before the kill below runs. Orbax's writes go through this function; a
+        # renamed one fails here rather than letting the test race again.
+        from orbax.checkpoint._src.serialization import serialization as ocp_serialization
+        assert hasattr(ocp_serialization, "async_serialize_from_host"), "orbax moved its array writer"
+
+        async def _never(*_a, **_k):
+            import asyncio
+            await asyncio.Event().wait()
+        ocp_serialization.async_serialize_from_host = _never
     ms.save_checkpoint(Big(), directory, step=3)       # returns once copied off the devices; writes in the background
     print("saving 3", flush=True)
     if pid == 1:                                        # killed while its shards of step 3 are being written
