@@ -312,6 +312,11 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
         layouts.inputs[i] = _names(result_layout(op, strategies[op.id], 0), mesh)
     eqn_out: dict[EqnKey, tuple] = {}
     eqn_in: dict[EqnKey, tuple] = {}
+    # a tensor computed from constants alone (the ones a sum's gradient broadcasts, a ReLU gradient's zeros, a
+    # causal mask) is priced free between layouts (graph_cost(shared=True)): the ops computing it are left
+    # unconstrained and each other reader constrains it to the layout it reads, so XLA broadcasts it there; pinned
+    # at its producer's layout, XLA moves it (an all-to-all and a collective-permute for a (32, 64) one)
+    free = constant_tensors(graph)
     for te in trace.eqns:
         op = graph.ops[te.op]
         s = strategies[op.id]
@@ -325,13 +330,16 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
         if te.eqn.primitive is mark_p:
             layouts.marks[exact_mark_key(te.eqn)] = _names(result_layout(op, s, 0), mesh)
             continue
+        if op.outputs and all(t in free for t in op.outputs):
+            continue
         eqn_out[eqn_key(te)] = tuple(_names(result_layout(op, s, j), mesh) for j in range(len(op.outputs)))
         ins = []
         for i, tid in enumerate(op.inputs):
             prod = graph.producer(tid)
             have = result_layout(prod, strategies[prod.id], prod.outputs.index(tid))
             want = operand_layout(op, s, i)
-            ins.append(None if have == want or prod.kind == "const" else _names(want, mesh))
+            moved = have != want or (tid in free and any(want))
+            ins.append(_names(want, mesh) if moved and prod.kind != "const" else None)
         if any(x is not None for x in ins):
             eqn_in[eqn_key(te)] = tuple(ins)
     plan = build_plan(trace, strategies, result, params, mesh, inputs, base, notes, algorithm)

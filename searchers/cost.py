@@ -35,6 +35,7 @@ layouts, the mesh and the params), so repeated layers cost one evaluation.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -337,14 +338,51 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
     red_count: Counter = Counter()
     seen: set[tuple[int, TensorLayout]] = set()
     free = constant_tensors(graph) if shared else frozenset()
+    merged = _merged_latency(specs, chosen, mesh, params) if shared else ZERO
     for op, spec, s in zip(graph.ops, specs, chosen):
         for tid, maps, nbytes in zip(op.inputs, spec.in_maps, spec.in_bytes):
             want, have = layout_of(maps, s), out_lay[tid]
             if have != want and tid not in free and not (shared and (tid, want) in seen):
                 seen.add((tid, want))
                 red_count[have, want, nbytes] += 1
-    return counted_cost(op_count, red_count, mesh, params)
+    return counted_cost(op_count, red_count, mesh, params) + merged
 
+
+def _merged_latency(specs: Sequence[OpSpec], chosen: Sequence[Strategy], mesh: DeviceMesh,
+                    params: CostParams) -> Cost:
+    """What the compiled program's all-reduce combiner does to the final reductions' latencies, less what their
+    ``latency_share`` charged (:func:`searchers.graph.mark_merged_reductions`): XLA merges only all-reduces over the
+    same device groups, so those pay one latency per distinct set of mesh axes, not ``1/k`` each. (A searcher's
+    objective keeps the share: it is per op; the program's cost, ``shared=True``, is exact.)
+
+    >>> from searchers.graph import DeviceMesh, Graph, mark_merged_reductions
+    >>> g = Graph(DeviceMesh((2, 2)))
+    >>> x = g.source("x", (4, 4))
+    >>> _ = g.add_op("sum_a", "reduce_sum", {"m": 4, "n": 4}, [x], [("m", "n")], [()])
+    >>> _ = g.add_op("sum_b", "reduce_sum", {"m": 4, "n": 4}, [x], [("m", "n")], [()])
+    >>> g.outputs.extend([g.ops[1].outputs[0], g.ops[2].outputs[0]])
+    >>> mark_merged_reductions(g)
+    2
+    >>> specs = [op_spec(op, g) for op in g.ops]
+    >>> p = CostParams()
+    >>> same = _merged_latency(specs, [((0,), ()), ((0,), ()), ((0,), ())], g.mesh, p)
+    >>> apart = _merged_latency(specs, [((0,), ()), ((0,), ()), ((1,), ())], g.mesh, p)
+    >>> round(same.comm_time / 5e-6, 6), round(apart.comm_time / 5e-6, 6)   # 1 latency, not 2 x 1/2; 2, not 1
+    (0.0, 1.0)
+    """
+    charged = 0.0
+    groups: dict[tuple[int, ...], float] = {}
+    for spec, s in zip(specs, chosen):
+        if spec.latency_share == 1.0:
+            continue
+        for d in spec.reduction:
+            axes = tuple(sorted(s[d]))
+            if math.prod(mesh.shape[a] for a in axes) > 1:
+                lat = max(mesh.latency[a] for a in axes)
+                charged += lat * spec.latency_share * len(spec.out_maps)
+                groups[axes] = max(groups.get(axes, 0.0), lat)
+    extra = sum(groups.values()) - charged
+    return Cost(comm_time=extra, total=params.weigh(0.0, extra, 0.0)) if abs(extra) > 0 else ZERO
 
 def counted_cost(op_counts: Mapping[tuple[OpSpec, Strategy], int],
                  redist_counts: Mapping[tuple[TensorLayout, TensorLayout, int], int],
