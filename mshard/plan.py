@@ -71,10 +71,12 @@ class Redistribution:
     src_axes: tuple[tuple[str, ...], ...]
     dst_axes: tuple[tuple[str, ...], ...]
     communication: dict = field(default_factory=dict)   # predicted {collective kind: bytes per device}
+    shared: int = 0           # leading collectives an earlier reader's redistribution of the tensor already ran
 
     def __str__(self) -> str:
         kinds = ", ".join(f"{k} {v:,.0f} B" for k, v in self.communication.items()) or "local slicing"
-        return f"{self.op} operand {self.operand} {self.shape}: {self.src} -> {self.dst} ({kinds})"
+        reuse = f", after {self.shared} collective(s) another reader ran" if self.shared else ""
+        return f"{self.op} operand {self.operand} {self.shape}: {self.src} -> {self.dst} ({kinds}{reuse})"
 
 
 class PlanSummary(str):

@@ -224,8 +224,9 @@ def _count(layout: TensorLayout, shape: tuple[int, ...]) -> int:
 
 # -- redistribution --------------------------------------------------------------------------
 def redistribution_cost(src: TensorLayout, dst: TensorLayout, shape: Sequence[int], itemsize: int,
-                        mesh: DeviceMesh, params: CostParams) -> Cost:
-    """Cost of converting a tensor of global ``shape`` from layout ``src`` to ``dst``.
+                        mesh: DeviceMesh, params: CostParams, skip: int = 0) -> Cost:
+    """Cost of converting a tensor of global ``shape`` from layout ``src`` to ``dst`` (less its first ``skip``
+    collectives, which another reader's redistribution already ran: :func:`shared_steps`).
 
     The collectives are the ones XLA's SPMD partitioner emits for this pair
     (:mod:`searchers.xla_reshard`), priced with ring formulas: an all-gather sends
@@ -246,7 +247,7 @@ def redistribution_cost(src: TensorLayout, dst: TensorLayout, shape: Sequence[in
     nbytes = itemsize
     for s in shape:
         nbytes *= int(s)
-    return _redist(src, dst, nbytes, mesh, params)
+    return _redist(src, dst, nbytes, mesh, params, skip)
 
 
 def redistribution_steps(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> tuple[tuple[str, int, float], ...]:
@@ -281,9 +282,31 @@ def _steps(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> tuple[tupl
     return tuple(steps)
 
 
+def shared_steps(steps: Sequence[tuple[str, int, float]], earlier: Sequence[Sequence[tuple[str, int, float]]]) -> int:
+    """How many leading collectives of ``steps`` (:func:`redistribution_steps`) one of the ``earlier`` redistributions
+    of the same tensor already ran: XLA computes a collective on the same value once (common subexpressions), so a
+    tensor read in two layouts that both start by the same all-gather pays that all-gather once. Only all-gathers
+    count: from one layout, gathering a mesh axis has one result (the axis splits one dim), while an all-to-all or
+    a collective-permute over the same axes may send the blocks to different places.
+
+    >>> ag, a2a = ("all-gather", 0, 0.5), ("all-to-all", 1, 0.25)
+    >>> shared_steps((ag, a2a), [(ag,)]), shared_steps((ag,), [(ag, a2a)]), shared_steps((a2a,), [(a2a,)])
+    (1, 1, 0)
+    """
+    best = 0
+    for e in earlier:
+        k = 0
+        while k < len(steps) and k < len(e) and steps[k] == e[k] and steps[k][0] == "all-gather":
+            k += 1
+        best = max(best, k)
+    return best
+
+
 @lru_cache(maxsize=1 << 18)
-def _redist(src: TensorLayout, dst: TensorLayout, nbytes: int, mesh: DeviceMesh, params: CostParams) -> Cost:
-    steps = redistribution_steps(src, dst, mesh)
+def _redist(src: TensorLayout, dst: TensorLayout, nbytes: int, mesh: DeviceMesh, params: CostParams,
+            skip: int = 0) -> Cost:
+    """The cost of ``src -> dst`` for ``nbytes`` (global), less its first ``skip`` collectives (:func:`shared_steps`)."""
+    steps = redistribution_steps(src, dst, mesh)[skip:]
     if not steps:
         return ZERO
     by = dict.fromkeys(KINDS, 0.0)
@@ -338,14 +361,24 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
     red_count: Counter = Counter()
     seen: set[tuple[int, TensorLayout]] = set()
     free = constant_tensors(graph) if shared else frozenset()
-    merged = _merged_latency(specs, chosen, mesh, params) if shared else ZERO
+    extra = [_merged_latency(specs, chosen, mesh, params)] if shared else []
+    done: dict[int, list] = {}
     for op, spec, s in zip(graph.ops, specs, chosen):
         for tid, maps, nbytes in zip(op.inputs, spec.in_maps, spec.in_bytes):
             want, have = layout_of(maps, s), out_lay[tid]
             if have != want and tid not in free and not (shared and (tid, want) in seen):
                 seen.add((tid, want))
                 red_count[have, want, nbytes] += 1
-    return counted_cost(op_count, red_count, mesh, params) + merged
+                if shared:      # collectives another reader of the tensor already ran are not run again
+                    steps = redistribution_steps(have, want, mesh)
+                    k = shared_steps(steps, done.get(tid, ()))
+                    done.setdefault(tid, []).append(steps)
+                    if k:
+                        whole, rest = _redist(have, want, nbytes, mesh, params), _redist(have, want, nbytes, mesh,
+                                                                                        params, k)
+                        extra.append(Cost(0.0, {kk: rest.comm_bytes[kk] - whole.comm_bytes[kk] for kk in KINDS},
+                                          rest.comm_time - whole.comm_time, 0.0, rest.total - whole.total))
+    return Cost.sum([counted_cost(op_count, red_count, mesh, params)] + extra)
 
 
 def _merged_latency(specs: Sequence[OpSpec], chosen: Sequence[Strategy], mesh: DeviceMesh,

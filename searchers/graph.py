@@ -330,8 +330,9 @@ def tied_strategy(graph: Graph, op: Op, strategies: Sequence[Strategy | None]) -
 
 def constant_tensors(graph: Graph) -> frozenset[int]:
     """Tensors computed from constants alone (no data, no parameter upstream), e.g. the ones a
-    ``sum``'s gradient broadcasts. Every device can compute them in any layout, so moving one
-    between layouts costs nothing: XLA re-broadcasts it locally.
+    ``sum``'s gradient broadcasts, or from an op with no operands (an iota: a causal mask, positions).
+    Every device can compute them in any layout, so moving one between layouts costs nothing: XLA
+    re-broadcasts it locally.
 
     >>> g = Graph(DeviceMesh((2,)))
     >>> c, x = g.source("one", (4,), kind="const"), g.source("x", (4,))
@@ -342,7 +343,7 @@ def constant_tensors(graph: Graph) -> frozenset[int]:
     """
     out: set[int] = set()
     for op in graph.ops:
-        if op.kind == "const" or (not op.is_source and op.inputs and all(t in out for t in op.inputs)):
+        if op.kind == "const" or (not op.is_source and all(t in out for t in op.inputs)):
             out.update(op.outputs)
     return frozenset(out)
 

@@ -131,7 +131,9 @@ def test_random_plans_compile_to_exactly_their_redistributions():
                 plan = f.plan(m, *xs)
                 rep, _ = collectives(f, m, *xs)
                 loss, _ = f(m, *xs)
-            planned = sum(_steps_of(r, DeviceMesh((2, 2, 2))) for r in plan.redistributions)
+            # less the leading collectives another reader's redistribution of the same tensor already ran (XLA
+            # computes them once: a weight gathered whole once and sliced to two layouts)
+            planned = sum(_steps_of(r, DeviceMesh((2, 2, 2))) - r.shared for r in plan.redistributions)
             compiled = sum(1 for c in rep.collectives if c.kind != "all-reduce")
             assert compiled == planned, (compiled, planned, [str(r) for r in plan.redistributions])
             # float32, as above
