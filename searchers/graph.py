@@ -392,15 +392,19 @@ def layer_instances(graph: Graph) -> list[tuple[str, list[int]]]:
 
 
 def mark_merged_reductions(graph: Graph) -> int:
-    """Give ``latency_share = 1/k`` to the k ops with a reduction dim whose results flow, through ops without one,
-    only into the region's results or a ``writeback`` (a gradient's reduction in a training step: the weight-
-    gradient product, a bias gradient's sum; the loss's sum); returns k.
+    """Give ``latency_share = 1/k`` to the k ops with a reduction dim whose results flow only into the region's
+    results or a ``writeback`` and after which every reduction is such an op too (a gradient's reduction in a
+    training step: the weight-gradient product, a bias gradient's sum, also when a second sum follows it; the
+    loss's sum); returns k.
 
     XLA's all-reduce combiner merges all-reduces that do not depend on one another into one collective: a data-
     parallel training step compiles to one all-reduce of every gradient and the loss, not one per parameter. The
-    ops marked here are such a set (none reaches another, since nothing after one reduces), so their all-reduces
-    cost their bytes and share one latency (:mod:`searchers.cost`). A region with one such op (a forward whose last
-    op reduces) is priced as before.
+    ops marked here are such a set up to their own chains (a sum over the batch, then over the sequence: at most
+    one of the two is split in a plan that keeps the batch split), so their all-reduces cost their bytes and
+    share one latency (:mod:`searchers.cost`). A forward's reductions are followed by the loss's and the
+    backward's unmarked ones, so they keep a latency each. Before the chains were marked (a reduction after
+    another excluded it), a GPT training step's two-stage bias and norm gradients paid a latency each here while
+    XLA merged them, and dynamic_programming preferred gathering the batch for them: 3.2x data parallel's bytes.
 
     >>> g = Graph(DeviceMesh((2,)))
     >>> x, w = g.source("x", (4, 3)), g.source("w", (3, 2), kind="param")
@@ -416,16 +420,18 @@ def mark_merged_reductions(graph: Graph) -> int:
     n = len(graph.ops)
     out = set(graph.outputs)
     to_end = [False] * n         # a writeback or a region result is reached
-    reduces_after = [False] * n  # an op with a reduction dim is reached
+    final = [False] * n          # marked: reduces, reaches the end, and every reduction after it is marked too
+    unmarked_after = [False] * n  # an op with a reduction dim that is not marked is reached
     for op in reversed(graph.ops):
         to_end[op.id] = any(t in out for t in op.outputs)
         for t in op.outputs:
             for c in graph.tensors[t].consumers:
                 cop = graph.ops[c]
                 to_end[op.id] = to_end[op.id] or cop.kind == "writeback" or to_end[c]
-                reduces_after[op.id] = reduces_after[op.id] or bool(cop.reduction_dims) or reduces_after[c]
-    marked = [op for op in graph.ops
-              if op.reduction_dims and not op.is_source and to_end[op.id] and not reduces_after[op.id]]
+                unmarked_after[op.id] = unmarked_after[op.id] or (bool(cop.reduction_dims) and not final[c]) \
+                    or unmarked_after[c]
+        final[op.id] = bool(op.reduction_dims) and not op.is_source and to_end[op.id] and not unmarked_after[op.id]
+    marked = [op for op in graph.ops if final[op.id]]
     for op in graph.ops:
         op.latency_share = 1.0
     for op in marked:
