@@ -261,6 +261,17 @@ def _one_pass(base: Problem, memo: dict[int, tuple], bar: Progress, *, values: d
     return _Pass(choice, el.fixed_approx, notes, el.hits, el.misses)
 
 
+def exact_choice(prob: Problem, bar: Progress, time_limit: float) -> dict[int, int] | None:
+    """The optimal choice for every live node of ``prob``, by exact eliminations and an integer program (within
+    ``time_limit`` s) on the core they leave; ``None`` where that is not proven (the integer program ran out of
+    time, and star elimination, which is not exact, would decide the rest). Eliminating a leaf or a chain node is
+    exact for a pairwise problem, so the answer is the whole problem's optimum: :mod:`searchers.ilp`'s fast path
+    where no memory row couples every op."""
+    p = _one_pass(prob, {}, bar, values=None, taboo=frozenset(), exact_limit=200_000, core_ilp_limit=1 << 62,
+                  core_time_limit=max(0.01, time_limit))
+    return None if p.fixed or p.notes else p.choice
+
+
 def _enumerate(prob: Problem, nodes: list[int]) -> dict[int, int]:
     """Exact minimum over the live ``nodes`` by enumeration (chunked, vectorised)."""
     sizes = tuple(len(prob.cands[v]) for v in nodes)

@@ -393,9 +393,9 @@ def layer_instances(graph: Graph) -> list[tuple[str, list[int]]]:
 
 def mark_merged_reductions(graph: Graph) -> int:
     """Give ``latency_share = 1/k`` to the k ops with a reduction dim whose results flow only into the region's
-    results or a ``writeback`` and after which every reduction is such an op too (a gradient's reduction in a
-    training step: the weight-gradient product, a bias gradient's sum, also when a second sum follows it; the
-    loss's sum); returns k.
+    results or a ``writeback`` and after which every reduction is a marked ``reduce_sum`` (a gradient's reduction
+    in a training step: the weight-gradient product, a bias gradient's sum, also when a second sum follows it;
+    the loss's sum); returns k.
 
     XLA's all-reduce combiner merges all-reduces that do not depend on one another into one collective: a data-
     parallel training step compiles to one all-reduce of every gradient and the loss, not one per parameter. The
@@ -428,8 +428,10 @@ def mark_merged_reductions(graph: Graph) -> int:
             for c in graph.tensors[t].consumers:
                 cop = graph.ops[c]
                 to_end[op.id] = to_end[op.id] or cop.kind == "writeback" or to_end[c]
-                unmarked_after[op.id] = unmarked_after[op.id] or (bool(cop.reduction_dims) and not final[c]) \
-                    or unmarked_after[c]
+                # a later sum that is itself marked does not count (a bias gradient summed over the batch, then
+                # the sequence); any other later reduction does (a forward's next product)
+                blocks = bool(cop.reduction_dims) and not (final[c] and cop.kind == "reduce_sum")
+                unmarked_after[op.id] = unmarked_after[op.id] or blocks or unmarked_after[c]
         final[op.id] = bool(op.reduction_dims) and not op.is_source and to_end[op.id] and not unmarked_after[op.id]
     marked = [op for op in graph.ops if final[op.id]]
     for op in graph.ops:
