@@ -41,8 +41,7 @@ from searchers.cost import (
     graph_cost,
     op_cost,
     redistribution_cost,
-    redistribution_steps,
-    shared_steps,
+    reshard_once,
 )
 from searchers.graph import (
     constant_tensors,
@@ -422,9 +421,7 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
                 continue           # XLA reshards a value once per layout (the first reader is charged), and
                                    # re-broadcasts a tensor computed from constants alone where it is read
             done.add((tid, want))
-            steps = redistribution_steps(tuple(map(tuple, have)), tuple(map(tuple, want)), graph.mesh)
-            reused = shared_steps(steps, ran.get(tid, ()))      # XLA runs a collective on the same value once
-            ran.setdefault(tid, []).append(steps)
+            reused = reshard_once(ran, tid, have, want, graph.mesh)    # XLA runs a collective on a value once
             c = redistribution_cost(have, want, t.shape, t.itemsize, graph.mesh, params, reused)
             costs[op.id] = costs[op.id] + c
             if have != want and prod.kind != "const" and op.id in owner:

@@ -302,6 +302,15 @@ def shared_steps(steps: Sequence[tuple[str, int, float]], earlier: Sequence[Sequ
     return best
 
 
+def reshard_once(ran: dict[int, list], tid: int, src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> int:
+    """:func:`shared_steps` of tensor ``tid``'s redistribution ``src -> dst`` against the ones already recorded in
+    ``ran`` (tensor id -> step lists), which it then records: one reader at a time, in program order."""
+    steps = redistribution_steps(_canon(src), _canon(dst), mesh)
+    k = shared_steps(steps, ran.get(tid, ()))
+    ran.setdefault(tid, []).append(steps)
+    return k
+
+
 @lru_cache(maxsize=1 << 18)
 def _redist(src: TensorLayout, dst: TensorLayout, nbytes: int, mesh: DeviceMesh, params: CostParams,
             skip: int = 0) -> Cost:
@@ -369,15 +378,13 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
             if have != want and tid not in free and not (shared and (tid, want) in seen):
                 seen.add((tid, want))
                 red_count[have, want, nbytes] += 1
-                if shared:      # collectives another reader of the tensor already ran are not run again
-                    steps = redistribution_steps(have, want, mesh)
-                    k = shared_steps(steps, done.get(tid, ()))
-                    done.setdefault(tid, []).append(steps)
-                    if k:
-                        whole, rest = _redist(have, want, nbytes, mesh, params), _redist(have, want, nbytes, mesh,
-                                                                                        params, k)
-                        extra.append(Cost(0.0, {kk: rest.comm_bytes[kk] - whole.comm_bytes[kk] for kk in KINDS},
-                                          rest.comm_time - whole.comm_time, 0.0, rest.total - whole.total))
+                # collectives another reader of the tensor already ran are not run again
+                k = reshard_once(done, tid, have, want, mesh) if shared else 0
+                if k:
+                    whole, rest = _redist(have, want, nbytes, mesh, params), _redist(have, want, nbytes, mesh,
+                                                                                    params, k)
+                    extra.append(Cost(0.0, {kk: rest.comm_bytes[kk] - whole.comm_bytes[kk] for kk in KINDS},
+                                      rest.comm_time - whole.comm_time, 0.0, rest.total - whole.total))
     return Cost.sum([counted_cost(op_count, red_count, mesh, params)] + extra)
 
 
