@@ -370,7 +370,7 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
     red_count: Counter = Counter()
     seen: set[tuple[int, TensorLayout]] = set()
     free = constant_tensors(graph) if shared else frozenset()
-    extra = [_merged_latency(specs, chosen, mesh, params)] if shared else []
+    extra = [_merged_latency(specs, chosen, mesh, params, [op.merge_group for op in graph.ops])] if shared else []
     done: dict[int, list] = {}
     for op, spec, s in zip(graph.ops, specs, chosen):
         for tid, maps, nbytes in zip(op.inputs, spec.in_maps, spec.in_bytes):
@@ -389,11 +389,12 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
 
 
 def _merged_latency(specs: Sequence[OpSpec], chosen: Sequence[Strategy], mesh: DeviceMesh,
-                    params: CostParams) -> Cost:
-    """What the compiled program's all-reduce combiner does to the final reductions' latencies, less what their
+                    params: CostParams, groups: Sequence[int] | None = None) -> Cost:
+    """What the compiled program's all-reduce combiner does to the merged reductions' latencies, less what their
     ``latency_share`` charged (:func:`searchers.graph.mark_merged_reductions`): XLA merges only all-reduces over the
-    same device groups, so those pay one latency per distinct set of mesh axes, not ``1/k`` each. (A searcher's
-    objective keeps the share: it is per op; the program's cost, ``shared=True``, is exact.)
+    same device groups, so each set (``groups``: per op its ``merge_group``; None: one set) pays one latency per
+    distinct set of mesh axes, not ``1/k`` each. (A searcher's objective keeps the share: it is per op; the
+    program's cost, ``shared=True``, is exact.)
 
     >>> from searchers.graph import DeviceMesh, Graph, mark_merged_reductions
     >>> g = Graph(DeviceMesh((2, 2)))
@@ -411,8 +412,8 @@ def _merged_latency(specs: Sequence[OpSpec], chosen: Sequence[Strategy], mesh: D
     (0.0, 1.0)
     """
     charged = 0.0
-    groups: dict[tuple[int, ...], float] = {}
-    for spec, s in zip(specs, chosen):
+    paid: dict[tuple[int, tuple[int, ...]], float] = {}
+    for i, (spec, s) in enumerate(zip(specs, chosen)):
         if spec.latency_share == 1.0:
             continue
         for d in spec.reduction:
@@ -420,8 +421,9 @@ def _merged_latency(specs: Sequence[OpSpec], chosen: Sequence[Strategy], mesh: D
             if math.prod(mesh.shape[a] for a in axes) > 1:
                 lat = max(mesh.latency[a] for a in axes)
                 charged += lat * spec.latency_share * len(spec.out_maps)
-                groups[axes] = max(groups.get(axes, 0.0), lat)
-    extra = sum(groups.values()) - charged
+                key = (0 if groups is None else groups[i], axes)
+                paid[key] = max(paid.get(key, 0.0), lat)
+    extra = sum(paid.values()) - charged
     return Cost(comm_time=extra, total=params.weigh(0.0, extra, 0.0)) if abs(extra) > 0 else ZERO
 
 def counted_cost(op_counts: Mapping[tuple[OpSpec, Strategy], int],

@@ -270,3 +270,56 @@ def test_a_searched_gpt_training_step_moves_no_more_than_data_parallel():
                                                                                          dp.by_kind)
     # float32: the same sums over a split batch, reordered (n * 2**-24 relative, n <= 512 tokens)
     assert jnp.allclose(auto_loss, dp_loss, rtol=1e-4, atol=1e-5)
+
+
+def _conv_step(x, y, **ctx):
+    """(plan, comm report, loss) of one SGD step of examples/models.py's ConvNet (conv, BatchNorm, head) on 8
+    devices under ``ctx``."""
+    import optax
+    from models import ConvNet
+
+    from mshard import nn
+
+    with ms.parallel_context(device_num=8, gradients_mean=True, **ctx):
+        step = nn.TrainOneStepCell(nn.WithLossCell(ConvNet(), nn.MSELoss()), optax.sgd(0.01))
+        return step.plan(x, y), ms.comm_report(step, x, y), float(step(x, y))
+
+
+def test_a_batch_norm_steps_independent_all_reduces_are_priced_as_xla_merges_them():
+    """Issue 14: XLA's combiner merges every set of all-reduces that do not depend on one another, not only a step's
+    final gradient sums: a batch norm's mean and mean square, or its two backward sums, are one all-reduce each.
+    searchers.graph.mark_merged_reductions sorts the reductions into such sets by depth; the data-parallel step that
+    computes one device's values (semi_auto's default: the batch statistics all-reduced) then costs as many
+    latencies as it compiles all-reduces (5), where the plan priced 7 before. Pricing 7, recursive_programming
+    preferred a plan of 7 collectives and 29,572 B under full_batch (the next test)."""
+    from models import ConvNet, inputs
+
+    (x,) = inputs("conv")
+    y = jnp.zeros_like(ConvNet()(x))
+    plan, rep, _ = _conv_step(x, y, parallel_mode="semi_auto_parallel", dataset_strategy="data_parallel")
+    latency, bandwidth = 5e-6, 100e9                                    # DeviceMesh's defaults per axis
+    charged = (plan.cost.comm_time - sum(plan.cost.communication.values()) / bandwidth) / latency
+    assert rep.total_count == rep.count("all-reduce") > 1, rep.by_kind
+    # float64: the subtraction loses ~1e-22 s of a 5e-6 s latency, far below 1e-9 of it
+    assert charged == pytest.approx(rep.count("all-reduce"), rel=1e-9), (charged, rep.by_kind)
+
+
+def test_a_searched_conv_step_moves_no_more_than_the_data_parallel_that_equals_one_device():
+    """Issue 14 (training steps no worse than data parallel): data_parallel mode computes each replica's batch
+    statistics (MindSpore's data parallel; its loss is not one device's), so a searched conv+BatchNorm step, which
+    computes one device's values, is held to the data parallel that does too: semi_auto's default, the batch
+    statistics all-reduced. recursive_programming under full_batch moved 29,572 B in 7 collectives against its
+    11,012 B in 5 before the reductions were priced by merged set."""
+    from models import ConvNet, inputs
+
+    (x,) = inputs("conv")
+    y = jnp.zeros_like(ConvNet()(x))
+    _, base, base_loss = _conv_step(x, y, parallel_mode="semi_auto_parallel", dataset_strategy="data_parallel")
+    _, _, one_loss = _conv_step(x, y, parallel_mode="stand_alone")
+    _, auto, auto_loss = _conv_step(x, y, parallel_mode="auto_parallel", search_mode="recursive_programming",
+                                    dataset_strategy="full_batch")
+    moved = lambda r: sum(v["moved"] for v in r.by_kind.values())
+    assert moved(auto) <= moved(base) and auto.total_count <= base.total_count, (auto.by_kind, base.by_kind)
+    # float32: the same batch statistics and loss summed in another order over 16 x 8 x 8 values per channel
+    # (n * 2**-24 relative, n <= 1024)
+    assert auto_loss == pytest.approx(one_loss, rel=1e-4) and base_loss == pytest.approx(one_loss, rel=1e-4)
