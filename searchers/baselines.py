@@ -17,15 +17,17 @@ user gets without searching, and returns the cheapest of them instead of the sea
   (:func:`~searchers.follow.follow_operands`);
 - ``replicated`` (c), only where ``fully_use_devices`` is off: every op not fixed computes whole.
 
-Every baseline keeps the fixed ops and the ties (a write-back in its input's layout, a marked operand read again
-in the layout its op computed it in), and is taken only where its memory is no more than the search's plan's or
-the device capacity, and only where it is a plan that uses the devices as asked: under ``fully_use_devices``
-(MindSpore's "search only strategies that use every device") the batch must enter the computation over every
-device, i.e. every unfixed consumer of a data input computes in one of its candidates (sources, ``free_devices``
-ops and ops with no operands are exempt, as in :func:`~searchers.strategies.enumerate_strategies`). What follows
-may compute whole as data parallel does: a batch norm's per-channel statistics, the scalars after the loss, an
-iota, a parameter's own transform. So the replicated plan (c), and a data-parallel plan that would compute the
-whole batch on every device, count only with idle devices allowed.
+Every baseline keeps the fixed ops and the ties (a write-back in its input's layout, a marked operand read again in
+the layout its op computed it in), and is taken only where its peak memory (:func:`~searchers.memory.peak_memory`)
+is no more than the search's plan's or the device capacity (not the summed memory of every op: a baseline whose sum
+was below an unfitting plan's once replaced ilp's fitting plan with one 1.4x over the capacity), and only where it
+is a plan that uses the devices as asked: under ``fully_use_devices`` (MindSpore's "search only strategies that use
+every device") the batch must enter the computation over every device, i.e. every unfixed consumer of a data input
+computes in one of its candidates (sources, ``free_devices`` ops and ops with no operands are exempt, as in
+:func:`~searchers.strategies.enumerate_strategies`). What follows may compute whole as data parallel does: a batch
+norm's per-channel statistics, the scalars after the loss, an iota, a parameter's own transform. So the replicated
+plan (c), and a data-parallel plan that would compute the whole batch on every device, count only with idle devices
+allowed.
 
 >>> from searchers.cost import CostParams
 >>> from searchers.generators import mlp_chain
@@ -45,6 +47,7 @@ from typing import Any, cast
 from .cost import Cost, CostParams
 from .follow import follow_operands, follow_strategies
 from .graph import Graph, Op, Strategy, operand_tied_strategy, replicated, tied_strategy
+from .memory import peak_memory
 from .plan_cost import PlanIndex
 from .result import SearchResult
 from .strategies import data_parallel_strategy, enumerate_strategies
@@ -134,16 +137,24 @@ def no_worse_than_baselines(graph: Graph, params: CostParams, result: SearchResu
     include the check. ``index``: the graph's :class:`~searchers.plan_cost.PlanIndex`, if the searcher has one."""
     t0 = time.perf_counter()
     best: tuple[float, str, list[Strategy], Cost] | None = None
-    limit = max(result.cost.memory, params.device_memory_capacity)
     ix = PlanIndex(graph) if index is None else index
     priced: dict[int, Cost] = {}                            # a baseline that is another's plan is priced once
+    cheaper = []
     for name, plan in baseline_plans(graph, params, fully_use_devices=fully_use_devices, index=ix).items():
         cost = priced.get(id(plan))
         if cost is None:
             cost = priced[id(plan)] = ix.cost(plan, params)
-        if cost.total < result.cost.total * (1 - _REL) and cost.memory <= limit and (
-                best is None or cost.total < best[0]) and admissible(graph, plan, fully_use_devices=fully_use_devices):
-            best = (cost.total, name, plan, cost)
+        if cost.total < result.cost.total * (1 - _REL):
+            cheaper.append((cost.total, name, plan, cost))
+    limit: float | None = None
+    for total, name, plan, cost in sorted(cheaper, key=lambda c: c[0]):
+        if not admissible(graph, plan, fully_use_devices=fully_use_devices):
+            continue
+        if limit is None:       # the peak is priced only for a baseline that would replace the plan
+            limit = max(peak_memory(graph, result.strategies)[0], params.device_memory_capacity)
+        if peak_memory(graph, dict(enumerate(plan)))[0] <= limit:
+            best = (total, name, plan, cost)
+            break
     seconds = result.seconds + time.perf_counter() - t0
     if best is None:
         return dataclasses.replace(result, seconds=seconds)

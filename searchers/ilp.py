@@ -33,6 +33,7 @@ raises ``SearchLimitError``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -46,7 +47,8 @@ from .dynamic_programming import dynamic_programming, exact_choice
 from .errors import SearchLimitError
 from .factor import Problem
 from .graph import Graph
-from .memory import death_steps, live_ranges
+from .memory import death_steps, live_ranges, peak_memory
+from .memory_fit import fit_memory
 from .pairwise import PairwiseSolution, solve_pairwise
 from .progress import Progress
 from .result import SearchResult
@@ -199,6 +201,15 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
         if not fallback:
             raise SearchLimitError(msg)
         dp = _dp_plan(graph, params, fully_use_devices, elementwise_op_strategy_follow)
+        if memory_limit and not _fits(graph, dp, params):
+            # dynamic_programming ignores the capacity ilp enforces: price memory until a plan fits
+            dp, fit_notes = _fit(graph, params, fully_use_devices, elementwise_op_strategy_follow)
+            if dp is None:
+                raise SearchLimitError(f"{msg}; {fit_notes[0]}. Raise device_memory_capacity "
+                                       "(set_cost_model_context), use more devices, or recompute activations.")
+            return SearchResult(dp.strategies, dp.cost, ALGORITHM, time.perf_counter() - t0,
+                                notes + [msg + ": returned the dynamic_programming plan with memory priced "
+                                         "instead"] + fit_notes)
         return SearchResult(dp.strategies, dp.cost, ALGORITHM, time.perf_counter() - t0,
                             notes + [msg + ": returned the dynamic_programming plan instead"] + dp.notes)
     choice = prob.expand({v: sol.choice[i] for i, v in enumerate(live)})
@@ -208,14 +219,29 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
         notes.append(f"ilp stopped at time_limit={time_limit:g} s before proving optimality: the plan costs "
                      f"{sol.objective:.6g}, the lower bound is {sol.bound:.6g} (gap {100 * sol.gap:.3g}%)")
         # an unproven incumbent may be far from the optimum: never return a plan costlier than dynamic_programming's
-        dp = _dp_plan(graph, params, fully_use_devices, elementwise_op_strategy_follow)
-        if dp.cost.total < cost.total:
+        dp: SearchResult | None = _dp_plan(graph, params, fully_use_devices, elementwise_op_strategy_follow)
+        if memory_limit and not _fits(graph, dp, params):
+            # the incumbent meets the memory rows: dynamic_programming's plan replaces it only where it fits too
+            dp, fit_notes = _fit(graph, params, fully_use_devices, elementwise_op_strategy_follow)
+            if dp is not None:
+                dp = dataclasses.replace(dp, notes=fit_notes)
+        if dp is not None and dp.cost.total < cost.total:
             notes.append(f"the dynamic_programming plan costs less ({dp.cost.total:.6g} against {cost.total:.6g}) "
                          "and is returned instead")
             strategies, cost = dp.strategies, dp.cost
             notes += dp.notes
     return no_worse_than_baselines(graph, params, SearchResult(strategies, cost, ALGORITHM, time.perf_counter() - t0,
                                                                notes), fully_use_devices=fully_use_devices)
+
+
+def _fits(graph: Graph, r: SearchResult, params: CostParams) -> bool:
+    return peak_memory(graph, r.strategies)[0] <= params.device_memory_capacity * (1 + 1e-12)
+
+
+def _fit(graph: Graph, params: CostParams, fully_use_devices: bool,
+         follow: bool) -> tuple[SearchResult | None, list[str]]:
+    """dynamic_programming's plan with memory priced until it fits (:func:`~searchers.memory_fit.fit_memory`)."""
+    return fit_memory(graph, params, lambda q: _dp_plan(graph, q, fully_use_devices, follow))
 
 
 def _dp_plan(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool) -> SearchResult:

@@ -89,6 +89,20 @@ def test_memory_limit_changes_the_plan():
     assert any("constrained" in n for n in tight.notes)
 
 
+@pytest.mark.parametrize("limit", [{"max_variables": 1}, {"time_limit": 0.001}])
+def test_a_plan_over_the_memory_limit_is_never_returned_when_the_program_is_not_solved(limit):
+    """Issue 14: where the integer program is too large to build or stops at its time limit, ilp fell back to
+    dynamic_programming's plan, which ignores the capacity: here the replicated 256 KiB weight, 1.7x the limit.
+    Now it prices memory until a plan fits (searchers.memory_fit), and the baseline check takes no plan over the
+    capacity either."""
+    g = big_weight_graph()
+    cap = peak_memory(g, ilp(g, P, cache=False).strategies)[0] * 0.6
+    res = ilp(g, CostParams(device_memory_capacity=cap), cache=False, **limit)
+    # 1e-9: the same float64 byte sums as test_memory_limit_changes_the_plan
+    assert peak_memory(g, res.strategies)[0] <= cap * (1 + 1e-9), res.notes
+    assert res.strategies[1] != ((), ())                      # the weight is split
+
+
 def test_memory_limit_no_plan_can_meet_is_a_clear_error():
     g = big_activation_graph()
     with pytest.raises(SearchLimitError, match=r"device_memory_capacity=.*Raise device_memory_capacity"):
