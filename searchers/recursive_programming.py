@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import gc
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import cast
 
@@ -66,9 +65,9 @@ import numpy as np
 from .baselines import no_worse_than_baselines
 from .block_polish import polish_blocks
 from .cache import cached_search
-from .cost import Cost, CostParams, counted_cost
+from .cost import CostParams
 from .cost_vectors import layout_cost_matrix
-from .graph import SOURCE_KINDS, DeviceMesh, Graph, Op, Strategy, Tensor, tied_strategy
+from .graph import SOURCE_KINDS, Graph, Op, Strategy, Tensor, tied_strategy
 from .plan_cost import PlanIndex
 from .progress import Progress
 from .propagation import _Tables
@@ -144,11 +143,10 @@ def _search(graph: Graph, params: CostParams, fully: bool, follow: bool, refine:
     t0 = time.perf_counter()
     search = _Search(graph, params, fully)
     chosen, notes = search.run(follow, refine, polish, block_size)
-    cost = _cost(search.tab, search.sids, chosen, search.lay, search.sl.e_in, search.sl.e_src, search.sl.e_bytes,
-                 graph.mesh, params)
-    return no_worse_than_baselines(graph, params, SearchResult(dict(enumerate(chosen)), cost, ALGORITHM,
-                                                               time.perf_counter() - t0, notes),
-                                   fully_use_devices=fully, index=search.index())
+    ix = search.index()
+    return no_worse_than_baselines(graph, params, SearchResult(dict(enumerate(chosen)), ix.cost(chosen, params),
+                                                               ALGORITHM, time.perf_counter() - t0, notes),
+                                   fully_use_devices=fully, index=ix)
 
 
 class _Search:
@@ -455,22 +453,6 @@ def _levels(movable: list[int], sl: Slots, sids: list[int], tab: _Tables, rounds
                     [spec.in_bytes + spec.out_bytes for spec in tab.specs], tab.layouts, tab.mesh, tab.params,
                     n_axes, LEVEL_MIN_OPS)
     return lb if lb.n_levels else None
-
-
-def _cost(tab: _Tables, sids: list[int], chosen: list[Strategy], lay: list[int], e_in: np.ndarray,
-          e_src: np.ndarray, e_bytes: np.ndarray, mesh: DeviceMesh, params: CostParams) -> Cost:
-    """:func:`~searchers.cost.graph_cost` of the plan, counted on the layout ids at hand."""
-    by_spec: Counter = Counter()
-    for (sid, st), c in Counter(zip(sids, chosen)).items():   # distinct sids may share an OpSpec
-        by_spec[tab.specs[sid], st] += c
-    la = np.asarray(lay, dtype=np.int64)
-    src, dst = la[np.asarray(e_src, dtype=np.intp)], la[np.asarray(e_in, dtype=np.intp)]
-    moved = np.nonzero(src != dst)[0]
-    rows = np.stack([src[moved], dst[moved], np.asarray(e_bytes, dtype=np.int64)[moved]], axis=1)
-    uniq, counts = np.unique(rows, axis=0, return_counts=True) if len(moved) else (rows, np.zeros(0, np.int64))
-    red = {(int(a), int(b), int(nb)): int(c) for (a, b, nb), c in zip(uniq.tolist(), counts.tolist())}
-    layouts = tab.layouts
-    return counted_cost(by_spec, {(layouts[a], layouts[b], nb): c for (a, b, nb), c in red.items()}, mesh, params)
 
 
 def _follow(ops: list[Op], movable: list[int], sids: list[int], tab: _Tables, refs: list[list[int]], lay: list[int],
