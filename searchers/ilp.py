@@ -51,6 +51,7 @@ from .memory import death_steps, live_ranges, peak_memory
 from .memory_fit import fit_memory
 from .pairwise import PairwiseSolution, solve_pairwise
 from .progress import Progress
+from .recursive_programming import recursive_programming
 from .result import SearchResult
 from .spec import op_spec
 
@@ -240,8 +241,12 @@ def _fits(graph: Graph, r: SearchResult, params: CostParams) -> bool:
 
 def _fit(graph: Graph, params: CostParams, fully_use_devices: bool,
          follow: bool) -> tuple[SearchResult | None, list[str]]:
-    """dynamic_programming's plan with memory priced until it fits (:func:`~searchers.memory_fit.fit_memory`)."""
-    return fit_memory(graph, params, lambda q: _dp_plan(graph, q, fully_use_devices, follow))
+    """A plan with memory priced until it fits (:func:`~searchers.memory_fit.fit_memory`): the weight is searched
+    with recursive_programming (0.2 s a search on a GPT-1.3B-shaped training graph of 2,678 ops, against 3-4 s for
+    dynamic_programming), then dynamic_programming runs once at the weight found."""
+    return fit_memory(graph, params, lambda q: recursive_programming(graph, q, fully_use_devices=fully_use_devices,
+                                                                     elementwise_op_strategy_follow=follow, cache=False),
+                      refine=lambda q: _dp_plan(graph, q, fully_use_devices, follow))
 
 
 def _dp_plan(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool) -> SearchResult:

@@ -37,18 +37,20 @@ from .result import SearchResult
 
 
 def fit_memory(graph: Graph, params: CostParams, search: Callable[[CostParams], SearchResult], *,
-               factor: float = 8.0, tries: int = 12, bisect: int = 4) -> tuple[SearchResult | None, list[str]]:
+               refine: Callable[[CostParams], SearchResult] | None = None, factor: float = 8.0, tries: int = 12,
+               bisect: int = 4) -> tuple[SearchResult | None, list[str]]:
     """(the cheapest plan found whose peak fits ``params.device_memory_capacity``, or None; notes): ``search`` is
     rerun with ``gamma`` raised by ``factor`` at most ``tries`` times from the weight at which the first plan's
-    memory term equals its cost, then ``bisect`` geometric bisections (module doc)."""
+    memory term equals its cost, then ``bisect`` geometric bisections (module doc). ``refine``, a slower and
+    better searcher, then runs once at the weight of the best plan found, and its plan counts where it fits."""
     cap = params.device_memory_capacity
     best: tuple[float, SearchResult, float] | None = None          # (cost, result, gamma)
     runs = 0
 
-    def attempt(gamma: float) -> tuple[bool, SearchResult]:
+    def attempt(gamma: float, fn: Callable[[CostParams], SearchResult] = search) -> tuple[bool, SearchResult]:
         nonlocal best, runs
         runs += 1
-        r = search(dataclasses.replace(params, gamma=gamma))
+        r = fn(dataclasses.replace(params, gamma=gamma))
         fits = peak_memory(graph, r.strategies)[0] <= cap * (1 + 1e-12)
         if fits:
             cost = graph_cost(graph, r.strategies, params)
@@ -58,7 +60,10 @@ def fit_memory(graph: Graph, params: CostParams, search: Callable[[CostParams], 
 
     fits, first = attempt(params.gamma)
     if fits:
-        return best[1] if best else first, []
+        if refine is not None:
+            attempt(params.gamma, refine)
+        assert best is not None
+        return best[1], []
     mem = max(first.cost.memory / params.memory_unit, 1e-300)
     gamma = max(params.gamma, first.cost.total / mem)       # the memory term as large as the plan's cost
     lo = params.gamma
@@ -77,5 +82,7 @@ def fit_memory(graph: Graph, params: CostParams, search: Callable[[CostParams], 
         fits, _r = attempt(mid)
         lo, hi = (lo, mid) if fits else (mid, hi)
     assert best is not None                                  # hi fitted
+    if refine is not None:
+        attempt(best[2], refine)
     return best[1], [f"memory: the plan fits device_memory_capacity={cap:,.0f} B with memory priced at "
                      f"gamma={best[2]:.3g} ({runs} searches); it is not proven optimal"]
