@@ -46,7 +46,7 @@ from typing import Any, cast
 
 from .cost import Cost, CostParams
 from .follow import follow_operands, follow_strategies
-from .graph import Graph, Op, Strategy, operand_tied_strategy, replicated, tied_strategy
+from .graph import Graph, Op, Strategy, pinned_strategy, replicated
 from .memory import peak_memory
 from .plan_cost import PlanIndex
 from .result import SearchResult
@@ -73,13 +73,8 @@ def _per_op(graph: Graph, ix: PlanIndex, pick: Callable[[Op], Strategy]) -> list
     st: list[Strategy | None] = [None] * len(graph.ops)      # None: not decided yet (a tie may look ahead)
     memo: dict[tuple[int, str], Strategy] = {}
     for op, si in zip(graph.ops, ix.spec_index):
-        if op.fixed is not None:
-            s = op.fixed
-        elif op.follow_operand is not None:
-            s = tied_strategy(graph, op, st) or replicated(op)
-        elif op.id in graph.operand_ties:
-            s = operand_tied_strategy(graph, op, st) or replicated(op)
-        else:
+        s = pinned_strategy(graph, op, st)
+        if s is None:
             got = memo.get((si, op.kind))
             s = memo[si, op.kind] = pick(op) if got is None else got
         st[op.id] = s

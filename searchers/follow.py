@@ -28,8 +28,8 @@ import math
 import time
 from typing import cast
 
-from .cost import CostParams, _canon
-from .graph import Graph, Strategy, TensorLayout, operand_layout, operand_tied_strategy, replicated, tied_strategy
+from .cost import CostParams
+from .graph import Graph, Strategy, TensorLayout, operand_layout, pinned_strategy, replicated
 from .plan_cost import PlanIndex
 from .result import SearchResult
 from .spec import OpSpec, layout_of
@@ -59,15 +59,9 @@ def follow_strategies(graph: Graph, ix: PlanIndex, *, first_operand_first: bool 
     outs: dict[tuple[int, Strategy], tuple[TensorLayout, ...]] = {}
     specs = ix.specs
     for op, si, srcs in zip(graph.ops, ix.spec_index, ix.in_src):
-        if op.fixed is not None or op.is_source or op.follow_operand is not None or op.id in graph.operand_ties:
-            if op.fixed is not None:
-                s = _canon(op.fixed)
-            elif op.is_source:
-                s = replicated(op)
-            elif op.follow_operand is not None:
-                s = tied_strategy(graph, op, st) or replicated(op)
-            else:
-                s = operand_tied_strategy(graph, op, st) or replicated(op)
+        s = pinned_strategy(graph, op, st)
+        if s is not None or op.is_source:
+            s = replicated(op) if s is None else s
             got_out = outs.get((si, s))
             if got_out is None:
                 got_out = outs[si, s] = tuple([layout_of(m, s) for m in specs[si].out_maps])

@@ -329,6 +329,28 @@ def tied_strategy(graph: Graph, op: Op, strategies: Sequence[Strategy | None]) -
     return strategy_of_layout(op, result_layout(p, s, p.outputs.index(tid)), k)
 
 
+def pinned_strategy(graph: Graph, op: Op, strategies: Sequence[Strategy | None]) -> Strategy | None:
+    """The strategy no default chooses for ``op``: its user strategy (``fixed``), its tie (``follow_operand``:
+    :func:`tied_strategy`; ``graph.operand_ties``: :func:`operand_tied_strategy`, replicated while the tied op is
+    undecided); None for an op a default or a search decides. The one dispatch the baselines and semi_auto's
+    default share.
+
+    >>> g = Graph(DeviceMesh((2,)))
+    >>> w = g.source("w", (4, 6), fixed=((0,), ()))
+    >>> _ = g.add_op("wb", "writeback", {"i": 4, "j": 6}, [w, w], [("i", "j")] * 2, [("i", "j")], follow_operand=1)
+    >>> _ = g.add_op("neg", "neg", {"i": 4, "j": 6}, [w], [("i", "j")], [("i", "j")])
+    >>> [pinned_strategy(g, op, [((0,), ()), None, None]) for op in g.ops]
+    [((0,), ()), ((0,), ()), None]
+    """
+    if op.fixed is not None:
+        return tuple(tuple(a) for a in op.fixed)
+    if op.follow_operand is not None:
+        return tied_strategy(graph, op, strategies) or replicated(op)
+    if op.id in graph.operand_ties:
+        return operand_tied_strategy(graph, op, strategies) or replicated(op)
+    return None
+
+
 def constant_tensors(graph: Graph) -> frozenset[int]:
     """Tensors computed from constants alone (no data, no parameter upstream), e.g. the ones a
     ``sum``'s gradient broadcasts, or from an op with no operands (an iota: a causal mask, positions).
