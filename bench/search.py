@@ -3,12 +3,15 @@
     .venv/bin/python bench/search.py                      # everything (about 20-30 minutes on 2 cores)
     .venv/bin/python bench/search.py --quick              # sizes 10 and 100, and the 24-layer transformer
     .venv/bin/python bench/search.py --sizes 100000 --searchers recursive_programming,sharding_propagation
+    .venv/bin/python bench/search.py --sizes 10 --families mlp --no-24-layers --searchers ilp   # ilp, GPT-1.3B
 
 Graphs come from :mod:`searchers.generators` (``graph_of_size``): MLP chains, transformer stacks
 (attention, layer norm, residuals, the backward pass and parameter updates), a VGG-like conv net
 and random DAGs, of about 10, 100, 1k, 10k and 100k ops, on 8 devices (a (2, 2, 2) mesh), with
 the data inputs fixed to the data-parallel layout as mshard's dataset_strategy does; plus the
-24-layer transformer training graph (d_model 512, 8 heads, seq 128, batch 8).
+24-layer transformer training graph (d_model 512, 8 heads, seq 128, batch 8) and a GPT-1.3B-shaped one (24 layers,
+d_model 2048, 16 heads, d_ff 8192, seq 1024, batch 8: 2,678 ops) with ``device_memory_capacity`` at 0.85x the
+data-parallel plan's peak, the case of ilp's memory target (the least any plan needs is 0.70x).
 
 Every (graph, searcher) runs in a fresh process: the graph is built, then the search runs with
 the cache off; its wall time is measured (a run under 5 s is repeated, ``--repeat`` times in
@@ -36,7 +39,8 @@ SEARCHER_NAMES = ("sharding_propagation", "recursive_programming", "dynamic_prog
 FAMILIES = ("mlp", "transformer", "conv", "random")
 SIZES = (10, 100, 1_000, 10_000, 100_000)
 TARGETS = {"recursive_programming_100k_s": 1.0, "sharding_propagation_100k_s": 2.0,
-           "dynamic_programming_24_layers_s": 10.0, "recursive_programming_ratio": 1.10}
+           "dynamic_programming_24_layers_s": 10.0, "recursive_programming_ratio": 1.10, "ilp_memory_1.3b_s": 10.0}
+GPT13B_CAPACITY = 0.85   # x the data-parallel plan's peak: binding, and above the least any plan needs (0.70x)
 
 
 # -- one run, in a child process -----------------------------------------------------------------
@@ -45,8 +49,9 @@ def _graph(family: str, size: int):
     from searchers.graph import DeviceMesh
     from searchers.strategies import data_parallel_strategy
     mesh = DeviceMesh.prime(8)
-    if family == "transformer-24L":
-        g = transformer_stack(24, 8, 128, 512, 8, 2048, mesh, backward=True)
+    if family in ("transformer-24L", "gpt-1.3B"):
+        g = (transformer_stack(24, 8, 128, 512, 8, 2048, mesh, backward=True) if family == "transformer-24L" else
+             transformer_stack(24, 8, 1024, 2048, 16, 8192, mesh, backward=True))     # GPT-3 1.3B's shape
         for op in g.ops:
             if op.kind == "data":
                 op.fixed = data_parallel_strategy(op, mesh)
@@ -67,6 +72,15 @@ def _child(spec: dict) -> dict:
     g = _graph(spec["family"], spec["size"])
     build = time.perf_counter() - t
     name = spec["searcher"]
+    params = CostParams()
+    if spec["family"] == "gpt-1.3B":         # a binding memory limit: GPT13B_CAPACITY x data parallel's peak
+        import dataclasses
+
+        from searchers.baselines import baseline_plans
+        from searchers.memory import peak_memory
+        dp = baseline_plans(g, params, fully_use_devices=True)["data parallel"]
+        params = dataclasses.replace(params, device_memory_capacity=GPT13B_CAPACITY * peak_memory(
+            g, dict(enumerate(dp)))[0])
     if name == "sharding_propagation":
         from searchers.propagation import sharding_propagation as fn
         kw: dict = {"cache": False}
@@ -78,7 +92,10 @@ def _child(spec: dict) -> dict:
         kw = {"cache": False}
     else:
         from searchers.ilp import ilp as fn
-        kw = {"cache": False, "time_limit": spec["ilp_time"], "fallback": False}
+        # on the 1.3B graph the integer program is too large to build: the memory fit is the answer
+        kw = {"cache": False, "time_limit": spec["ilp_time"], "fallback": spec["family"] == "gpt-1.3B"}
+    if spec["family"] == "gpt-1.3B":
+        kw["fully_use_devices"] = True
     proc = psutil.Process()
     gc.collect()
     base = proc.memory_info().rss
@@ -95,7 +112,7 @@ def _child(spec: dict) -> dict:
            "edges": sum(len(op.inputs) for op in g.ops), "build_s": round(build, 3)}
     t = time.perf_counter()
     try:
-        res = fn(g, CostParams(), **kw)
+        res = fn(g, params, **kw)
     except SearchLimitError as e:
         row.update(seconds=time.perf_counter() - t, note=str(e),
                    status="too large" if "too large" in str(e) else "no solution in time")
@@ -111,13 +128,18 @@ def _child(spec: dict) -> dict:
         if secs > 5.0:
             break
         t = time.perf_counter()
-        fn(g, CostParams(), **kw)
+        fn(g, params, **kw)
         secs = min(secs, time.perf_counter() - t)
     status = "ok"
     if name == "ilp":
         status = "optimal" if not any("time_limit" in n for n in res.notes) else "time limit"
     if name == "dynamic_programming":
         status = "exact" if not any("not guaranteed optimal" in n for n in res.notes) else "fallback"
+    if any("memory priced" in n for n in res.notes):
+        status = "memory fit"
+    if spec["family"] == "gpt-1.3B":
+        from searchers.memory import peak_memory
+        row["plan_peak_vs_capacity"] = peak_memory(g, res.strategies)[0] / params.device_memory_capacity
     row.update(seconds=secs, peak_mib=round((peak[0] - base) / 2**20, 1), cost=res.cost.total,
                comm_bytes=res.cost.communication, status=status, notes=res.notes)
     return row
@@ -176,6 +198,11 @@ def _targets(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
             ok = r["seconds"] <= TARGETS[key]
             out.append((f"{name} <= {TARGETS[key]:g} s at 100k ops ({r['family']}, {r['ops']} ops)",
                         f"{r['seconds']:.2f} s", ok))
+    for r in pick("ilp", lambda r: r["family"] == "gpt-1.3B"):
+        ok = r["seconds"] <= TARGETS["ilp_memory_1.3b_s"] and r.get("plan_peak_vs_capacity", 2.0) <= 1.0
+        out.append((f"ilp with a memory limit <= {TARGETS['ilp_memory_1.3b_s']:g} s on the GPT-1.3B-shaped training "
+                    f"graph, its plan within the capacity", f"{r['seconds']:.2f} s ({r['ops']} ops, peak "
+                    f"{r.get('plan_peak_vs_capacity', float('nan')):.3f}x capacity, {r.get('status')})", ok))
     for r in pick("dynamic_programming", lambda r: r["family"] == "transformer-24L"):
         ok = r["seconds"] <= TARGETS["dynamic_programming_24_layers_s"]
         out.append(("dynamic_programming <= 10 s on the 24-layer transformer training graph",
@@ -239,6 +266,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs under 5 s are repeated; the least time counts")
     ap.add_argument("--quick", action="store_true", help="sizes 10 and 100 plus the 24-layer transformer")
     ap.add_argument("--no-24-layers", action="store_true")
+    ap.add_argument("--no-gpt-1.3b", dest="no_gpt_1_3b", action="store_true", help="skip the GPT-1.3B graph")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "search.json"))
     ap.add_argument("--json", action="store_true", help="print the JSON to stdout instead of tables")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -262,6 +290,8 @@ def main() -> None:
             cases.append((fam, size))
     if not a.no_24_layers:
         cases.append(("transformer-24L", 0))
+    if not a.no_gpt_1_3b and not a.quick:
+        cases.append(("gpt-1.3B", 0))
     rows = []
     for fam, size in cases:
         for name in names:
