@@ -47,7 +47,6 @@ from typing import Any, cast
 from .cost import Cost, CostParams
 from .follow import follow_operands, follow_strategies
 from .graph import Graph, Op, Strategy, pinned_strategy, replicated
-from .memory import peak_memory
 from .plan_cost import PlanIndex
 from .result import SearchResult
 from .strategies import data_parallel_strategy, enumerate_strategies
@@ -145,14 +144,9 @@ def no_worse_than_baselines(graph: Graph, params: CostParams, result: SearchResu
     for total, name, plan, cost in sorted(cheaper, key=lambda c: c[0]):
         if not admissible(graph, plan, fully_use_devices=fully_use_devices):
             continue
-        # the summed memory of every op (each tensor at least once) bounds the peak: below the capacity, the peak is
-        # too, and the profile (1.2 s at 100k ops) is computed only for a baseline that might not fit
-        if cost.memory <= params.device_memory_capacity:
-            best = (total, name, plan, cost)
-            break
         if limit is None:
-            limit = max(peak_memory(graph, result.strategies)[0], params.device_memory_capacity)
-        if peak_memory(graph, dict(enumerate(plan)))[0] <= limit:
+            limit = max(ix.peak(result.strategies), params.device_memory_capacity)
+        if ix.peak(plan) <= limit:
             best = (total, name, plan, cost)
             break
     seconds = result.seconds + time.perf_counter() - t0
