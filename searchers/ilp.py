@@ -204,7 +204,7 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
         dp = _dp_plan(graph, params, fully_use_devices, elementwise_op_strategy_follow)
         if memory_limit and not _fits(graph, dp, params):
             # dynamic_programming ignores the capacity ilp enforces: price memory until a plan fits
-            dp, fit_notes = _fit(graph, params, fully_use_devices, elementwise_op_strategy_follow)
+            dp, fit_notes = _fit(graph, params, fully_use_devices, elementwise_op_strategy_follow, dp)
             if dp is None:
                 raise SearchLimitError(f"{msg}; {fit_notes[0]}. Raise device_memory_capacity "
                                        "(set_cost_model_context), use more devices, or recompute activations.")
@@ -223,7 +223,7 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
         dp: SearchResult | None = _dp_plan(graph, params, fully_use_devices, elementwise_op_strategy_follow)
         if memory_limit and not _fits(graph, dp, params):
             # the incumbent meets the memory rows: dynamic_programming's plan replaces it only where it fits too
-            dp, fit_notes = _fit(graph, params, fully_use_devices, elementwise_op_strategy_follow)
+            dp, fit_notes = _fit(graph, params, fully_use_devices, elementwise_op_strategy_follow, dp)
             if dp is not None:
                 dp = dataclasses.replace(dp, notes=fit_notes)
         if dp is not None and dp.cost.total < cost.total:
@@ -239,14 +239,15 @@ def _fits(graph: Graph, r: SearchResult, params: CostParams) -> bool:
     return peak_memory(graph, r.strategies)[0] <= params.device_memory_capacity * (1 + 1e-12)
 
 
-def _fit(graph: Graph, params: CostParams, fully_use_devices: bool,
-         follow: bool) -> tuple[SearchResult | None, list[str]]:
+def _fit(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool,
+         first: SearchResult) -> tuple[SearchResult | None, list[str]]:
     """A plan with memory priced until it fits (:func:`~searchers.memory_fit.fit_memory`): the weight is searched
     with recursive_programming (0.2 s a search on a GPT-1.3B-shaped training graph of 2,678 ops, against 3-4 s for
-    dynamic_programming), then dynamic_programming runs once at the weight found."""
+    dynamic_programming), then dynamic_programming runs once at the weight found. ``first``: dynamic_programming's plan
+    at the caller's weights, which does not fit."""
     return fit_memory(graph, params, lambda q: recursive_programming(graph, q, fully_use_devices=fully_use_devices,
                                                                      elementwise_op_strategy_follow=follow, cache=False),
-                      refine=lambda q: _dp_plan(graph, q, fully_use_devices, follow))
+                      refine=lambda q: _dp_plan(graph, q, fully_use_devices, follow), first=first)
 
 
 def _dp_plan(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool) -> SearchResult:

@@ -37,12 +37,13 @@ from .result import SearchResult
 
 
 def fit_memory(graph: Graph, params: CostParams, search: Callable[[CostParams], SearchResult], *,
-               refine: Callable[[CostParams], SearchResult] | None = None, factor: float = 8.0, tries: int = 12,
-               bisect: int = 4) -> tuple[SearchResult | None, list[str]]:
+               refine: Callable[[CostParams], SearchResult] | None = None, first: SearchResult | None = None,
+               factor: float = 8.0, tries: int = 12, bisect: int = 4) -> tuple[SearchResult | None, list[str]]:
     """(the cheapest plan found whose peak fits ``params.device_memory_capacity``, or None; notes): ``search`` is
     rerun with ``gamma`` raised by ``factor`` at most ``tries`` times from the weight at which the first plan's
     memory term equals its cost, then ``bisect`` geometric bisections (module doc). ``refine``, a slower and
-    better searcher, then runs once at the weight of the best plan found, and its plan counts where it fits."""
+    better searcher, then runs once at the weight of the best plan found, and its plan counts where it fits.
+    ``first``: a plan the caller already has at its own weights, known not to fit (the search there is skipped)."""
     cap = params.device_memory_capacity
     best: tuple[float, SearchResult, float] | None = None          # (cost, result, gamma)
     runs = 0
@@ -58,7 +59,9 @@ def fit_memory(graph: Graph, params: CostParams, search: Callable[[CostParams], 
                 best = (cost.total, dataclasses.replace(r, cost=cost), gamma)
         return fits, r
 
-    fits, first = attempt(params.gamma)
+    fits = False
+    if first is None:
+        fits, first = attempt(params.gamma)
     if fits:
         if refine is not None:
             attempt(params.gamma, refine)
