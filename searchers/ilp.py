@@ -47,8 +47,8 @@ from .dynamic_programming import dynamic_programming, exact_choice
 from .errors import SearchLimitError
 from .factor import Problem
 from .graph import Graph
-from .memory import death_steps, live_ranges, peak_memory
-from .memory_fit import fit_memory
+from .memory import death_steps, live_ranges
+from .memory_fit import fit_memory, fits_memory
 from .pairwise import PairwiseSolution, solve_pairwise
 from .progress import Progress
 from .recursive_programming import recursive_programming
@@ -202,7 +202,7 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
         if not fallback:
             raise SearchLimitError(msg)
         dp = _dp_plan(graph, params, fully_use_devices, elementwise_op_strategy_follow)
-        if memory_limit and not _fits(graph, dp, params):
+        if memory_limit and not fits_memory(graph, dp.strategies, params.device_memory_capacity):
             # dynamic_programming ignores the capacity ilp enforces: price memory until a plan fits
             dp, fit_notes = _fit(graph, params, fully_use_devices, elementwise_op_strategy_follow, dp)
             if dp is None:
@@ -221,7 +221,7 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
                      f"{sol.objective:.6g}, the lower bound is {sol.bound:.6g} (gap {100 * sol.gap:.3g}%)")
         # an unproven incumbent may be far from the optimum: never return a plan costlier than dynamic_programming's
         dp: SearchResult | None = _dp_plan(graph, params, fully_use_devices, elementwise_op_strategy_follow)
-        if memory_limit and not _fits(graph, dp, params):
+        if memory_limit and not fits_memory(graph, dp.strategies, params.device_memory_capacity):
             # the incumbent meets the memory rows: dynamic_programming's plan replaces it only where it fits too
             dp, fit_notes = _fit(graph, params, fully_use_devices, elementwise_op_strategy_follow, dp)
             if dp is not None:
@@ -233,10 +233,6 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
             notes += dp.notes
     return no_worse_than_baselines(graph, params, SearchResult(strategies, cost, ALGORITHM, time.perf_counter() - t0,
                                                                notes), fully_use_devices=fully_use_devices)
-
-
-def _fits(graph: Graph, r: SearchResult, params: CostParams) -> bool:
-    return peak_memory(graph, r.strategies)[0] <= params.device_memory_capacity * (1 + 1e-12)
 
 
 def _fit(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool,

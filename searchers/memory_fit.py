@@ -36,6 +36,12 @@ from .memory import peak_memory
 from .result import SearchResult
 
 
+def fits_memory(graph: Graph, strategies, capacity: float) -> bool:
+    """Whether the peak of ``strategies`` (:func:`~searchers.memory.peak_memory`) is within ``capacity`` (1e-12
+    relative: byte sums in float64, a few roundings of ~1e-16 each)."""
+    return peak_memory(graph, strategies)[0] <= capacity * (1 + 1e-12)
+
+
 def fit_memory(graph: Graph, params: CostParams, search: Callable[[CostParams], SearchResult], *,
                refine: Callable[[CostParams], SearchResult] | None = None, first: SearchResult | None = None,
                factor: float = 8.0, tries: int = 12, bisect: int = 4) -> tuple[SearchResult | None, list[str]]:
@@ -52,7 +58,7 @@ def fit_memory(graph: Graph, params: CostParams, search: Callable[[CostParams], 
         nonlocal best, runs
         runs += 1
         r = fn(dataclasses.replace(params, gamma=gamma))
-        fits = peak_memory(graph, r.strategies)[0] <= cap * (1 + 1e-12)
+        fits = fits_memory(graph, r.strategies, cap)
         if fits:
             cost = graph_cost(graph, r.strategies, params)
             if best is None or cost.total < best[0]:

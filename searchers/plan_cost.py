@@ -28,6 +28,7 @@ import numpy as np
 from .cost import Cost, CostParams, _canon, counted_cost
 from .errors import SearchGraphError
 from .graph import Graph, Strategy, TensorLayout
+from .memory import _split, live_ranges
 from .slots import Flat, Slots, flat_ops, slot_graph
 from .spec import OpSpec, SpecKey, distinct_spec_keys, layout_of, spec_from_key
 
@@ -88,7 +89,6 @@ class PlanIndex:
         if not self.graph.ops:
             return 0.0
         if self._outs is None:
-            from .memory import live_ranges
             first, last = live_ranges(self.graph)
             op_of, j_of, tids = [], [], []
             for op in self.graph.ops:
@@ -106,11 +106,7 @@ class PlanIndex:
         for k, (si, s) in enumerate(pairs):
             spec, s = self.specs[si], _canon(s)
             for j, (m, b) in enumerate(zip(spec.out_maps, spec.out_bytes)):
-                n = 1
-                for axes in layout_of(m, s):
-                    for a in axes:
-                        n *= shape[a]
-                local[k, j] = b / n
+                local[k, j] = b / _split(layout_of(m, s), shape)
         b = local[pid[op_of], j_of]
         diff = np.zeros(len(self.graph.ops) + 1)
         np.add.at(diff, first, b)
