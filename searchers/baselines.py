@@ -69,15 +69,28 @@ def _with_data_split(graph: Graph, held: list[Op], make: Callable[[], list[Strat
 
 def _per_op(graph: Graph, ix: PlanIndex, pick: Callable[[Op], Strategy]) -> list[Strategy]:
     """Fixed ops as fixed, ties as tied, every other op ``pick(op)`` (asked once per op shape and kind)."""
-    st: list[Strategy | None] = [None] * len(graph.ops)      # None: not decided yet (a tie may look ahead)
-    memo: dict[tuple[int, str], Strategy] = {}
-    for op, si in zip(graph.ops, ix.spec_index):
-        s = pinned_strategy(graph, op, st)
-        if s is None:
-            got = memo.get((si, op.kind))
-            s = memo[si, op.kind] = pick(op) if got is None else got
-        st[op.id] = s
+    ops = graph.ops
+    picks = [pick(ops[v]) for v in ix.first_of_kind.tolist()]
+    st: list[Strategy | None] = [picks[k] for k in ix.kind_index]
+    pinned = ix.pinned()
+    for v in pinned:
+        st[v] = None                # decided in program order below: a tie may look ahead, and sees None there
+    for v in pinned:
+        st[v] = pinned_strategy(graph, ops[v], _Before(st, v))
     return cast(list[Strategy], st)          # every op is decided by now
+
+
+class _Before(Sequence):
+    """``strategies`` as a pass in program order sees them at op ``v``: the ops after ``v`` not decided yet."""
+
+    def __init__(self, strategies: list[Strategy | None], v: int) -> None:
+        self.strategies, self.v = strategies, v
+
+    def __len__(self) -> int:
+        return len(self.strategies)
+
+    def __getitem__(self, i):           # type: ignore[override]
+        return self.strategies[i] if i < self.v else None
 
 
 def data_parallel(graph: Graph, params: CostParams, **_: Any) -> SearchResult:

@@ -52,28 +52,44 @@ def follow_strategies(graph: Graph, ix: PlanIndex, *, first_operand_first: bool 
     """:func:`follow_operands`' strategies, one per op id, on the graph's :class:`~searchers.plan_cost.PlanIndex`
     (ops of one shape whose operands arrive alike are decided once)."""
     shape = graph.mesh.shape
-    st: list[Strategy | None] = [None] * len(graph.ops)      # None: not decided yet (a tie may look ahead)
-    out_l: list[tuple[TensorLayout, ...]] = []
-    # (spec, arriving layouts) -> (strategy, result layouts); (spec, strategy) -> result layouts
-    memo: dict[tuple[int, tuple[TensorLayout, ...]], tuple[Strategy, tuple[TensorLayout, ...]]] = {}
-    outs: dict[tuple[int, Strategy], tuple[TensorLayout, ...]] = {}
+    ops = graph.ops
+    st: list[Strategy | None] = [None] * len(ops)      # None: not decided yet (a tie may look ahead)
+    out_l: list[tuple[int, ...]] = []                  # per op, the layout id of each result
+    lid: dict[TensorLayout, int] = {}
+    layouts: list[TensorLayout] = []
+
+    def ids(si: int, s: Strategy) -> tuple[int, ...]:
+        out = []
+        for m in specs[si].out_maps:
+            lay = layout_of(m, s)
+            k = lid.get(lay)
+            if k is None:
+                k = lid[lay] = len(layouts)
+                layouts.append(lay)
+            out.append(k)
+        return tuple(out)
+
+    # (spec, arriving layout ids) -> (strategy, result layout ids); (spec, strategy) -> result layout ids
+    memo: dict[tuple[int, tuple[int, ...]], tuple[Strategy, tuple[int, ...]]] = {}
+    outs: dict[tuple[int, Strategy], tuple[int, ...]] = {}
     specs = ix.specs
-    for op, si, srcs in zip(graph.ops, ix.spec_index, ix.in_src):
-        s = pinned_strategy(graph, op, st)
-        if s is not None or op.is_source:
-            s = replicated(op) if s is None else s
+    pinned = set(ix.pinned())
+    for v, (si, srcs, source) in enumerate(zip(ix.spec_index, ix.in_src, ix.is_source)):
+        s = pinned_strategy(graph, ops[v], st) if v in pinned else None
+        if s is not None or source:
+            s = replicated(ops[v]) if s is None else s
             got_out = outs.get((si, s))
             if got_out is None:
-                got_out = outs[si, s] = tuple([layout_of(m, s) for m in specs[si].out_maps])
-            st[op.id] = s
+                got_out = outs[si, s] = ids(si, s)
+            st[v] = s
             out_l.append(got_out)
             continue
-        lays = tuple([out_l[p][j] for p, j in srcs])
-        got = memo.get((si, lays))
+        key = (si, tuple([out_l[p][j] for p, j in srcs]))
+        got = memo.get(key)
         if got is None:
-            s = _follow(specs[si], lays, shape, first_operand_first)
-            got = memo[si, lays] = (s, tuple([layout_of(m, s) for m in specs[si].out_maps]))
-        st[op.id] = got[0]
+            s = _follow(specs[si], tuple(layouts[i] for i in key[1]), shape, first_operand_first)
+            got = memo[key] = (s, ids(si, s))
+        st[v] = got[0]
         out_l.append(got[1])
     for op in graph.ops:                      # an unfixed parameter: stored as its first fixed consumer computes
         if op.is_source and op.fixed is None and op.kind == "param":

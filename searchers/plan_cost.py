@@ -46,6 +46,7 @@ class PlanIndex:
         self.spec_keys: tuple[list[SpecKey], np.ndarray] = (keys, index)
         self.specs: list[OpSpec] = [spec_from_key(k) for k in keys]
         self.spec_index: list[int] = index.tolist()                 # per op: its spec's index in ``specs``
+        self.spec_array = np.asarray(index, dtype=np.intp)
         s = slot_graph(graph, flat) if slots is None else slots
         cons = s.owner[s.e_in]
         prod = s.owner[s.e_src]
@@ -54,24 +55,53 @@ class PlanIndex:
         starts = np.searchsorted(cons, np.arange(len(graph.ops) + 1))
         pj = list(zip(prod.tolist(), self._edges[3].tolist()))
         self.in_src: list[list[tuple[int, int]]] = [pj[a:b] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
+        kinds: dict[str, int] = {}
+        kind = np.fromiter((kinds.setdefault(op.kind, len(kinds)) for op in graph.ops), dtype=np.intp,
+                           count=len(graph.ops))
+        self.is_source: list[bool] = [op.is_source for op in graph.ops]
+        # per op, the number of its (op shape, kind): ops with one number get one default strategy (baselines)
+        _, self.first_of_kind, inv = np.unique(index * max(len(kinds), 1) + kind, return_index=True,
+                                               return_inverse=True)
+        self.kind_index: list[int] = inv.reshape(-1).tolist()
         self._outs: tuple[np.ndarray, ...] | None = None        # per op result: op, index, live range (peak())
+
+    def pinned(self) -> list[int]:
+        """The ops, in program order, whose strategy :func:`~searchers.graph.pinned_strategy` gives now (a user
+        strategy, a tie): the rest take a default or a search's choice."""
+        ties = self.graph.operand_ties
+        return [op.id for op in self.graph.ops if op.fixed is not None or op.follow_operand is not None
+                or op.id in ties]
 
     def _intern(self, plan: Mapping[int, Strategy] | Sequence[Strategy]) -> tuple[dict[tuple[int, Strategy], int],
                                                                                 np.ndarray]:
-        """(distinct (spec index, strategy) pairs -> their number, that number per op)."""
-        pairs: dict[tuple[int, Strategy], int] = {}
-        pid = np.empty(len(self.spec_index), dtype=np.intp)
-        for v, si in enumerate(self.spec_index):
+        """(distinct (spec index, strategy) pairs -> their number in order of first use, that number per op).
+
+        A plan built from a memo repeats one strategy object: ops are grouped by (spec, object) in numpy first, and
+        only one op of each group is hashed by value (``objs`` holds every object, so no id is reused meanwhile)."""
+        n = len(self.spec_index)
+        if isinstance(plan, Mapping):
             try:
-                s = plan[v]
-            except (KeyError, IndexError):
+                objs = list(map(plan.__getitem__, range(n)))
+            except KeyError:
+                v = next(v for v in range(n) if v not in plan)
                 raise SearchGraphError(f"plan_cost: no strategy for op {v} ({self.graph.ops[v].name})") from None
+        else:
+            objs = list(plan[:n])
+            if len(objs) < n:
+                raise SearchGraphError(f"plan_cost: no strategy for op {len(objs)} ({self.graph.ops[len(objs)].name})")
+        _, obj = np.unique(np.fromiter(map(id, objs), dtype=np.uintp, count=n), return_inverse=True)
+        _, first, inv = np.unique(obj.reshape(-1) * len(self.specs) + self.spec_array, return_index=True,
+                                  return_inverse=True)
+        pairs: dict[tuple[int, Strategy], int] = {}
+        number = np.empty(len(first), dtype=np.intp)
+        for q in np.argsort(first, kind="stable").tolist():       # in order of first use, as op by op
+            v = int(first[q])
+            si, s = self.spec_index[v], objs[v]
             try:
-                k = pairs.setdefault((si, s), len(pairs))
+                number[q] = pairs.setdefault((si, s), len(pairs))
             except TypeError:                           # a strategy given with lists: canonical form first
-                k = pairs.setdefault((si, _canon(s)), len(pairs))
-            pid[v] = k
-        return pairs, pid
+                number[q] = pairs.setdefault((si, _canon(s)), len(pairs))
+        return pairs, number[inv.reshape(-1)]
 
     def peak(self, plan: Mapping[int, Strategy] | Sequence[Strategy]) -> float:
         """:func:`~searchers.memory.peak_memory`'s peak bytes per device of ``plan``, in numpy (the baseline check's

@@ -62,3 +62,26 @@ def test_an_operand_tie_keeps_the_layout_its_op_computed_it_in():
     g.operand_ties[g.ops[-1].id] = (1, 0)
     r = follow_operands(g, P)
     assert result_layout(g.ops[2], r.strategies[2], 0) == ((), (0, 1))
+
+
+def test_the_per_op_baselines_tie_an_operand_to_an_op_before_it_and_not_to_one_after_it():
+    # data parallel (per op) splits every op's leading loop dim; a residual operand-tied to a matmul takes the layout
+    # that matmul computed the operand in where the matmul comes first, and stays whole where the matmul comes after
+    # it (a pass in program order has not decided it yet: pinned_strategy's "replicated while the tied op is
+    # undecided")
+    from searchers.baselines import baseline_plans
+    from searchers.cost import CostParams
+
+    g = Graph(DeviceMesh((2, 2)))
+    w = g.source("w", (4, 6), kind="param")
+    before = g.add_op("before", "residual", {"i": 4, "j": 6}, [w], [("i", "j")], [("i", "j")])[0]
+    g.add_op("mm", "dot_general", {"k": 4, "n": 6}, [w], [("k", "n")], [("n",)])
+    g.add_op("after", "residual", {"i": 4, "j": 6}, [w], [("i", "j")], [("i", "j")])
+    g.add_op("use", "add", {"i": 4, "j": 6}, [before, g.ops[-1].outputs[0]], [("i", "j")] * 2, [("i", "j")])
+    g.operand_ties[1] = (2, 0)
+    g.operand_ties[3] = (2, 0)
+    plan = baseline_plans(g, CostParams(), fully_use_devices=False)["data parallel (per op)"]
+    assert plan[2] == ((0, 1), ())                    # mm: its leading loop dim k over both axes
+    assert plan[3] == ((0, 1), ())                    # after: w's dim 0 as mm computed it
+    assert plan[1] == ((), ())                        # before: mm undecided yet
+    assert plan[4] == ((0, 1), ())                    # an untied op: its own leading dim
