@@ -53,14 +53,22 @@ ALGORITHM = "sharding_propagation"
 _REL_TIE = 1e-9
 
 
-def _first_min(own: np.ndarray, red: np.ndarray) -> int:
+def _first_min(own: list[float], red: list[float]) -> int:
     """First candidate with the least ``red`` and, among those, the least ``own`` (both
-    compared with a relative tolerance, so float rounding never decides a tie)."""
-    best = red.min()
-    ok = red <= best + _REL_TIE * abs(best)
-    masked = np.where(ok, own, np.inf)
-    lo = masked.min()
-    return int(np.argmax(masked <= lo + _REL_TIE * abs(lo)))
+    compared with a relative tolerance, so float rounding never decides a tie). Plain floats: a
+    decision weighs a few dozen candidates, where numpy's per-call overhead is most of the time.
+
+    >>> _first_min([3.0, 1.0, 2.0], [1.0, 2.0, 1.0 + 1e-12])    # 0 and 2 tie; the lesser own cost wins
+    2
+    """
+    best = min(red)
+    lim = best + _REL_TIE * abs(best)
+    tied = [i for i, x in enumerate(red) if x <= lim]
+    if len(tied) == 1:
+        return tied[0]
+    lo = min([own[i] for i in tied])
+    lim = lo + _REL_TIE * abs(lo)
+    return next(i for i in tied if own[i] <= lim)
 
 
 class _Struct:
@@ -96,6 +104,8 @@ class _Tables:
         self.affine: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
         self.side_vec: dict[tuple, np.ndarray] = {}
         self.decision: dict[tuple, int] = {}
+        self.own_list: dict[int, list[float]] = {}
+        self.side_list: dict[tuple, list[float]] = {}
 
     def spec_id(self, key: SpecKey) -> int:
         sid = self.key_ids.get(key)
@@ -173,13 +183,26 @@ class _Tables:
         key = (sid, sides)
         c = self.decision.get(key)
         if c is None:
-            own = self.own[sid]
-            assert own is not None
-            red = np.zeros(len(own))
-            for out, idx, other in sides:
-                red += self.vector(sid, out, idx, other)
+            own = self.own_list.get(sid)
+            if own is None:
+                own = self.own_list[sid] = self.own[sid].tolist()        # type: ignore[union-attr]
+            if len(sides) == 1:
+                red = self.vector_list(sid, *sides[0])
+            else:
+                total = self.vector(sid, *sides[0])
+                for out, idx, other in sides[1:]:
+                    total = total + self.vector(sid, out, idx, other)
+                red = total.tolist()
             c = self.decision[key] = _first_min(own, red)
         return c
+
+    def vector_list(self, sid: int, out: int, idx: int, other: int) -> list[float]:
+        """:meth:`vector` as a list."""
+        key = (sid, out, idx, other)
+        v = self.side_list.get(key)
+        if v is None:
+            v = self.side_list[key] = self.vector(sid, out, idx, other).tolist()
+        return v
 
 
 @cached_search
@@ -268,13 +291,16 @@ def _bfs(queue: deque[int], tab: _Tables, sids: list[int], in_src: list[list[tup
          out_edges: list[list[tuple[int, int, int]]], st: _State) -> None:
     """Breadth-first from the decided ops in ``queue``: decide each op when first reached."""
     chosen, in_l, out_l = st.chosen, st.in_l, st.out_l
+    structs, decision = tab.structs, tab.decision
     while queue:
         u = queue.popleft()
         for v in [p for p, _ in in_src[u]] + [c for _, c, _ in out_edges[u]]:
             if chosen[v] is not None:
                 continue
             sid = sids[v]
-            s = tab.ensure(sid)
+            s = structs[sid]
+            if s is None:
+                s = tab.ensure(sid)
             sides = []
             for k, (p, j) in enumerate(in_src[v]):
                 src = out_l[p]
@@ -284,7 +310,10 @@ def _bfs(queue: deque[int], tab: _Tables, sids: list[int], in_src: list[list[tup
                 dst = in_l[c]
                 if dst is not None:
                     sides.append((1, j, dst[k]))
-            ci = tab.decide(sid, tuple(sides))
+            key = (sid, tuple(sides))
+            ci = decision.get(key)
+            if ci is None:
+                ci = tab.decide(sid, key[1])
             chosen[v] = s.cands[ci]
             in_l[v] = s.in_rows[ci]
             out_l[v] = s.out_rows[ci]
