@@ -125,7 +125,6 @@ def op_cost_vector(op: Op, candidates: Sequence[Strategy], graph: Graph, params:
 
 
 # -- redistribution ----------------------------------------------------------------------------
-@lru_cache(maxsize=1 << 18)
 def redistribution_affine(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh,
                           params: CostParams) -> tuple[float, float]:
     """``(a, b)`` with redistribution total ``a + b * nbytes`` for a tensor of ``nbytes`` global
@@ -135,21 +134,35 @@ def redistribution_affine(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh
     ...                       CostParams(beta=1.0))      # 1 s latency + (nbytes/2)/4 B/s
     (1.0, 0.125)
     """
+    a, b = _unweighted_affine(src, dst, mesh)
+    return params.beta * a, params.beta * b
+
+
+@lru_cache(maxsize=1 << 18)
+def _unweighted_affine(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> tuple[float, float]:
+    """:func:`redistribution_affine` before the weight ``beta``: memoised apart from the cost model's weights, so a
+    search rerun with another memory weight (:func:`~searchers.memory_fit.fit_memory`) does not redo it."""
     a = b = 0.0
     for _, axis, coef in redistribution_steps(src, dst, mesh):
         a += mesh.latency[axis]
         b += coef / mesh.bandwidth[axis]
-    return params.beta * a, params.beta * b
+    return a, b
 
 
-@lru_cache(maxsize=1 << 14)
 def layout_affine_matrix(src: tuple[TensorLayout, ...], dst: tuple[TensorLayout, ...], mesh: DeviceMesh,
                          params: CostParams) -> tuple[np.ndarray, np.ndarray]:
     """``(A, B)``: redistribution totals between every pair of layouts are ``A + B * nbytes``."""
+    return _affine_matrix(src, dst, mesh, params.beta)
+
+
+@lru_cache(maxsize=1 << 14)
+def _affine_matrix(src: tuple[TensorLayout, ...], dst: tuple[TensorLayout, ...], mesh: DeviceMesh,
+                   beta: float) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`layout_affine_matrix`, memoised on the one weight it depends on."""
     us, si = _unique(src)
     ud, di = _unique(dst)
-    ab = np.array([[redistribution_affine(x, y, mesh, params) for y in ud] for x in us], dtype=float)
-    ab = ab.reshape(len(us), len(ud), 2)
+    ab = np.array([[_unweighted_affine(x, y, mesh) for y in ud] for x in us], dtype=float)
+    ab = beta * ab.reshape(len(us), len(ud), 2)          # beta * a, beta * b: redistribution_affine's products
     A, B = ab[..., 0][np.ix_(si, di)], ab[..., 1][np.ix_(si, di)]
     A.setflags(write=False)
     B.setflags(write=False)

@@ -357,6 +357,19 @@ def dynamic_programming(graph: Graph, params: CostParams, *, fully_use_devices: 
     prob = Problem.prepared(graph, params, notes, fully_use_devices=fully_use_devices,
                             max_candidates=max_candidates,
                             elementwise_op_strategy_follow=elementwise_op_strategy_follow)
+    return solve_problem(graph, params, prob, notes, t0, fully_use_devices=fully_use_devices,
+                         max_candidates=max_candidates, exact_limit=exact_limit, core_ilp_limit=core_ilp_limit,
+                         core_time_limit=core_time_limit, improve_passes=improve_passes,
+                         improve_seconds=improve_seconds, polish=polish)
+
+
+def solve_problem(graph: Graph, params: CostParams, prob: Problem, notes: list[str], t0: float, *,
+                  fully_use_devices: bool = False, max_candidates: int | None = None, exact_limit: int = 200_000,
+                  core_ilp_limit: int = 200_000, core_time_limit: float = 1.0, improve_passes: int = 12,
+                  improve_seconds: float = 10.0, polish: bool = True) -> SearchResult:
+    """:func:`dynamic_programming` on ``prob``, the graph's :meth:`~searchers.factor.Problem.prepared` problem under
+    ``params`` and the same options (not modified: every pass works on a copy). ilp hands over the problem it has
+    already built, one representation for both exact searchers. ``notes`` and ``t0``: the search's so far."""
     live = prob.live()
     memo: dict[int, tuple] = {}
     kw: dict[str, Any] = {"exact_limit": exact_limit, "core_ilp_limit": core_ilp_limit,

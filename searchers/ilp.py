@@ -43,7 +43,7 @@ from .baselines import no_worse_than_baselines
 from .cache import cached_search
 from .cost import CostParams, graph_cost
 from .cost_vectors import candidate_tables
-from .dynamic_programming import dynamic_programming, exact_choice
+from .dynamic_programming import dynamic_programming, exact_choice, solve_problem
 from .errors import SearchLimitError
 from .factor import Problem
 from .graph import Graph
@@ -201,7 +201,8 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
                    f"and {sol.size.get('e', 0)} edge variables); raise time_limit, or use dynamic_programming")
         if not fallback:
             raise SearchLimitError(msg)
-        dp = _dp_plan(graph, params, fully_use_devices, elementwise_op_strategy_follow)
+        dp = _dp_plan(graph, params, fully_use_devices, elementwise_op_strategy_follow,
+                      prob if max_candidates is None else None)
         if memory_limit and not fits_memory(graph, dp.strategies, params.device_memory_capacity):
             # dynamic_programming ignores the capacity ilp enforces: price memory until a plan fits
             dp, fit_notes = _fit(graph, params, fully_use_devices, elementwise_op_strategy_follow, dp)
@@ -220,7 +221,8 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
         notes.append(f"ilp stopped at time_limit={time_limit:g} s before proving optimality: the plan costs "
                      f"{sol.objective:.6g}, the lower bound is {sol.bound:.6g} (gap {100 * sol.gap:.3g}%)")
         # an unproven incumbent may be far from the optimum: never return a plan costlier than dynamic_programming's
-        dp: SearchResult | None = _dp_plan(graph, params, fully_use_devices, elementwise_op_strategy_follow)
+        dp: SearchResult | None = _dp_plan(graph, params, fully_use_devices, elementwise_op_strategy_follow,
+                                           prob if max_candidates is None else None)
         if memory_limit and not fits_memory(graph, dp.strategies, params.device_memory_capacity):
             # the incumbent meets the memory rows: dynamic_programming's plan replaces it only where it fits too
             dp, fit_notes = _fit(graph, params, fully_use_devices, elementwise_op_strategy_follow, dp)
@@ -246,7 +248,12 @@ def _fit(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool
                       refine=lambda q: _dp_plan(graph, q, fully_use_devices, follow), first=first)
 
 
-def _dp_plan(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool) -> SearchResult:
-    """dynamic_programming's plan, what ilp falls back to or compares with when HiGHS stops at its time limit."""
-    return dynamic_programming(graph, params, fully_use_devices=fully_use_devices,
-                               elementwise_op_strategy_follow=follow, cache=False)
+def _dp_plan(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool,
+             prob: Problem | None = None) -> SearchResult:
+    """dynamic_programming's plan, what ilp falls back to or compares with when HiGHS stops at its time limit;
+    ``prob``: ilp's own prepared problem under ``params`` (its default candidates), where it has one."""
+    if prob is None:
+        return dynamic_programming(graph, params, fully_use_devices=fully_use_devices,
+                                   elementwise_op_strategy_follow=follow, cache=False)
+    # the problem's own note (elementwise_op_strategy_follow) is among ilp's notes already
+    return solve_problem(graph, params, prob, [], time.perf_counter(), fully_use_devices=fully_use_devices)
