@@ -160,3 +160,15 @@ def test_eliminations_then_the_core_equal_the_whole_integer_program(family):
     # both proven optimal: HiGHS closes the gap to mip_rel_gap=1e-9 of its scaled objective, within its 1e-7
     # feasibility tolerance per variable, so two optima agree to well within 1e-6 of the total
     assert fast.cost.total == pytest.approx(whole.cost.total, rel=1e-6)
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_the_fallback_on_ilps_own_problem_is_dynamic_programmings_plan(follow):
+    # a program too large to build: ilp hands the Problem it prepared to dynamic_programming's solver (no second
+    # build); the plan must be the one dynamic_programming finds from its own build of the same graph and options
+    from searchers.dynamic_programming import dynamic_programming
+    g = mlp_chain(2, 16, 8, DeviceMesh((2, 2, 2)), backward=True)
+    res = ilp(g, P, max_variables=1, elementwise_op_strategy_follow=follow, cache=False)
+    dp = dynamic_programming(g, P, elementwise_op_strategy_follow=follow, cache=False)
+    assert any("too large" in n for n in res.notes), res.notes
+    assert res.strategies == dp.strategies
