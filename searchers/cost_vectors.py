@@ -134,12 +134,12 @@ def redistribution_affine(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh
     ...                       CostParams(beta=1.0))      # 1 s latency + (nbytes/2)/4 B/s
     (1.0, 0.125)
     """
-    a, b = _unweighted_affine(src, dst, mesh)
+    a, b = unweighted_affine(src, dst, mesh)
     return params.beta * a, params.beta * b
 
 
 @lru_cache(maxsize=1 << 18)
-def _unweighted_affine(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> tuple[float, float]:
+def unweighted_affine(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> tuple[float, float]:
     """:func:`redistribution_affine` before the weight ``beta``: memoised apart from the cost model's weights, so a
     search rerun with another memory weight (:func:`~searchers.memory_fit.fit_memory`) does not redo it."""
     a = b = 0.0
@@ -161,7 +161,7 @@ def _affine_matrix(src: tuple[TensorLayout, ...], dst: tuple[TensorLayout, ...],
     """:func:`layout_affine_matrix`, memoised on the one weight it depends on."""
     us, si = _unique(src)
     ud, di = _unique(dst)
-    ab = np.array([[_unweighted_affine(x, y, mesh) for y in ud] for x in us], dtype=float)
+    ab = np.array([[unweighted_affine(x, y, mesh) for y in ud] for x in us], dtype=float)
     ab = beta * ab.reshape(len(us), len(ud), 2)          # beta * a, beta * b: redistribution_affine's products
     A, B = ab[..., 0][np.ix_(si, di)], ab[..., 1][np.ix_(si, di)]
     A.setflags(write=False)

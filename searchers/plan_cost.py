@@ -55,6 +55,7 @@ class PlanIndex:
         starts = np.searchsorted(cons, np.arange(len(graph.ops) + 1))
         pj = list(zip(prod.tolist(), self._edges[3].tolist()))
         self.in_src: list[list[tuple[int, int]]] = [pj[a:b] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
+        self._refs = (s.owner[s.ref_slot], s.ref_ptr)              # neighbours(): producers, then consumers
         kinds: dict[str, int] = {}
         kind = np.fromiter((kinds.setdefault(op.kind, len(kinds)) for op in graph.ops), dtype=np.intp,
                            count=len(graph.ops))
@@ -64,6 +65,22 @@ class PlanIndex:
                                                return_inverse=True)
         self.kind_index: list[int] = inv.reshape(-1).tolist()
         self._outs: tuple[np.ndarray, ...] | None = None        # per op result: op, index, live range (peak())
+
+    def out_edges(self) -> list[list[tuple[int, int, int]]]:
+        """Per op, (result index, consumer, operand index) of each use of its results, consumers in program order."""
+        cons, slot, prod, res, _ = self._edges
+        order = np.argsort(prod, kind="stable")          # edges come in consumer order: stable keeps it per producer
+        trip = list(zip(res[order].tolist(), cons[order].tolist(), slot[order].tolist()))
+        at = np.searchsorted(prod[order], np.arange(len(self.graph.ops) + 1)).tolist()
+        return [trip[a:b] for a, b in zip(at[:-1], at[1:])]
+
+    def neighbours(self) -> list[list[int]]:
+        """Per op, the producer of each operand (in operand order), then the consumer of each use of its results
+        (in program order): the ops a breadth-first pass reaches from it."""
+        who, ptr = self._refs
+        flat = who.tolist()
+        at = ptr.tolist()
+        return [flat[a:b] for a, b in zip(at[:-1], at[1:])]
 
     def pinned(self) -> list[int]:
         """The ops, in program order, whose strategy :func:`~searchers.graph.pinned_strategy` gives now (a user

@@ -42,7 +42,7 @@ import numpy as np
 from .baselines import no_worse_than_baselines
 from .cache import cached_search
 from .cost import CostParams
-from .cost_vectors import candidate_tables, cost_vector, halo_fractions, redistribution_affine
+from .cost_vectors import candidate_tables, cost_vector, halo_fractions, unweighted_affine
 from .graph import DeviceMesh, Graph, Strategy, TensorLayout, tied_strategy
 from .plan_cost import PlanIndex
 from .result import SearchResult
@@ -170,10 +170,11 @@ class _Tables:
             _, uniq, inv, list_id = st.out_lids[idx] if out else st.in_lids[idx]
             ab = self.affine.get((list_id, out, other))
             if ab is None:
-                lay, o = self.layouts, self.layouts[other]
-                pairs = [redistribution_affine(lay[u], o, self.mesh, self.params) if out
-                         else redistribution_affine(o, lay[u], self.mesh, self.params) for u in uniq]
-                small = np.asarray(pairs, dtype=float).reshape(len(uniq), 2)
+                lay, o, mesh = self.layouts, self.layouts[other], self.mesh
+                pairs = [unweighted_affine(lay[u], o, mesh) if out else unweighted_affine(o, lay[u], mesh)
+                         for u in uniq]
+                # beta * a, beta * b: redistribution_affine's products
+                small = self.params.beta * np.asarray(pairs, dtype=float).reshape(len(uniq), 2)
                 ab = self.affine[list_id, out, other] = (small[inv, 0], small[inv, 1])
             nbytes = spec.out_bytes[idx] if out else spec.in_bytes[idx]
             v = self.side_vec[key] = ab[0] + ab[1] * float(nbytes)
@@ -237,10 +238,7 @@ def _propagate(graph: Graph, params: CostParams, max_candidates: int | None, ix:
     keys, index = ix.spec_keys
     sids = np.asarray([tab.spec_id(k) for k in keys], dtype=np.intp)[index].tolist()
     in_src = ix.in_src
-    out_edges: list[list[tuple[int, int, int]]] = [[] for _ in ops]
-    for c, row in enumerate(in_src):             # (result index, consumer, operand index), consumers in program order
-        for k, (p, j) in enumerate(row):
-            out_edges[p].append((j, c, k))
+    out_edges = ix.out_edges()
     st = _State(n)
 
     def set_strategy(i: int, s: Strategy) -> None:
@@ -261,8 +259,9 @@ def _propagate(graph: Graph, params: CostParams, max_candidates: int | None, ix:
     if not queue and not later:
         notes.append("no op has a fixed strategy: every op gets the data-parallel strategy "
                      "(MindSpore requires at least one configured op)")
-    _bfs(queue, tab, sids, in_src, out_edges, st)
-    _bfs(later, tab, sids, in_src, out_edges, st)
+    nbrs = ix.neighbours()
+    _bfs(queue, tab, sids, in_src, out_edges, nbrs, st)
+    _bfs(later, tab, sids, in_src, out_edges, nbrs, st)
     unreached = [op for op in ops if st.chosen[op.id] is None]
     for op in unreached:
         set_strategy(op.id, data_parallel_strategy(op, mesh))
@@ -288,13 +287,13 @@ class _State:
 
 
 def _bfs(queue: deque[int], tab: _Tables, sids: list[int], in_src: list[list[tuple[int, int]]],
-         out_edges: list[list[tuple[int, int, int]]], st: _State) -> None:
+         out_edges: list[list[tuple[int, int, int]]], nbrs: list[list[int]], st: _State) -> None:
     """Breadth-first from the decided ops in ``queue``: decide each op when first reached."""
     chosen, in_l, out_l = st.chosen, st.in_l, st.out_l
     structs, decision = tab.structs, tab.decision
     while queue:
         u = queue.popleft()
-        for v in [p for p, _ in in_src[u]] + [c for _, c, _ in out_edges[u]]:
+        for v in nbrs[u]:
             if chosen[v] is not None:
                 continue
             sid = sids[v]
