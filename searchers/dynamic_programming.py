@@ -430,4 +430,4 @@ def solve_problem(graph: Graph, params: CostParams, prob: Problem, notes: list[s
         notes.append(f"repeated structure: {hits} of {hits + misses} eliminations reused an earlier identical one")
     return no_worse_than_baselines(graph, params, SearchResult(strategies, predicted, ALGORITHM,
                                                                time.perf_counter() - t0, notes),
-                                   fully_use_devices=fully_use_devices)
+                                   fully_use_devices=fully_use_devices, index=prob.index)

@@ -43,7 +43,8 @@ import numpy as np
 from .cost import CostParams
 from .cost_vectors import layout_cost_matrix, spec_cost_vector
 from .graph import Graph, Op, Strategy, TensorLayout, operand_layout, result_layout
-from .spec import layout_of, spec_from_key, spec_key
+from .plan_cost import PlanIndex
+from .spec import layout_of, spec_from_key
 from .strategies import strategies_for
 
 
@@ -99,27 +100,28 @@ class Problem:
         self.follows: dict[int, tuple[int, np.ndarray]] = {}   # node -> (leader, candidate map)
         self.cells = 0                           # sum over live pairs of len(cands[lo]) * len(cands[hi])
         self.normalise = False                   # see normalised()
+        self.index: PlanIndex | None = None      # the graph's index (build)
 
     # -- building ------------------------------------------------------------------------------
     @classmethod
     def build(cls, graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
-              max_candidates: int | None = None) -> Problem:
+              max_candidates: int | None = None, index: PlanIndex | None = None) -> Problem:
         """The problem of ``graph``: candidates as :func:`~searchers.strategies.enumerate_strategies`
-        gives them (a fixed op has its one strategy), costs from the cost model."""
+        gives them (a fixed op has its one strategy), costs from the cost model. ``index``: the graph's
+        :class:`~searchers.plan_cost.PlanIndex` (op shapes and edges), the one graph index every searcher and the
+        baseline check read; built here where not given, and kept as ``self.index``."""
         self = cls(graph, params)
+        ix = self.index = PlanIndex(graph) if index is None else index
         mesh, keys = graph.mesh, self.keys
-        tensors = graph.tensors
+        spec_keys = ix.spec_keys[0]
         cand_ids: dict[tuple, int] = {}
         cand_lists: list[tuple[Strategy, ...]] = []
         vec_memo: dict[tuple, tuple[np.ndarray, int]] = {}
         lay_memo: dict[tuple, tuple[int, tuple[TensorLayout, ...]]] = {}
         mat_memo: dict[int, np.ndarray] = {}
-        res_index = [0] * len(tensors)
         skeys = []
-        for op in graph.ops:
-            for j, tid in enumerate(op.outputs):
-                res_index[tid] = j
-            sk = spec_key(op, graph)
+        for op, si in zip(graph.ops, ix.spec_index):
+            sk = spec_keys[si]
             skeys.append(sk)
             fixed = None if op.fixed is None else tuple(tuple(a) for a in op.fixed)
             ck = (sk[0], fixed)
@@ -158,18 +160,14 @@ class Problem:
                 got = lay_memo[lk] = (len(lay_memo), lays)
             return got
 
-        for op in graph.ops:
-            c = op.id
-            for k, tid in enumerate(op.inputs):
-                p = tensors[tid].producer
-                src_id, src = layouts(p, True, res_index[tid])
-                dst_id, dst = layouts(c, False, k)
-                nbytes = tensors[tid].nbytes
-                mk = keys(("e", src_id, dst_id, nbytes))
-                m = mat_memo.get(mk)
-                if m is None:
-                    m = mat_memo[mk] = layout_cost_matrix(src, dst, nbytes, mesh, params)
-                self.add_pair(p, c, m, mk)
+        for c, k, p, j, nbytes in ix.edges():          # consumer by consumer, operands in order
+            src_id, src = layouts(p, True, j)
+            dst_id, dst = layouts(c, False, k)
+            mk = keys(("e", src_id, dst_id, nbytes))
+            m = mat_memo.get(mk)
+            if m is None:
+                m = mat_memo[mk] = layout_cost_matrix(src, dst, nbytes, mesh, params)
+            self.add_pair(p, c, m, mk)
         return self
 
     # -- editing -------------------------------------------------------------------------------
@@ -238,11 +236,13 @@ class Problem:
     # -- exact shrinks -------------------------------------------------------------------------
     @classmethod
     def prepared(cls, graph: Graph, params: CostParams, notes: list[str], *, fully_use_devices: bool = False,
-                 max_candidates: int | None = None, elementwise_op_strategy_follow: bool = False) -> Problem:
+                 max_candidates: int | None = None, elementwise_op_strategy_follow: bool = False,
+                 index: PlanIndex | None = None) -> Problem:
         """:meth:`build`, then ops with a ``follow_operand`` are tied to that operand's producer,
         elementwise ops follow their consumer (if asked, with a note) and single-candidate ops are
         absorbed: the common start of the exact searchers."""
-        prob = cls.build(graph, params, fully_use_devices=fully_use_devices, max_candidates=max_candidates)
+        prob = cls.build(graph, params, fully_use_devices=fully_use_devices, max_candidates=max_candidates,
+                         index=index)
         prob.tie_operands()
         if elementwise_op_strategy_follow:
             k = prob.follow_elementwise()
@@ -334,7 +334,7 @@ class Problem:
     def copy(self) -> Problem:
         """An independent copy (arrays and the key table are shared: they are never modified)."""
         new = Problem.__new__(Problem)
-        new.graph, new.params, new.keys = self.graph, self.params, self.keys
+        new.graph, new.params, new.keys, new.index = self.graph, self.params, self.keys, self.index
         new.cands = self.cands
         for name in ("unary", "ukey", "alive", "lo", "hi", "mat", "mkey"):
             setattr(new, name, list(getattr(self, name)))

@@ -234,7 +234,8 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
             strategies, cost = dp.strategies, dp.cost
             notes += dp.notes
     return no_worse_than_baselines(graph, params, SearchResult(strategies, cost, ALGORITHM, time.perf_counter() - t0,
-                                                               notes), fully_use_devices=fully_use_devices)
+                                                               notes), fully_use_devices=fully_use_devices,
+                                   index=prob.index)
 
 
 def _fit(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool,

@@ -66,6 +66,11 @@ class PlanIndex:
         self.kind_index: list[int] = inv.reshape(-1).tolist()
         self._outs: tuple[np.ndarray, ...] | None = None        # per op result: op, index, live range (peak())
 
+    def edges(self) -> list[tuple[int, int, int, int, int]]:
+        """Every edge as (consumer, operand index, producer, result index, bytes), consumer by consumer, operands in
+        order (the order :class:`~searchers.factor.Problem` numbers its pairs in)."""
+        return list(zip(*(a.tolist() for a in self._edges)))
+
     def out_edges(self) -> list[list[tuple[int, int, int]]]:
         """Per op, (result index, consumer, operand index) of each use of its results, consumers in program order."""
         cons, slot, prod, res, _ = self._edges
