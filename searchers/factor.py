@@ -44,7 +44,7 @@ from .cost import CostParams
 from .cost_vectors import layout_cost_matrix, spec_cost_vector
 from .graph import Graph, Op, Strategy, TensorLayout, operand_layout, result_layout
 from .plan_cost import PlanIndex
-from .spec import layout_of, spec_from_key
+from .spec import all_devices, layout_of, spec_from_key
 from .strategies import strategies_for
 
 
@@ -132,8 +132,7 @@ class Problem:
                 else:
                     spec = spec_from_key(sk)
                     cands = strategies_for(spec.sizes, spec.unsplittable, mesh.shape,
-                                           fully_use_devices and not op.any_devices,
-                                           max_candidates, spec.apart)
+                                           all_devices(spec, fully_use_devices), max_candidates, spec.apart)
                 cid = cand_ids[ck] = len(cand_lists)
                 cand_lists.append(cands)
             cands = cand_lists[cid]

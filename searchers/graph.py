@@ -164,9 +164,8 @@ class Op:
 
     @property
     def any_devices(self) -> bool:
-        """Whether ``fully_use_devices`` leaves this op free to idle devices: a source or an op with no operands
-        (an iota, a constant: its layout follows its users, as in MindSpore), or an op marked ``free_devices``."""
-        return self.is_source or not self.inputs or self.free_devices
+        """Whether ``fully_use_devices`` leaves this op free to idle devices (:func:`may_idle`)."""
+        return may_idle(bool(self.inputs), self.free_devices)
 
     def compute_flops(self) -> float:
         if self.flops is not None:
@@ -327,6 +326,17 @@ def tied_strategy(graph: Graph, op: Op, strategies: Sequence[Strategy | None]) -
     if s is None:
         return None
     return strategy_of_layout(op, result_layout(p, s, p.outputs.index(tid)), k)
+
+
+def may_idle(has_operands: bool, free_devices: bool) -> bool:
+    """The one rule of what ``fully_use_devices`` leaves free to idle devices, for an :class:`Op` and for an op shape
+    (:func:`searchers.spec.all_devices`): an op with no operands (a source, an iota, a constant: its layout follows
+    its users, as in MindSpore) and an op marked ``free_devices``.
+
+    >>> may_idle(False, False), may_idle(True, True), may_idle(True, False)
+    (True, True, False)
+    """
+    return not has_operands or free_devices
 
 
 def pinned_strategy(graph: Graph, op: Op, strategies: Sequence[Strategy | None]) -> Strategy | None:

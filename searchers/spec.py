@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .graph import SOURCE_KINDS, Graph, Op
+from .graph import SOURCE_KINDS, Graph, Op, may_idle
 from .rows import distinct_rows
 from .slots import Flat, flat_ops, starts
 
@@ -130,9 +130,8 @@ def spec_from_key(key: SpecKey) -> OpSpec:
 
 
 def all_devices(spec: OpSpec, fully_use_devices: bool) -> bool:
-    """Whether ``fully_use_devices`` restricts this op: operators only (a source's layout follows its users,
-    as in MindSpore), and not ops marked ``free_devices``."""
-    return fully_use_devices and bool(spec.in_maps) and not spec.free_devices
+    """Whether ``fully_use_devices`` restricts this op: not one :func:`~searchers.graph.may_idle` leaves free."""
+    return fully_use_devices and not may_idle(bool(spec.in_maps), spec.free_devices)
 
 
 # interned op structures: a few per distinct op shape, never cleared (ids must stay valid)
