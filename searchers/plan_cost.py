@@ -1,10 +1,12 @@
-"""Many whole plans of one graph priced fast: :func:`~searchers.cost.graph_cost` with the graph indexed once.
+"""The graph index every searcher reads, and many whole plans of one graph priced fast with it.
 
-The baseline check (:mod:`searchers.baselines`) prices several plans of the same graph, up to 100k ops each.
-:class:`PlanIndex` computes what every pricing shares once: each op's :class:`~searchers.spec.OpSpec` (one per
-distinct op shape), and every edge as (consumer, operand slot, producer, result slot, bytes) in numpy arrays.
-:meth:`PlanIndex.cost` then interns each distinct (op shape, strategy) pair, looks up the layouts it gives its
-operands and results, and compares the two ends of every edge in numpy: the Python work is one dict lookup per op.
+:class:`PlanIndex` computes once what the searchers and the baseline check (:mod:`searchers.baselines`) share: each
+op's :class:`~searchers.spec.OpSpec` (one per distinct op shape), every edge as (consumer, operand slot, producer,
+result slot, bytes) in numpy arrays, each op's neighbours and operand sources. sharding_propagation and
+recursive_programming search on it; :class:`~searchers.factor.Problem`, dynamic_programming's and ilp's pairwise
+problem, is built on it. :meth:`PlanIndex.cost` (:func:`~searchers.cost.graph_cost` with the graph indexed once)
+interns each distinct (op shape, strategy) pair, looks up the layouts it gives its operands and results, and compares
+the two ends of every edge in numpy: the Python work is per distinct (op shape, strategy object), not per op.
 The result equals ``graph_cost(graph, plan, params)`` (every edge charged, the searchers' objective).
 
 >>> from searchers.cost import CostParams, graph_cost
