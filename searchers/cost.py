@@ -43,7 +43,7 @@ from functools import lru_cache
 from types import MappingProxyType
 
 from .errors import SearchGraphError
-from .graph import DeviceMesh, Graph, Op, Strategy, TensorLayout, constant_tensors
+from .graph import DeviceMesh, Graph, Op, Strategy, TensorLayout, constant_tensors, split_count
 from .spec import OpSpec, layout_of, op_spec
 from .xla_reshard import reshard
 
@@ -159,11 +159,11 @@ def spec_cost(spec: OpSpec, strategy: Strategy, mesh: DeviceMesh, params: CostPa
     compute = spec.flops / devices / params.flops_per_s
     memory = 0.0
     for maps, nbytes in zip(spec.in_maps, spec.in_bytes):
-        memory += nbytes / _count(layout_of(maps, strategy), shape)
+        memory += nbytes / split_count(layout_of(maps, strategy), shape)
     groups = _reduction_groups(spec.reduction, strategy, mesh)
     ar_bytes = ar_time = 0.0
     for maps, nbytes in zip(spec.out_maps, spec.out_bytes):
-        local = nbytes / _count(layout_of(maps, strategy), shape)
+        local = nbytes / split_count(layout_of(maps, strategy), shape)
         memory += local
         for k, lat, bw in groups:
             b = 2.0 * local * (k - 1) / k
@@ -185,13 +185,13 @@ def _halo(spec: OpSpec, strategy: Strategy, mesh: DeviceMesh) -> tuple[float, fl
     travel)."""
     nbytes = seconds = 0.0
     for maps, size in zip(spec.in_maps, spec.in_bytes):
-        block = size / _count(layout_of(maps, strategy), mesh.shape)
+        block = size / split_count(layout_of(maps, strategy), mesh.shape)
         for d in maps:
             rows = spec.halo[d] if d >= 0 else 0
             axes = strategy[d] if d >= 0 else ()
             if not rows or not axes:
                 continue
-            b = block * rows * _count((axes,), mesh.shape) / spec.sizes[d]
+            b = block * rows * split_count((axes,), mesh.shape) / spec.sizes[d]
             nbytes += b
             seconds += 2 * max(mesh.latency[a] for a in axes) + b / min(mesh.bandwidth[a] for a in axes)
             block += b
@@ -212,14 +212,6 @@ def _reduction_groups(reduction: Sequence[int], strategy: Strategy,
         if k > 1:
             out.append((k, max(mesh.latency[a] for a in axes), min(mesh.bandwidth[a] for a in axes)))
     return out
-
-
-def _count(layout: TensorLayout, shape: tuple[int, ...]) -> int:
-    n = 1
-    for axes in layout:
-        for a in axes:
-            n *= shape[a]
-    return n
 
 
 # -- redistribution --------------------------------------------------------------------------

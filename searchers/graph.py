@@ -328,6 +328,20 @@ def tied_strategy(graph: Graph, op: Op, strategies: Sequence[Strategy | None]) -
     return strategy_of_layout(op, result_layout(p, s, p.outputs.index(tid)), k)
 
 
+def split_count(layout: TensorLayout, shape: tuple[int, ...]) -> int:
+    """How many blocks ``layout`` cuts a tensor into on a mesh of ``shape`` (the product of the sizes of the mesh axes
+    it uses): the divisor of a tensor's bytes per device, for the cost model and the memory profile alike.
+
+    >>> split_count(((0,), (), (1, 2)), (2, 3, 4))
+    24
+    """
+    n = 1
+    for axes in layout:
+        for a in axes:
+            n *= shape[a]
+    return n
+
+
 def may_idle(has_operands: bool, free_devices: bool) -> bool:
     """The one rule of what ``fully_use_devices`` leaves free to idle devices, for an :class:`Op` and for an op shape
     (:func:`searchers.spec.all_devices`): an op with no operands (a source, an iota, a constant: its layout follows

@@ -50,6 +50,7 @@ from .graph import Graph
 from .memory import death_steps, live_ranges
 from .memory_fit import fit_memory, fits_memory
 from .pairwise import PairwiseSolution, solve_pairwise
+from .plan_cost import PlanIndex
 from .progress import Progress
 from .recursive_programming import recursive_programming
 from .result import SearchResult
@@ -201,19 +202,15 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
                    f"and {sol.size.get('e', 0)} edge variables); raise time_limit, or use dynamic_programming")
         if not fallback:
             raise SearchLimitError(msg)
-        dp = _dp_plan(graph, params, fully_use_devices, elementwise_op_strategy_follow,
-                      prob if max_candidates is None else None)
-        if memory_limit and not fits_memory(graph, dp.strategies, params.device_memory_capacity):
-            # dynamic_programming ignores the capacity ilp enforces: price memory until a plan fits
-            dp, fit_notes = _fit(graph, params, fully_use_devices, elementwise_op_strategy_follow, dp)
-            if dp is None:
-                raise SearchLimitError(f"{msg}; {fit_notes[0]}. Raise device_memory_capacity "
-                                       "(set_cost_model_context), use more devices, or recompute activations.")
-            return SearchResult(dp.strategies, dp.cost, ALGORITHM, time.perf_counter() - t0,
-                                notes + [msg + ": returned the dynamic_programming plan with memory priced "
-                                         "instead"] + fit_notes)
+        dp, fit_notes = _dp_within_memory(graph, params, prob, max_candidates is None, fully_use_devices,
+                                          elementwise_op_strategy_follow, memory_limit)
+        if dp is None:
+            raise SearchLimitError(f"{msg}; {fit_notes[0]}. Raise device_memory_capacity "
+                                   "(set_cost_model_context), use more devices, or recompute activations.")
+        how = "the dynamic_programming plan with memory priced instead" if fit_notes else \
+            "the dynamic_programming plan instead"
         return SearchResult(dp.strategies, dp.cost, ALGORITHM, time.perf_counter() - t0,
-                            notes + [msg + ": returned the dynamic_programming plan instead"] + dp.notes)
+                            notes + [f"{msg}: returned {how}"] + (fit_notes or dp.notes))
     choice = prob.expand({v: sol.choice[i] for i, v in enumerate(live)})
     strategies = prob.strategies(choice)
     cost = graph_cost(graph, strategies, params)
@@ -221,13 +218,11 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
         notes.append(f"ilp stopped at time_limit={time_limit:g} s before proving optimality: the plan costs "
                      f"{sol.objective:.6g}, the lower bound is {sol.bound:.6g} (gap {100 * sol.gap:.3g}%)")
         # an unproven incumbent may be far from the optimum: never return a plan costlier than dynamic_programming's
-        dp: SearchResult | None = _dp_plan(graph, params, fully_use_devices, elementwise_op_strategy_follow,
-                                           prob if max_candidates is None else None)
-        if memory_limit and not fits_memory(graph, dp.strategies, params.device_memory_capacity):
-            # the incumbent meets the memory rows: dynamic_programming's plan replaces it only where it fits too
-            dp, fit_notes = _fit(graph, params, fully_use_devices, elementwise_op_strategy_follow, dp)
-            if dp is not None:
-                dp = dataclasses.replace(dp, notes=fit_notes)
+        # the incumbent meets the memory rows: dynamic_programming's plan replaces it only where it fits too
+        dp, fit_notes = _dp_within_memory(graph, params, prob, max_candidates is None, fully_use_devices,
+                                          elementwise_op_strategy_follow, memory_limit)
+        if dp is not None and fit_notes:
+            dp = dataclasses.replace(dp, notes=fit_notes)
         if dp is not None and dp.cost.total < cost.total:
             notes.append(f"the dynamic_programming plan costs less ({dp.cost.total:.6g} against {cost.total:.6g}) "
                          "and is returned instead")
@@ -238,15 +233,27 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
                                    index=prob.index)
 
 
+def _dp_within_memory(graph: Graph, params: CostParams, prob: Problem, share: bool, fully_use_devices: bool,
+                      follow: bool, memory_limit: bool) -> tuple[SearchResult | None, list[str]]:
+    """What ilp returns or compares with where HiGHS gives no proven answer: dynamic_programming's plan (on ilp's own
+    ``prob`` where ``share``), and where ilp enforces the capacity and that plan exceeds it (dynamic_programming
+    ignores the capacity), the memory fit's plan instead; ``(plan or None where no plan fits, the fit's notes)``,
+    the notes empty where dynamic_programming's plan is returned as it is."""
+    dp = _dp_plan(graph, params, fully_use_devices, follow, prob if share else None)
+    if not memory_limit or fits_memory(graph, dp.strategies, params.device_memory_capacity, prob.index):
+        return dp, []
+    return _fit(graph, params, fully_use_devices, follow, dp, prob.index)
+
+
 def _fit(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool,
-         first: SearchResult) -> tuple[SearchResult | None, list[str]]:
+         first: SearchResult, index: PlanIndex | None = None) -> tuple[SearchResult | None, list[str]]:
     """A plan with memory priced until it fits (:func:`~searchers.memory_fit.fit_memory`): the weight is searched
     with recursive_programming (0.2 s a search on a GPT-1.3B-shaped training graph of 2,678 ops, against 3-4 s for
     dynamic_programming), then dynamic_programming runs once at the weight found. ``first``: dynamic_programming's plan
     at the caller's weights, which does not fit."""
     return fit_memory(graph, params, lambda q: recursive_programming(graph, q, fully_use_devices=fully_use_devices,
                                                                      elementwise_op_strategy_follow=follow, cache=False),
-                      refine=lambda q: _dp_plan(graph, q, fully_use_devices, follow), first=first)
+                      refine=lambda q: _dp_plan(graph, q, fully_use_devices, follow), first=first, index=index)
 
 
 def _dp_plan(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool,

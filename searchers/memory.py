@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .graph import Graph, Strategy, TensorLayout
+from .graph import Graph, Strategy, split_count
 
 
 def live_ranges(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
@@ -36,14 +36,6 @@ def live_ranges(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
     return first, last
 
 
-def _split(layout: TensorLayout, shape: tuple[int, ...]) -> int:
-    n = 1
-    for axes in layout:
-        for a in axes:
-            n *= shape[a]
-    return n
-
-
 def local_bytes(graph: Graph, op_id: int, strategy: Strategy) -> list[float]:
     """Local bytes of each result of op ``op_id`` under ``strategy``."""
     op, shape = graph.ops[op_id], graph.mesh.shape
@@ -51,7 +43,7 @@ def local_bytes(graph: Graph, op_id: int, strategy: Strategy) -> list[float]:
     out = []
     for tid, dims in zip(op.outputs, op.out_dims):
         lay = tuple(where[d] if d is not None else () for d in dims)
-        out.append(graph.tensors[tid].nbytes / _split(lay, shape))
+        out.append(graph.tensors[tid].nbytes / split_count(lay, shape))
     return out
 
 

@@ -29,8 +29,8 @@ import numpy as np
 
 from .cost import Cost, CostParams, _canon, counted_cost
 from .errors import SearchGraphError
-from .graph import Graph, Strategy, TensorLayout
-from .memory import _split, live_ranges
+from .graph import Graph, Strategy, TensorLayout, split_count
+from .memory import live_ranges
 from .slots import Flat, Slots, flat_ops, slot_graph
 from .spec import OpSpec, SpecKey, distinct_spec_keys, layout_of, spec_from_key
 
@@ -160,7 +160,7 @@ class PlanIndex:
         for k, (si, s) in enumerate(pairs):
             spec, s = self.specs[si], _canon(s)
             for j, (m, b) in enumerate(zip(spec.out_maps, spec.out_bytes)):
-                local[k, j] = b / _split(layout_of(m, s), shape)
+                local[k, j] = b / split_count(layout_of(m, s), shape)
         b = local[pid[op_of], j_of]
         diff = np.zeros(len(self.graph.ops) + 1)
         np.add.at(diff, first, b)
