@@ -59,3 +59,19 @@ def test_plan_index_names_the_op_a_plan_leaves_out():
     plan = {op.id: tuple(() for _ in op.dims) for op in g.ops[:-1]}
     with pytest.raises(SearchGraphError, match=f"no strategy for op {len(g.ops) - 1}"):
         PlanIndex(g).cost(plan, CostParams())
+
+
+def test_plan_index_prices_a_plan_the_same_whatever_objects_hold_its_strategies():
+    # PlanIndex groups ops by strategy *object* before hashing by value: one shared tuple, equal fresh tuples and
+    # lists (canonicalised) must price alike, and a list one op short names the op it lacks
+    from searchers.errors import SearchGraphError
+    g = graph_of_size(100, "transformer", DeviceMesh((2, 4)))
+    ix = PlanIndex(g)
+    plan = _random_plan(g, random.Random(5))
+    fresh = [tuple(tuple(int(a) for a in axes) for axes in plan[i]) for i in range(len(g.ops))]
+    as_lists = [[list(axes) for axes in s] for s in fresh]
+    want = graph_cost(g, plan, CostParams()).total
+    for p in (plan, fresh, as_lists):
+        assert _close(ix.cost(p, CostParams()).total, want)
+    with pytest.raises(SearchGraphError, match=f"no strategy for op {len(g.ops) - 1}"):
+        ix.cost(fresh[:-1], CostParams())
