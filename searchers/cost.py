@@ -152,11 +152,7 @@ def spec_cost(spec: OpSpec, strategy: Strategy, mesh: DeviceMesh, params: CostPa
     if len(strategy) != len(spec.sizes):
         raise SearchGraphError(f"strategy {strategy} has {len(strategy)} entries, the op has {len(spec.sizes)} loop dims")
     shape = mesh.shape
-    devices = 1
-    for axes in strategy:
-        for a in axes:
-            devices *= shape[a]
-    compute = spec.flops / devices / params.flops_per_s
+    compute = spec.flops / split_count(strategy, shape) / params.flops_per_s     # the devices the strategy uses
     memory = 0.0
     for maps, nbytes in zip(spec.in_maps, spec.in_bytes):
         memory += nbytes / split_count(layout_of(maps, strategy), shape)

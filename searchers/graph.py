@@ -330,7 +330,8 @@ def tied_strategy(graph: Graph, op: Op, strategies: Sequence[Strategy | None]) -
 
 def split_count(layout: TensorLayout, shape: tuple[int, ...]) -> int:
     """How many blocks ``layout`` cuts a tensor into on a mesh of ``shape`` (the product of the sizes of the mesh axes
-    it uses): the divisor of a tensor's bytes per device, for the cost model and the memory profile alike.
+    it uses): the divisor of a tensor's bytes per device, for the cost model and the memory profile alike; given a
+    strategy, the number of devices it spreads the op's work over.
 
     >>> split_count(((0,), (), (1, 2)), (2, 3, 4))
     24

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from .graph import DeviceMesh, Op, Strategy
+from .graph import DeviceMesh, Op, Strategy, split_count
 
 
 def enumerate_strategies(op: Op, mesh: DeviceMesh, *, fully_use_devices: bool = False,
@@ -103,19 +103,11 @@ def _strategies_for(sizes: tuple[int, ...], unsplittable: tuple[bool, ...], mesh
         best = max(u for u, _ in found)
         found = every if every else [(u, s) for u, s in found if u == best]
     rep = tuple(() for _ in sizes)
-    rest = sorted((s for _, s in found if s != rep), key=lambda s: (-_devices(s, mesh_shape), s))
+    rest = sorted((s for _, s in found if s != rep), key=lambda s: (-split_count(s, mesh_shape), s))
     out = ([rep] if any(s == rep for _, s in found) else []) + rest
     if max_candidates is not None:
         out = out[:max(1, max_candidates)]
     return tuple(out)
-
-
-def _devices(strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:
-    n = 1
-    for axes in strategy:
-        for a in axes:
-            n *= mesh_shape[a]
-    return n
 
 
 def data_parallel_strategy(op: Op, mesh: DeviceMesh) -> Strategy:
