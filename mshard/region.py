@@ -361,9 +361,11 @@ class Region:
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` of this region for these arguments (``.compile().as_text()`` gives HLO)."""
         comp, _, states, flat_data = self._prepare(args, kwargs)
-        flat = [x for s in states for x in jax.tree.leaves(s)] + list(flat_data)
-        return comp.jitted.lower(*[jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-                                   for x, sh in zip(flat, comp.in_shardings)])
+        leaves = [x for s in states for x in jax.tree.leaves(s)]
+        n = len(leaves)
+        placed = [x if isinstance(x, jax.Array) and x.committed and x.sharding == sh
+                  else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) for x, sh in zip(leaves, comp.in_shardings)]
+        return comp.jitted.lower(*placed, *[_as_called(x, sh) for x, sh in zip(flat_data, comp.in_shardings[n:])])
 
     def place(self, *args) -> None:
         """Put the module arguments' variables on their planned shardings (plans for these arguments; runs
@@ -424,6 +426,21 @@ class BoundRegion:
         return self.region.fast_path((*self.modules, *data), self.modules, data)
 
 
+
+
+def _as_called(x: Any, sh: NamedSharding) -> Any:
+    """What :meth:`Region.lower` passes for one data input: the value a call passes to the program where that is
+    the value itself (an uncommitted array or, on one process, a host value, both taken as they are:
+    :func:`~mshard.fastcall.follow_plan`; an array already on its planned sharding), else its shape and dtype on
+    the planned sharding (what the call reshards it to). jax.jit compiles an uncommitted argument and a committed
+    one apart, so lowering with the call's values gives the program the call compiled: ``.compile()`` after a call
+    (``ms.comm_report``, ``memory_analysis``) is a cache hit, not a second compile of the whole program."""
+    if isinstance(x, jax.Array):
+        if not x.committed or x.sharding == sh:
+            return x
+    elif isinstance(x, np.ndarray | np.generic) and jax.process_count() == 1:
+        return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
 
 
 def _put(x, sh):

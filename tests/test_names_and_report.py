@@ -60,6 +60,46 @@ def test_comm_report_accepts_every_mshard_callable():
     assert ms.comm_report(jax.jit(lambda x: x * 2), x).total_count == 0
 
 
+def _compiles(f) -> int:
+    """How many programs reach XLA's compile step while ``f()`` runs: backend compiles plus hits of the tests'
+    persistent compilation cache (a hit is a compile request too)."""
+    import jax.monitoring as mon
+    seen = []
+
+    def listen(event, duration, **kw):
+        if event in ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec"):
+            seen.append(event)
+    mon.register_event_duration_secs_listener(listen)
+    try:
+        f()
+    finally:
+        mon.unregister_event_duration_listener(listen)
+    return len(seen)
+
+
+def test_comm_report_after_a_call_reads_the_program_the_call_compiled():
+    """jax.jit compiles an uncommitted argument apart from a committed one; a region lowered on placeholders of the
+    planned shardings compiled the whole program a second time for every comm_report after a training step. The
+    uncommitted data a user passes, the step, then its report: the report compiles nothing (and reports the step's
+    one data-parallel gradient reduction). A new input shape still compiles, so the count can see a compile."""
+    import optax
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8)
+    net = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, lambda y, t: ((y - t) ** 2).mean()), optax.sgd(0.1))
+    x, y = jnp.ones((8, 16)), jnp.zeros((8, 16))
+    assert not x.committed
+    step(x, y)
+    step(x, y)                                      # the fast path
+    reports = []
+    assert _compiles(lambda: reports.append(ms.comm_report(step, x, y))) == 0
+    assert reports[0].count("all-reduce") >= 1
+    region = ms.jit(lambda a: a * 2)
+    region(x)
+    assert _compiles(lambda: region.lower(x).compile()) == 0
+    z = jnp.ones((16, 16))
+    assert _compiles(lambda: region.lower(z).compile()) == 1
+
+
 def test_collective_groups_match_the_mesh_axes_reduced_over():
     """``Collective.groups`` read from the compiled HLO (whatever replica_groups form XLA prints) are the device
     sets that differ only along the mesh axes a shard_map psum names; also the explicit and iota text forms."""

@@ -46,7 +46,9 @@ def staged_gpt(layers: int, S: int, *, segments: int = 1):
 
 
 def train_both(net, S, M, *, sched="1f1b", interleave=False, mode="semi_auto_parallel", steps=3, report=False,
-               wrap=lambda cell: cell, **ctx):
+               wrap=lambda cell: cell, inspect=None, **ctx):
+    """Train ``net`` on one device and in the pipeline; ``inspect(step, batch)`` runs inside the context after the
+    steps (its result is dropped: it records what it needs)."""
     data = synthetic_batches(steps)
     _, _, ref_losses = ref_out = train_one_device(net, TX, data, LOSS, grad_scale=ctx.pop("grad_scale", 1.0))
     with ms.parallel_context(parallel_mode=mode, device_num=8, pipeline_stages=S, gradients_mean=True,
@@ -55,6 +57,8 @@ def train_both(net, S, M, *, sched="1f1b", interleave=False, mode="semi_auto_par
         step = nn.TrainOneStepCell(wrap(nn.PipelineCell(nn.WithLossCell(mine, LOSS), M)), TX)
         losses = [float(step(*b)) for b in data]
         rep = ms.comm_report(step, *data[0]) if report else None
+        if inspect is not None:
+            inspect(step, data[0])
     return mine, losses, ref_out[0], ref_losses, rep
 
 
@@ -67,9 +71,24 @@ def assert_equal_training(mine, losses, ref, ref_losses):
 # (layers, S, M, schedule): S = 2, 4; M = 4, 8; both schedules; 5 blocks on 4 stages (any block count: stages of
 # 2, 1, 1 and 1 blocks, the embeddings on the first and the head on the last; 3 blocks on 2 stages are the stage
 # helper's test below)
+@pytest.fixture(scope="module")
+def two_stages():
+    """The 2-block GPT on 2 stages, 4 micro-batches, 1f1b, trained beside one device (train_both's tuple), and
+    the step's plan and comm report on one batch: the one compiled step two tests read."""
+    seen = {}
+
+    def inspect(step, batch):
+        seen["plan"] = step.plan(*batch)
+        seen["whole"] = sum(x.nbytes for x in jax.tree.leaves(nnx.state(step.network, nnx.Param)))
+    return train_both(staged_gpt(2, 2), 2, 4, report=True, inspect=inspect), seen
+
+
 @pytest.mark.parametrize("layers,S,M,sched", [(2, 2, 4, "1f1b"), (4, 4, 8, "1f1b"), (5, 4, 4, "gpipe")])
-def test_gpt_trains_as_on_one_device(layers, S, M, sched):
-    mine, losses, ref, ref_losses, rep = train_both(staged_gpt(layers, S), S, M, sched=sched, report=True)
+def test_gpt_trains_as_on_one_device(layers, S, M, sched, request):
+    if (layers, S, M, sched) == (2, 2, 4, "1f1b"):
+        mine, losses, ref, ref_losses, rep = request.getfixturevalue("two_stages")[0]
+    else:
+        mine, losses, ref, ref_losses, rep = train_both(staged_gpt(layers, S), S, M, sched=sched, report=True)
     assert_equal_training(mine, losses, ref, ref_losses)
     # the stages talk by collective-permute: one [micro-batch, seq, hidden] activation forward and its cotangent
     # back per tick (the loop body holds each once). The rest of a stage is data parallel: the micro-batch's 16 / M
@@ -292,15 +311,9 @@ def test_stage_counts_that_do_not_divide_the_devices_are_refused():
     ms.reset_auto_parallel_context()
 
 
-def test_the_plan_shows_every_stage_and_what_crosses_between_them():
-    x, y = synthetic_batches(1)[0]
-    try:
-        step = _step(staged_gpt(2, 2), S=2, M=4)
-        step(x, y)
-        plan = step.plan(x, y)
-        comm = ms.comm_report(step, x, y)
-    finally:
-        ms.reset_auto_parallel_context()
+def test_the_plan_shows_every_stage_and_what_crosses_between_them(two_stages):
+    (*_, comm), seen = two_stages
+    plan, whole = seen["plan"], seen["whole"]
     rep = plan.pipeline
     assert (rep.schedule, rep.stages, rep.micro_size, rep.ticks) == ("1f1b", 2, 4, 10)
     assert rep.bubble == pytest.approx(1 / 5)                        # (S-1)/(M+S-1)
@@ -321,6 +334,5 @@ def test_the_plan_shows_every_stage_and_what_crosses_between_them():
     text = plan.summary()
     assert "stage 0 -> 1: float32[4, 32, 64]" in text and "pipeline: 1f1b, 2 stages" in text
     # the parameters one device stores: each one stage alone uses, split over the 2 stages (the GPT's dims divide)
-    whole = sum(x.nbytes for x in jax.tree.leaves(nnx.state(step.network, nnx.Param)))
     assert rep.stored_param_bytes == (whole // 2, whole)
     assert f"parameters stored per device across the stages: {whole // 2:,} B of {whole:,} B (2.00x less)" in text
