@@ -41,11 +41,11 @@ from collections.abc import Iterable
 import numpy as np
 
 from .cost import CostParams
-from .cost_vectors import layout_cost_matrix, spec_cost_vector
+from .cost_vectors import layout_cost_matrix
 from .graph import Graph, Op, Strategy, TensorLayout, operand_layout, result_layout
 from .plan_cost import PlanIndex
-from .spec import all_devices, layout_of, spec_from_key
-from .strategies import strategies_for
+from .spec import all_devices
+from .tables import Tables
 
 
 class Keys:
@@ -101,67 +101,45 @@ class Problem:
         self.cells = 0                           # sum over live pairs of len(cands[lo]) * len(cands[hi])
         self.normalise = False                   # see normalised()
         self.index: PlanIndex | None = None      # the graph's index (build)
+        self.tables: Tables | None = None        # its search tables (build)
 
     # -- building ------------------------------------------------------------------------------
     @classmethod
     def build(cls, graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
-              max_candidates: int | None = None, index: PlanIndex | None = None) -> Problem:
-        """The problem of ``graph``: candidates as :func:`~searchers.strategies.enumerate_strategies`
-        gives them (a fixed op has its one strategy), costs from the cost model. ``index``: the graph's
-        :class:`~searchers.plan_cost.PlanIndex` (op shapes and edges), the one graph index every searcher and the
-        baseline check read; built here where not given, and kept as ``self.index``."""
+              max_candidates: int | None = None, index: PlanIndex | None = None,
+              tables: Tables | None = None) -> Problem:
+        """The problem of ``graph``: candidates as :meth:`~searchers.tables.Tables.candidates` gives them (a fixed
+        op has its one strategy), costs from the cost model. ``index``: the graph's
+        :class:`~searchers.plan_cost.PlanIndex` (op shapes and edges) and ``tables``: its
+        :class:`~searchers.tables.Tables` (candidates, costs and layouts per op shape), the one graph index and
+        the one set of tables every searcher reads; built here where not given, kept as ``self.index`` and
+        ``self.tables``."""
         self = cls(graph, params)
         ix = self.index = PlanIndex(graph) if index is None else index
+        tab = self.tables = Tables(graph, params, max_candidates) if tables is None else tables
         mesh, keys = graph.mesh, self.keys
-        spec_keys = ix.spec_keys[0]
-        cand_ids: dict[tuple, int] = {}
-        cand_lists: list[tuple[Strategy, ...]] = []
-        vec_memo: dict[tuple, tuple[np.ndarray, int]] = {}
-        lay_memo: dict[tuple, tuple[int, tuple[TensorLayout, ...]]] = {}
-        mat_memo: dict[int, np.ndarray] = {}
-        skeys = []
+        keys_of_shape, _ = ix.spec_keys
+        sid_of = [tab.spec_id(k) for k in keys_of_shape]          # per op shape of the index, its tables' sid
+        nodes: dict[tuple, _Node] = {}                             # (op shape, user strategy) -> its node data
+        node_of: list[_Node] = []
         for op, si in zip(graph.ops, ix.spec_index):
-            sk = spec_keys[si]
-            skeys.append(sk)
             fixed = None if op.fixed is None else tuple(tuple(a) for a in op.fixed)
-            ck = (sk[0], fixed)
-            cid = cand_ids.get(ck)
-            if cid is None:
-                if fixed is not None:
-                    cands: tuple[Strategy, ...] = (fixed,)
-                else:
-                    spec = spec_from_key(sk)
-                    cands = strategies_for(spec.sizes, spec.unsplittable, mesh.shape,
-                                           all_devices(spec, fully_use_devices), max_candidates, spec.apart)
-                cid = cand_ids[ck] = len(cand_lists)
-                cand_lists.append(cands)
-            cands = cand_lists[cid]
-            got = vec_memo.get((sk, cid))
-            if got is None:
-                vec = spec_cost_vector(spec_from_key(sk), cands, mesh, params)
-                got = vec_memo[sk, cid] = (vec, keys(("u", sk, cid)))
-            self.cands.append(cands)
-            self.unary.append(got[0])
-            self.ukey.append(got[1])
+            nd = nodes.get((si, fixed))
+            if nd is None:
+                sid = sid_of[si]
+                cands = (fixed,) if fixed is not None else tab.candidates(sid, all_devices(tab.specs[sid],
+                                                                                          fully_use_devices))
+                nd = nodes[si, fixed] = _Node(sid, cands, tab.unary(sid, cands), keys(("u", sid, cands)))
+            node_of.append(nd)
+            self.cands.append(nd.cands)
+            self.unary.append(nd.unary)
+            self.ukey.append(nd.ukey)
             self.alive.append(True)
             self.adj.append({})
-
-        def layouts(v: int, out: bool, idx: int) -> tuple[int, tuple[TensorLayout, ...]]:
-            sk = skeys[v]
-            fx = graph.ops[v].fixed
-            cid = cand_ids[sk[0], None if fx is None else tuple(tuple(a) for a in fx)]
-            lk = (sk[0], cid, out, idx)
-            got = lay_memo.get(lk)
-            if got is None:
-                spec = spec_from_key(sk)
-                maps = spec.out_maps[idx] if out else spec.in_maps[idx]
-                lays = tuple(layout_of(maps, s) for s in cand_lists[cid])
-                got = lay_memo[lk] = (len(lay_memo), lays)
-            return got
-
+        mat_memo: dict[int, np.ndarray] = {}
         for c, k, p, j, nbytes in ix.edges():          # consumer by consumer, operands in order
-            src_id, src = layouts(p, True, j)
-            dst_id, dst = layouts(c, False, k)
+            src_id, src = node_of[p].layouts(tab, True, j)
+            dst_id, dst = node_of[c].layouts(tab, False, k)
             mk = keys(("e", src_id, dst_id, nbytes))
             m = mat_memo.get(mk)
             if m is None:
@@ -333,7 +311,8 @@ class Problem:
     def copy(self) -> Problem:
         """An independent copy (arrays and the key table are shared: they are never modified)."""
         new = Problem.__new__(Problem)
-        new.graph, new.params, new.keys, new.index = self.graph, self.params, self.keys, self.index
+        new.graph, new.params, new.keys, new.index, new.tables = (self.graph, self.params, self.keys, self.index,
+                                                                  self.tables)
         new.cands = self.cands
         for name in ("unary", "ukey", "alive", "lo", "hi", "mat", "mkey"):
             setattr(new, name, list(getattr(self, name)))
@@ -395,6 +374,27 @@ class Problem:
             assert m is not None
             t += float(m[choice[self.lo[i]], choice[self.hi[i]]])
         return t
+
+
+class _Node:
+    """What :meth:`Problem.build` shares between the ops of one shape and user strategy: the tables' sid, the
+    candidates, their cost and its content key, and the layout lists of its operands and results (made when an
+    edge first asks)."""
+
+    __slots__ = ("cands", "lists", "sid", "ukey", "unary")
+
+    def __init__(self, sid: int, cands: tuple[Strategy, ...], unary: np.ndarray, ukey: int) -> None:
+        self.sid, self.cands, self.unary, self.ukey = sid, cands, unary, ukey
+        self.lists: dict[tuple[bool, int], tuple[int, tuple[TensorLayout, ...]]] = {}
+
+    def layouts(self, tab: Tables, out: bool, idx: int) -> tuple[int, tuple[TensorLayout, ...]]:
+        """(layout list id, layouts) of result (``out``) or operand ``idx`` under each candidate."""
+        got = self.lists.get((out, idx))
+        if got is None:
+            spec = tab.specs[self.sid]
+            got = self.lists[out, idx] = tab.layout_list(spec.out_maps[idx] if out else spec.in_maps[idx],
+                                                         self.cands)
+        return got
 
 
 def _elementwise(op: Op) -> bool:

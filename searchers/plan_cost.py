@@ -2,9 +2,10 @@
 
 :class:`PlanIndex` computes once what the searchers and the baseline check (:mod:`searchers.baselines`) share: each
 op's :class:`~searchers.spec.OpSpec` (one per distinct op shape), every edge as (consumer, operand slot, producer,
-result slot, bytes) in numpy arrays, each op's neighbours and operand sources. sharding_propagation and
-recursive_programming search on it; :class:`~searchers.factor.Problem`, dynamic_programming's and ilp's pairwise
-problem, is built on it. :meth:`PlanIndex.cost` (:func:`~searchers.cost.graph_cost` with the graph indexed once)
+result slot, bytes) in numpy arrays, each op's neighbours and operand sources. On it every search builds one
+:class:`~searchers.tables.Tables` (candidates, costs and layouts per op shape): sharding_propagation and
+recursive_programming search on the two; :class:`~searchers.factor.Problem`, dynamic_programming's and ilp's
+pairwise problem, is built from them. :meth:`PlanIndex.cost` (:func:`~searchers.cost.graph_cost` with the graph indexed once)
 interns each distinct (op shape, strategy) pair, looks up the layouts it gives its operands and results, and compares
 the two ends of every edge in numpy: the Python work is per distinct (op shape, strategy object), not per op.
 The result equals ``graph_cost(graph, plan, params)`` (every edge charged, the searchers' objective).

@@ -34,20 +34,18 @@ import dataclasses
 import gc
 import time
 from collections import deque
-from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from .baselines import no_worse_than_baselines
 from .cache import cached_search
 from .cost import CostParams
-from .cost_vectors import candidate_tables, cost_vector, halo_fractions, unweighted_affine
-from .graph import DeviceMesh, Graph, Strategy, TensorLayout, tied_strategy
+from .graph import DeviceMesh, Graph, Strategy, tied_strategy
 from .plan_cost import PlanIndex
 from .result import SearchResult
-from .spec import OpSpec, SpecKey, layout_of, spec_from_key
-from .strategies import data_parallel_strategy, strategies_for
+from .spec import layout_of
+from .strategies import data_parallel_strategy
+from .tables import Tables
 
 ALGORITHM = "sharding_propagation"
 _REL_TIE = 1e-9
@@ -71,114 +69,15 @@ def _first_min(own: list[float], red: list[float]) -> int:
     return next(i for i in tied if own[i] <= lim)
 
 
-class _Struct:
-    """Size-free tables of one op structure: candidates, their layout ids, cost factors."""
-
-    __slots__ = ("cands", "in_lids", "in_rows", "out_lids", "out_rows", "tables")
-
-    def __init__(self, cands: tuple[Strategy, ...], in_lids: list, out_lids: list, tables: Any) -> None:
-        self.cands, self.in_lids, self.out_lids, self.tables = cands, in_lids, out_lids, tables
-        # per candidate: the layout id of each operand / result
-        self.in_rows = list(zip(*[a[0].tolist() for a in in_lids])) if in_lids else [()] * len(cands)
-        self.out_rows = list(zip(*[a[0].tolist() for a in out_lids])) if out_lids else [()] * len(cands)
-
-
-class _Tables:
-    """Candidate tables and memoised side vectors / decisions for one propagation run.
-
-    ``sid`` indexes distinct :class:`OpSpec` (structure + sizes); structure-level tables are
-    shared by every spec of one structure."""
+class _Tables(Tables):
+    """The search's :class:`~searchers.tables.Tables` and propagation's memoised side lists and decisions (per op
+    shape and decided sides)."""
 
     def __init__(self, graph: Graph, params: CostParams, max_candidates: int | None):
-        self.mesh, self.params, self.maxc = graph.mesh, params, max_candidates
-        self.key_ids: dict[SpecKey, int] = {}
-        self.specs: list[OpSpec] = []
-        self.structs: list[_Struct | None] = []     # per sid
-        self.own: list[np.ndarray | None] = []      # per sid
-        self.by_struct: dict[int, _Struct] = {}
-        self.struct_of: list[int] = []
-        self.layout_ids: dict[TensorLayout, int] = {}
-        self.layouts: list[TensorLayout] = []
-        self.lid_lists: dict[bytes, tuple] = {}                 # candidate layout-id lists, interned
-        self.lids_of: dict[tuple, tuple] = {}                   # (tensor map, candidates) -> its entry there
-        self.affine: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
-        self.side_vec: dict[tuple, np.ndarray] = {}
+        super().__init__(graph, params, max_candidates)
         self.decision: dict[tuple, int] = {}
         self.own_list: dict[int, list[float]] = {}
         self.side_list: dict[tuple, list[float]] = {}
-
-    def spec_id(self, key: SpecKey) -> int:
-        sid = self.key_ids.get(key)
-        if sid is None:
-            sid = self.key_ids[key] = len(self.specs)
-            self.specs.append(spec_from_key(key))
-            self.struct_of.append(key[0])
-            self.structs.append(None)
-            self.own.append(None)
-        return sid
-
-    def lid(self, layout: TensorLayout) -> int:
-        i = self.layout_ids.get(layout)
-        if i is None:
-            i = self.layout_ids[layout] = len(self.layouts)
-            self.layouts.append(layout)
-        return i
-
-    def ensure(self, sid: int) -> _Struct:
-        st = self.structs[sid]
-        if st is not None:
-            return st
-        spec = self.specs[sid]
-        st = self.by_struct.get(self.struct_of[sid])
-        if st is None:
-            # every split, idle devices allowed: a neighbour takes the layout that needs no redistribution
-            cands = strategies_for(spec.sizes, spec.unsplittable, self.mesh.shape, False, self.maxc, spec.apart)
-            in_lids = [self._lids(m, cands) for m in spec.in_maps]
-            out_lids = [self._lids(m, cands) for m in spec.out_maps]
-            tables = candidate_tables(spec.in_maps, spec.out_maps, spec.reduction, cands, self.mesh,
-                                      halo_fractions(spec))
-            st = self.by_struct[self.struct_of[sid]] = _Struct(cands, in_lids, out_lids, tables)
-        self.structs[sid] = st
-        self.own[sid] = cost_vector(st.tables, spec.flops, spec.in_bytes, spec.out_bytes, self.params,
-                                    spec.latency_share)
-        return st
-
-    def _lids(self, maps: tuple[int, ...], cands: Sequence[Strategy]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """(layout id per candidate, unique ids, inverse index, id of this layout list)."""
-        memo = (maps, cands)                 # structures of equal sizes share their candidate tuple
-        got = self.lids_of.get(memo)
-        if got is not None:
-            return got
-        ids = np.array([self.lid(layout_of(maps, s)) for s in cands], dtype=np.intp)
-        key = ids.tobytes()
-        got = self.lid_lists.get(key)
-        if got is None:
-            uniq, inv = np.unique(ids, return_inverse=True)
-            got = self.lid_lists[key] = (ids, uniq, inv.reshape(-1), len(self.lid_lists))
-        self.lids_of[memo] = got
-        return got
-
-    def vector(self, sid: int, out: int, idx: int, other: int) -> np.ndarray:
-        """Redistribution totals per candidate of ``sid`` against one decided side:
-        ``out=0``: operand ``idx`` is converted from layout id ``other`` (its producer's);
-        ``out=1``: result ``idx`` is converted to layout id ``other`` (a consumer's)."""
-        key = (sid, out, idx, other)
-        v = self.side_vec.get(key)
-        if v is None:
-            st, spec = self.structs[sid], self.specs[sid]
-            assert st is not None                 # ensure(sid) ran before any vector of sid
-            _, uniq, inv, list_id = st.out_lids[idx] if out else st.in_lids[idx]
-            ab = self.affine.get((list_id, out, other))
-            if ab is None:
-                lay, o, mesh = self.layouts, self.layouts[other], self.mesh
-                pairs = [unweighted_affine(lay[u], o, mesh) if out else unweighted_affine(o, lay[u], mesh)
-                         for u in uniq]
-                # beta * a, beta * b: redistribution_affine's products
-                small = self.params.beta * np.asarray(pairs, dtype=float).reshape(len(uniq), 2)
-                ab = self.affine[list_id, out, other] = (small[inv, 0], small[inv, 1])
-            nbytes = spec.out_bytes[idx] if out else spec.in_bytes[idx]
-            v = self.side_vec[key] = ab[0] + ab[1] * float(nbytes)
-        return v
 
     def decide(self, sid: int, sides: tuple) -> int:
         key = (sid, sides)

@@ -70,12 +70,11 @@ from .cost_vectors import layout_cost_matrix
 from .graph import SOURCE_KINDS, Graph, Op, Strategy, Tensor, tied_strategy
 from .plan_cost import PlanIndex
 from .progress import Progress
-from .propagation import _Tables
 from .result import SearchResult
 from .rp_levels import LevelBatch
 from .slots import Slots, flat_ops, slot_graph, starts
 from .spec import all_devices, distinct_spec_keys, layout_of
-from .strategies import strategies_for
+from .tables import Tables
 
 ALGORITHM = "recursive_programming"
 _REL_TIE = 1e-9
@@ -158,7 +157,7 @@ class _Search:
         self.graph, self.params, self.fully = graph, params, fully
         mesh, ops = graph.mesh, graph.ops
         self.n, self.n_axes = len(ops), len(mesh.shape)
-        self.tab = tab = _Tables(graph, params, None)          # every partial strategy is a candidate here
+        self.tab = tab = Tables(graph, params, None)          # every partial strategy is a candidate here
         # flat layout slots (every op's operands then results) and each op's refs: the slots of its
         # neighbours its cost depends on (searchers.slots)
         self.flat = flat_ops(graph)
@@ -201,8 +200,7 @@ class _Search:
         if got is None:
             spec = tab.specs[sid]
             cands = tab.ensure(sid).cands
-            finals = strategies_for(spec.sizes, spec.unsplittable, tab.mesh.shape, all_devices(spec, self.fully),
-                                    None, spec.apart)
+            finals = tab.candidates(sid, all_devices(spec, self.fully))
             key = (cands, finals)
             got = self._by_sets.get(key)
             if got is None:
@@ -439,7 +437,7 @@ class _Search:
         return PlanIndex(self.graph, flat=self.flat, spec_keys=self.keys, slots=self.sl)
 
 
-def _levels(movable: list[int], sl: Slots, sids: list[int], tab: _Tables, rounds_of: Callable[[int], _Rounds],
+def _levels(movable: list[int], sl: Slots, sids: list[int], tab: Tables, rounds_of: Callable[[int], _Rounds],
             side: Callable[[int, int, int, int], np.ndarray], slots_of: Callable[[int], np.ndarray],
             n_axes: int) -> LevelBatch | None:
     """The movable ops as a :class:`~searchers.rp_levels.LevelBatch`; None where there is no
@@ -455,7 +453,7 @@ def _levels(movable: list[int], sl: Slots, sids: list[int], tab: _Tables, rounds
     return lb if lb.n_levels else None
 
 
-def _follow(ops: list[Op], movable: list[int], sids: list[int], tab: _Tables, refs: list[list[int]], lay: list[int],
+def _follow(ops: list[Op], movable: list[int], sids: list[int], tab: Tables, refs: list[list[int]], lay: list[int],
             in_base: list[int], out_base: list[int], state: list[int], rounds_of: Callable[[int], _Rounds]) -> int:
     """Give every elementwise op whose result has one consuming op the final strategy whose result
     layout is the one that consumer wants (consumers first, so chains follow through). Returns how
@@ -498,7 +496,7 @@ class _View:
 
     def __init__(self, ops: list[Op], tensors: list[Tensor], sids: list[int], sig_of: list[int], sigs: list[tuple],
                  refs: list[list[int]], in_base: list[int], in_end: list[int], out_base: list[int], out_end: list[int],
-                 lay: list[int], state: list[int], tab: _Tables, rounds_of: Callable[[int], _Rounds],
+                 lay: list[int], state: list[int], tab: Tables, rounds_of: Callable[[int], _Rounds],
                  final_costs: Callable[[int, int, Iterable[int | None]], np.ndarray], movable: list[int]) -> None:
         self.ops, self.tensors, self.sids, self.sig_of, self.sigs, self.refs = ops, tensors, sids, sig_of, sigs, refs
         self.in_base, self.in_end, self.out_base, self.out_end = in_base, in_end, out_base, out_end
