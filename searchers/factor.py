@@ -1,9 +1,10 @@
-"""A graph as a pairwise cost problem, the common input of dynamic_programming and ilp.
+"""A graph as a pairwise cost problem, the common input of dynamic_programming and ilp: the pairwise view of the
+search's :class:`~searchers.tables.Tables`, the tables every searcher reads.
 
 Every op is a *node* with a list of candidate strategies and a cost vector over them
-(:func:`~searchers.cost_vectors.op_cost_vector`); every pair of ops joined by at least one
+(:func:`~searchers.cost_vectors.op_cost_vector`'s values); every pair of ops joined by at least one
 edge is a *pair* with a matrix of redistribution costs between their candidates
-(:func:`~searchers.cost_vectors.edge_cost_matrix`; several edges between one pair — ``mul(x, x)``,
+(:func:`~searchers.cost_vectors.edge_cost_matrix`'s values; several edges between one pair — ``mul(x, x)``,
 or two results of one producer — are summed: MindSpore's edge elimination). The total cost
 of a choice of one candidate per node is the sum of the chosen unary entries and pair
 entries, which equals :func:`~searchers.cost.graph_cost`'s total.

@@ -26,6 +26,40 @@ def test_problem_total_is_graph_cost_for_any_choice():
         assert prob.total(choice) == pytest.approx(graph_cost(g, prob.strategies(choice), P).total, rel=1e-12)
 
 
+@pytest.mark.parametrize("family", ["transformer", "conv", "random"])
+@pytest.mark.parametrize("fully", [False, True])
+def test_problem_built_from_the_shared_tables_is_the_cost_model_entry_by_entry(family, fully):
+    """Problem takes its candidates, vectors and layout lists from the search's Tables, where op shapes of several
+    structures share layout lists: every node's vector must still be the cost model's own vector of that op
+    (op_cost_vector), and every pair's matrix the sum of the cost model's matrices of the edges between the two ops
+    (edge_cost_matrix), exactly: the same functions on the same layouts. Under fully_use_devices an op that must
+    use every device has only candidates that do. One user strategy (the first data input's split) is kept."""
+    from searchers.cost_vectors import edge_cost_matrix, op_cost_vector
+    from searchers.generators import graph_of_size
+    from searchers.graph import split_count
+    from searchers.spec import all_devices, op_spec
+    g = graph_of_size(60, family, DeviceMesh.prime(8), fix_data=True)
+    prob = Problem.build(g, P, fully_use_devices=fully)
+    for op, cands, vec in zip(g.ops, prob.cands, prob.unary):
+        np.testing.assert_array_equal(vec, op_cost_vector(op, cands, g, P))
+        if op.fixed is not None:
+            assert cands == (tuple(tuple(a) for a in op.fixed),)
+        elif fully and all_devices(op_spec(op, g), True):
+            assert all(split_count(s, g.mesh.shape) == 8 for s in cands), op.name
+    want: dict[tuple[int, int], np.ndarray] = {}
+    for cons in g.ops:
+        for k, tid in enumerate(cons.inputs):
+            p = g.tensors[tid].producer
+            m = edge_cost_matrix(g.ops[p], prob.cands[p], cons, prob.cands[cons.id], k, g, P)
+            key, m = ((p, cons.id), m) if p < cons.id else ((cons.id, p), m.T)
+            want[key] = want[key] + m if key in want else m
+    got = {(prob.lo[i], prob.hi[i]): prob.mat[i] for i in prob.pairs()}
+    assert got.keys() == want.keys()
+    for key, m in want.items():
+        # several edges between one pair are summed in one order in both: equal floats
+        np.testing.assert_array_equal(got[key], m)
+
+
 def test_absorbing_fixed_ops_keeps_totals():
     g = mlp_chain(1, 8, 4, DeviceMesh((2, 2)))
     g.ops[0].fixed = ((0,), ())
