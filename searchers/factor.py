@@ -102,7 +102,6 @@ class Problem:
         self.cells = 0                           # sum over live pairs of len(cands[lo]) * len(cands[hi])
         self.normalise = False                   # see normalised()
         self.index: PlanIndex | None = None      # the graph's index (build)
-        self.tables: Tables | None = None        # its search tables (build)
 
     # -- building ------------------------------------------------------------------------------
     @classmethod
@@ -113,11 +112,11 @@ class Problem:
         op has its one strategy), costs from the cost model. ``index``: the graph's
         :class:`~searchers.plan_cost.PlanIndex` (op shapes and edges) and ``tables``: its
         :class:`~searchers.tables.Tables` (candidates, costs and layouts per op shape), the one graph index and
-        the one set of tables every searcher reads; built here where not given, kept as ``self.index`` and
-        ``self.tables``."""
+        the one set of tables every searcher reads; built here where not given (the index is kept as
+        ``self.index``)."""
         self = cls(graph, params)
         ix = self.index = PlanIndex(graph) if index is None else index
-        tab = self.tables = Tables(graph, params, max_candidates) if tables is None else tables
+        tab = Tables(graph, params, max_candidates) if tables is None else tables
         mesh, keys = graph.mesh, self.keys
         keys_of_shape, _ = ix.spec_keys
         sid_of = [tab.spec_id(k) for k in keys_of_shape]          # per op shape of the index, its tables' sid
@@ -312,8 +311,7 @@ class Problem:
     def copy(self) -> Problem:
         """An independent copy (arrays and the key table are shared: they are never modified)."""
         new = Problem.__new__(Problem)
-        new.graph, new.params, new.keys, new.index, new.tables = (self.graph, self.params, self.keys, self.index,
-                                                                  self.tables)
+        new.graph, new.params, new.keys, new.index = self.graph, self.params, self.keys, self.index
         new.cands = self.cands
         for name in ("unary", "ukey", "alive", "lo", "hi", "mat", "mkey"):
             setattr(new, name, list(getattr(self, name)))
