@@ -159,7 +159,7 @@ import mshard as ms
 class Big(nnx.Module):
     def __init__(self, n):
         self.w = nnx.Param(jnp.full((n, 1024), 1.5, jnp.float32))
-mgr = ms.CheckpointManager({str(tmp_path)!r}, ms.CheckpointConfig(keep_checkpoint_max=1))
+mgr = ms.CheckpointManager({str(tmp_path)!r}, ms.CheckpointConfig(keep_checkpoint_max=1, async_save=True))
 mgr.save(Big(16), step=1).wait()
 print("saved 1", flush=True)
 mgr.save(Big(1 << 16), step=2)          # 256 MB, asynchronous; keeping 1 step, step 1 goes once step 2 commits
@@ -187,6 +187,63 @@ import time; time.sleep(60)
     b = Big()
     assert ms.load_checkpoint(tmp_path, b).step == 1
     assert float(b.w[...].min()) == 1.5 == float(b.w[...].max())
+
+
+_EXIT_AFTER_ASYNC_SAVE = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax.numpy as jnp
+from flax import nnx
+import mshard as ms
+class Big(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.arange(1 << 22, dtype=jnp.float32).reshape(1 << 12, 1 << 10))   # 16 MB
+        self.b = nnx.Param(jnp.arange(7, dtype=jnp.float32) * 0.25 - 1.0)   # exact in float32
+d = sys.argv[1]
+ms.save_checkpoint(Big(), os.path.join(d, "fn"), step=1, async_save=True)
+ms.CheckpointManager(os.path.join(d, "mgr"), ms.CheckpointConfig(async_save=True)).save(Big(), step=3)
+print("returned", flush=True)
+"""
+
+
+def test_a_script_that_ends_right_after_an_async_save_keeps_its_checkpoint(tmp_path):
+    """The script returns from both async saves and ends at once: the interpreter's exit commits them (orbax's
+    background commit needs thread pools that Python shuts down before ``atexit`` hooks run)."""
+    r = subprocess.run([sys.executable, "-c", _EXIT_AFTER_ASYNC_SAVE, str(tmp_path)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "returned", r.stderr[-2000:]
+    assert "cannot schedule new futures" not in r.stderr and "did not commit" not in r.stderr, r.stderr[-2000:]
+
+    class Big(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros((1 << 12, 1 << 10), jnp.float32))
+            self.b = nnx.Param(jnp.zeros((7,), jnp.float32))
+    for sub, step in (("fn", 1), ("mgr", 3)):
+        b = Big()
+        assert ms.load_checkpoint(tmp_path / sub, b).step == step          # loaded by this (another) process
+        np.testing.assert_array_equal(np.asarray(b.w[...]), np.arange(1 << 22, dtype=np.float32).reshape(4096, 1024))
+        np.testing.assert_array_equal(np.asarray(b.b[...]), np.arange(7, dtype=np.float32) * 0.25 - 1.0)
+
+
+def _committed_on_disk(d, step):
+    """Orbax's commit marker, read from the file system (not through ``store.steps``, which waits for saves)."""
+    return (pathlib.Path(d) / str(step) / "state" / "commit_success.txt").is_file()
+
+
+def test_save_is_synchronous_by_default_and_a_load_waits_for_a_save_in_flight(tmp_path):
+    net = nnx.Linear(256, 512, rngs=nnx.Rngs(0))
+    ms.save_checkpoint(net, tmp_path / "sync", step=1)                # MindSpore's default: committed on return
+    assert _committed_on_disk(tmp_path / "sync", 1)
+    mgr = ms.CheckpointManager(tmp_path / "mgr")
+    mgr.save(net, step=1)
+    assert _committed_on_disk(tmp_path / "mgr", 1)
+    ms.save_checkpoint(net, tmp_path / "async", step=5, async_save=True)
+    other = nnx.Linear(256, 512, rngs=nnx.Rngs(1))                    # another init: the load must change it
+    assert ms.load_checkpoint(tmp_path / "async", other).step == 5    # waits for the save in flight
+    _assert_same(_values(net), _values(other))
+    ms.save_checkpoint(net, tmp_path / "async", step=6, async_save=True)
+    ms.save_checkpoint(net, tmp_path / "async", async_save=True)      # default step: one past the last, 6 included
+    assert ms.checkpoint.store.steps(str(tmp_path / "async")) == [5, 6, 7]
 
 
 def test_manager_keeps_the_last_n_and_refuses_to_overwrite(tmp_path):

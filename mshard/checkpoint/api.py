@@ -5,7 +5,7 @@
 >>> import mshard as ms
 >>> d = tempfile.mkdtemp()
 >>> net = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
->>> ms.save_checkpoint(net, d, step=0).wait().step
+>>> ms.save_checkpoint(net, d, step=0).step       # committed on return (async_save=True writes in the background)
 0
 >>> other = nnx.Linear(4, 2, rngs=nnx.Rngs(1))
 >>> r = ms.load_checkpoint(d, other)
@@ -83,18 +83,22 @@ def _default_step(obj: nnx.Module, directory: str) -> int:
 
 def save_checkpoint(obj: nnx.Module, directory: str | os.PathLike, *, step: int | None = None,
                     metadata: dict | None = None, keep: int | None = None,
-                    async_save: bool = True) -> SaveHandle:
+                    async_save: bool = False) -> SaveHandle:
     """Save ``obj`` (a Cell, any nnx module, a TrainOneStepCell) as step ``step`` of ``directory``.
 
     Saves every variable in its current layout (each process writes only its shards), the layouts, the plan's
     strategy file, per-leaf content checksums and ``metadata`` (JSON). ``step`` defaults to the optimizer's
-    step count for a TrainOneStepCell, else one past the last saved step. Asynchronous: returns once the arrays
-    are copied off the devices; ``.wait()`` blocks until the step is committed. ``keep`` keeps only the last
+    step count for a TrainOneStepCell, else one past the last saved step. Synchronous by default, as MindSpore's
+    ``save_checkpoint`` (``async_save=False``): the step is committed on disk when it returns. ``async_save=True``
+    returns once the arrays are copied off the devices and commits in the background; ``.wait()`` blocks until
+    it is committed, and so does any later save or load of the same directory in this process and the
+    interpreter's exit, so nothing saved is lost at the end of a script. ``keep`` keeps only the last
     ``keep`` steps of the directory. A step that already exists is an error (nothing saved is overwritten).
 
     >>> import tempfile
     >>> from flax import nnx
-    >>> h = save_checkpoint(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tempfile.mkdtemp(), metadata={"epoch": 1})
+    >>> h = save_checkpoint(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tempfile.mkdtemp(), metadata={"epoch": 1},
+    ...                     async_save=True)
     >>> h.wait().step
     0
     """
@@ -126,6 +130,8 @@ def save_checkpoint(obj: nnx.Module, directory: str | os.PathLike, *, step: int 
     m = store.manager(directory, keep, async_save)
     m.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave({lf.name: lf.value for lf in leaves}),
                                          mshard=ocp.args.JsonSave(meta)))
+    if not async_save:
+        m.wait_until_finished()
     return SaveHandle(directory, step, m)
 
 

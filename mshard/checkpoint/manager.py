@@ -25,13 +25,14 @@ from .api import LoadResult, SaveHandle, load_checkpoint, save_checkpoint
 @dataclass(frozen=True)
 class CheckpointConfig:
     """MindSpore's ``CheckpointConfig``: save every ``save_checkpoint_steps`` steps, keep the last
-    ``keep_checkpoint_max``; ``async_save`` writes in the background; ``append_info`` (a dict) goes into every
+    ``keep_checkpoint_max``; ``async_save`` (False by default, as in MindSpore) writes in the background, committed
+    before the next save or load of the directory and before the interpreter exits; ``append_info`` (a dict) goes into every
     checkpoint's metadata. MindSpore's time-based and ``integrated_save`` options have no meaning here
     (checkpoints are always distributed and whole) and are not accepted."""
 
     save_checkpoint_steps: int = 1
     keep_checkpoint_max: int = 5
-    async_save: bool = True
+    async_save: bool = False
     append_info: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -75,5 +76,5 @@ class CheckpointManager:
 
     def wait(self) -> CheckpointManager:
         """Block until every save in flight is committed."""
-        store.manager(self.directory, for_restore=True).wait_until_finished()
+        store.finish(self.directory)
         return self

@@ -15,6 +15,7 @@ A step directory without orbax's commit marker (a save killed half way) is never
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours: see _finish_saves)
 import gc
 import itertools
 import json
@@ -22,6 +23,7 @@ import logging
 import os
 import re
 import sys
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +47,7 @@ VERSION = 1
 _MANAGERS: dict[tuple, ocp.CheckpointManager] = {}
 
 
-def manager(directory: str, keep: int | None = None, async_save: bool = True,
+def manager(directory: str, keep: int | None = None, async_save: bool = False,
             for_restore: bool = False) -> ocp.CheckpointManager:
     """The (cached) orbax manager of ``directory``: keeps the last ``keep`` steps (all when None). A restore
     uses whichever manager the directory has."""
@@ -67,17 +69,38 @@ def manager(directory: str, keep: int | None = None, async_save: bool = True,
     return m
 
 
-@atexit.register
+def finish(directory: str | None = None) -> None:
+    """Block until every save in flight to ``directory`` (every directory when None) is committed. Called before
+    the process reads or writes a directory's steps, so a save followed at once by a load (or another save) sees
+    its own checkpoint."""
+    directory = None if directory is None else os.path.abspath(os.fspath(directory))
+    for k, m in list(_MANAGERS.items()):
+        if directory is None or k[0] == directory:
+            m.wait_until_finished()
+
+
 def _finish_saves() -> None:
-    for m in _MANAGERS.values():
+    """Commit every save still in flight before the interpreter shuts down. Orbax's background commit submits
+    work to thread pools, which refuse new work once ``concurrent.futures`` has run its own exit hook (it runs
+    before ``atexit``'s): so this runs among the threading module's exit hooks, registered after that one
+    (they run last-registered first), and again from ``atexit`` for an interpreter without them."""
+    for m in list(_MANAGERS.values()):
         try:
             m.wait_until_finished()
-        except Exception:
-            pass
+        except Exception as e:  # the process is exiting: say what was lost, do not raise from an exit hook
+            logging.getLogger(__name__).error("mshard: a checkpoint save did not commit before exit: %s", e)
+
+
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_finish_saves)
+atexit.register(_finish_saves)
 
 
 def steps(directory: str) -> list[int]:
-    """The committed steps of ``directory`` (a half-written step is not one)."""
+    """The committed steps of ``directory`` (a half-written step is not one), after this process's saves to it
+    in flight have committed."""
+    finish(directory)
     if not os.path.isdir(directory):
         return []
     return sorted(int(n) for n in os.listdir(directory)

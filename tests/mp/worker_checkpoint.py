@@ -93,7 +93,7 @@ if phase == "save":
             import asyncio
             await asyncio.Event().wait()
         ocp_serialization.async_serialize_from_host = _never
-    ms.save_checkpoint(Big(), directory, step=3)       # returns once copied off the devices; writes in the background
+    ms.save_checkpoint(Big(), directory, step=3, async_save=True)   # returns once copied off the devices; writes in the background
     print("saving 3", flush=True)
     if pid == 1:                                        # killed while its shards of step 3 are being written
         os.kill(os.getpid(), signal.SIGKILL)
