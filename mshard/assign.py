@@ -68,6 +68,9 @@ class RegionLayouts:
     honour_marks: bool = True
     user_inputs: set[int] = field(default_factory=set)     # inputs laid out by the user (data, parameter_plan)
     strategy_inputs: list[DimAxes] | None = None    # a searched region's inputs as the user's strategies alone lay them out
+    # an out mark whose op must first compute in another layout (a guard's safe layout): the op's result is
+    # constrained to this one, then to the mark's
+    staged: dict[tuple[int, str, int], DimAxes] = field(default_factory=dict)
 
 
 # -- mesh ------------------------------------------------------------------------------------------
@@ -183,6 +186,18 @@ class Assigner:
         key, d = c
         return f"{self.claim_names.get(key, key)} dim {d}"
 
+    def _joined(self, claims: Sequence[tuple[Any, int]], count: int) -> list[tuple[str, ...]]:
+        """The axes already taken by user splits of ``count`` that ``claims`` join (the same loop dim of one op)."""
+        if self.meetings is None:
+            return []
+        out = []
+        for c in claims:
+            for other in self.meetings.joins(*c):
+                ax = self.claimed.get(other)
+                if ax and other not in claims and self.mesh.count(ax) == count and ax not in out:
+                    out.append(ax)
+        return out
+
     def _hard(self, claims: Sequence[tuple[Any, int]]) -> set[str]:
         return {a for ax, _ in self._met(claims).values() for a in ax}
 
@@ -208,7 +223,7 @@ class Assigner:
             if c == 1:
                 continue
             claims = [(claim, d)] if claim is not None else []
-            pref = [p[d] for p in prefer if p is not None and d < len(p) and p[d]]
+            pref = self._joined(claims, c) + [p[d] for p in prefer if p is not None and d < len(p) and p[d]]
             if c in self.by_count and (reuse or not (set(self.by_count[c]) & avoid)):
                 pref.append(self.by_count[c])
             out[d] = self._take(c, used, pref, avoid, lambda free, c=c, d=d: (

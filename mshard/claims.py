@@ -14,7 +14,9 @@ Two claims *meet* where they reach one op on different loop dims: the op compute
 once, so they must take disjoint mesh axes, or the partitioner reshuffles one of them (silently: numbers
 stay right, collectives multiply). :class:`Meetings` answers, for a claim, which other claims it meets
 and in which op; :class:`mshard.assign.Assigner` avoids their axes and raises ``LayoutError`` where it
-cannot.
+cannot. Two claims *join* where they reach one op on the same loop dim (:meth:`Meetings.joins`): the
+Assigner gives the later one the earlier one's axes where the split counts agree, so a shard-wrapped
+``x @ w`` with ``in_strategy=((2, 2), (2, 2))`` splits the contraction over one axis on both inputs.
 
 >>> import jax, jax.numpy as jnp
 >>> from searchers import DeviceMesh
@@ -64,8 +66,14 @@ class Meetings:
                 for d, td in dims.items():
                     self._spread(key, d, td, [tid], uses, stop, reach)
         self._meets: dict[ClaimDim, dict[ClaimDim, str]] = defaultdict(dict)
+        self._joins: dict[ClaimDim, dict[ClaimDim, str]] = defaultdict(dict)
         for oid, by_loop in sorted(reach.items()):      # program order: name the first op where they meet
             loops = list(by_loop.items())
+            for _, claims in loops:
+                for x in claims:
+                    for y in claims:
+                        if x[0] != y[0]:
+                            self._joins[x].setdefault(y, graph.ops[oid].name)
             for a, (la, ca) in enumerate(loops):
                 for lb, cb in loops[a + 1:]:
                     if la == lb:
@@ -116,6 +124,11 @@ class Meetings:
                     if (t2, d2) not in seen and g.tensors[t2].shape[d2] > 1:
                         seen.add((t2, d2))
                         todo.append((t2, d2))
+
+    def joins(self, key: ClaimKey, dim: int) -> dict[ClaimDim, str]:
+        """The claims that reach one op on the same loop dim as ``(key, dim)`` (a MatMul's contracted dim on both
+        operands), each with the name of such an op: with equal split counts they should take the same axes."""
+        return dict(self._joins.get((key, dim), {}))
 
     def meets(self, key: ClaimKey, dim: int) -> dict[ClaimDim, str]:
         """The claims that claim ``(key, dim)`` meets, each with the name of an op where they meet."""

@@ -78,9 +78,12 @@ class Emitter:
             if not self.layouts.honour_marks:
                 return invals[0]
             lay = self.layouts.marks.get(exact_mark_key(eqn), self.layouts.marks.get(mark_key(eqn)))
-            if lay is not None and eqn.params.get("bdim") is not None and len(lay) == len(invals[0].shape) - 1:
-                lay = replica_layout(lay, eqn.params["bdim"], eqn.params["replica_axes"])
-            return self.wsc(invals[0], lay)
+            first = self.layouts.staged.get(exact_mark_key(eqn))
+            if eqn.params.get("bdim") is not None:
+                lay, first = (replica_layout(x, eqn.params["bdim"], eqn.params["replica_axes"])
+                              if x is not None and len(x) == len(invals[0].shape) - 1 else x for x in (lay, first))
+            x = invals[0] if first is None else self.wsc(invals[0], first)
+            return self.wsc(x, lay)
         params = eqn.params
         # a shard_map is a fixed boundary of the plan (mshard.trace): its body (manual axes, e.g. a pipeline's
         # stages) is bound as traced, only its operands and results are constrained

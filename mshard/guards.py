@@ -32,6 +32,10 @@ class Guard:
     kind: str                                                     # the primitive object's kind (OpNote.kind)
     applies: Callable[[OpNote, list[DimAxes | None]], bool]       # (note, the "in" layouts) -> miscompiled?
     safe: Callable[[OpNote, list[DimAxes | None]], list[DimAxes | None]]   # -> the "in" layouts to emit instead
+    computes: Callable[[OpNote, DimAxes], DimAxes]                # (note, output 0's layout) -> the layout it
+    #                                                               computes in with the safe inputs (XLA's
+    #                                                               partitioner replicates the op when asked
+    #                                                               for the output layout at once)
     repro: str                                                    # the reproducer in ../shared/repro/
     says: str                                                     # the plan's note
 
@@ -51,9 +55,15 @@ def _kernel_whole_on_out_channels(note: OpNote, ins: list[DimAxes | None]) -> li
     return [x, ((),) + tuple(w[1:])] + list(ins[2:])
 
 
+def _out_without_out_channels(note: OpNote, out: DimAxes) -> DimAxes:
+    """The convolution's result as it computes with the whole kernel: the asked layout without the out-channel
+    split (dim 1), which the output then takes by a local slice."""
+    return (out[0], ()) + tuple(out[2:])
+
+
 GUARDS: tuple[Guard, ...] = (
     Guard("conv_halo_out_channels", "Conv2D", _conv_halo_out_channels, _kernel_whole_on_out_channels,
-          "r1_conv_halo_outfeature.py",
+          _out_without_out_channels, "r1_conv_halo_outfeature.py",
           "its input's height/width is split across a kernel window and its out-channels are split: XLA's "
           "partitioner computes wrong values for that pair (JAX 0.10), so the kernel is gathered over its "
           "out-channels before the convolution and the output keeps the asked layout"),
@@ -81,6 +91,9 @@ def apply_guards(jaxpr, layouts: RegionLayouts) -> list[str]:
                 for role in ("in", "ct"):
                     if (note.uid, role, i) in layouts.marks or role == "in":
                         layouts.marks[(note.uid, role, i)] = new
+        out = layouts.marks.get((note.uid, "out", 0))
+        if out is not None:
+            layouts.staged[(note.uid, "out", 0)] = guard.computes(note, out)
         who = note.given_name or note.kind
         notes.append(f"guard {guard.name} ({guard.repro}): {who} {guard.says}")
     return notes

@@ -94,3 +94,42 @@ def test_hybrid_collectives_in_shard_map():
     # every device contributes 8 copies of its row; device i keeps row i of the sum: the column sums
     np.testing.assert_allclose(np.asarray(rs), np.tile(np.asarray(x).sum(0), (8, 1)))
     assert a2a.shape == (64, 1)
+
+
+def test_primitives_accept_nnx_variables_as_mindspore_passes_parameters():
+    """MindSpore's ``self.matmul(x, self.weight)``: the Param itself (not its value) goes to the primitive, eagerly,
+    in a region and under grad; any nnx.Variable kind is read as its value. The reference is plain jnp on one
+    device."""
+    from flax import nnx
+
+    from mshard import nn
+
+    class Net(nn.Cell):
+        def __init__(self):
+            self.weight = nnx.Param(jnp.asarray(r(0, 16, 8)))
+            self.bias = nnx.Param(jnp.asarray(r(1, 8)))
+            self.scale = nnx.BatchStat(jnp.asarray(np.abs(r(2, 8)) + 1))
+            self.matmul = ops.MatMul().shard(((2, 1), (1, 4)))
+            self.add, self.mul = ops.Add(), ops.Mul()
+
+        def __call__(self, x):
+            return self.mul(self.add(self.matmul(x, self.weight), self.bias), self.scale)
+
+    x = jnp.asarray(r(3, 8, 16))
+    net = Net()
+    w, b, s = (np.asarray(v[...]) for v in (net.weight, net.bias, net.scale))
+
+    def ref_loss(w, b, x):
+        return jnp.sum(jnp.tanh((x @ w + b) * s))
+    ref_y = on_one_device(lambda x: (x @ w + b) * s, x)
+    ref_gw, ref_gb = on_one_device(jax.grad(ref_loss, argnums=(0, 1)), w, b, x)
+    # float32, 16-term dot products reordered by the split: <= 16 * 2**-24 relative; atol for values near 0
+    assert_close(ops.MatMul()(x, net.weight), x @ w, rtol=1e-5, atol=1e-5)       # eager, no strategy
+    with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8):
+        assert_close(net(x), ref_y, rtol=1e-5, atol=1e-5)                        # eager: its own region
+        y = ms.jit(lambda n, x: n(x))(net, x)
+        g = ms.jit(nnx.grad(lambda n, x: jnp.sum(jnp.tanh(n(x)))))(net, x)          # nnx.Param only
+    assert_close(y, ref_y, rtol=1e-5, atol=1e-5)
+    assert split_counts(y) == (2, 4)
+    assert_close(g.weight[...], ref_gw, rtol=1e-5, atol=1e-5)
+    assert_close(g.bias[...], ref_gb, rtol=1e-5, atol=1e-5)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from flax import nnx
 
 from .. import annotate
 from ..annotate import OpNote
@@ -76,6 +77,9 @@ class Primitive:
 
     # -- calling -----------------------------------------------------------------------------------
     def __call__(self, *args):
+        if any(isinstance(a, nnx.Variable) for a in args):
+            # MindSpore's ``self.matmul(x, self.weight)``: a Param (any nnx.Variable) is read as its value
+            args = tuple(a[...] if isinstance(a, nnx.Variable) else a for a in args)
         fast = self._eager_fast
         if fast is not None and annotate._state.region is None:
             # a repeated eager call: the op's compiled region, valid while the context, strategies (epoch) and
