@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+from jax._src import xla_bridge as _xla_bridge  # backends_are_initialized: JAX has no public form of it
 
 from .errors import ContextError, ContextTypeError
 
@@ -79,8 +80,17 @@ class ParallelContext:
 
     @property
     def devices(self) -> int:
-        """The device count regions use (``device_num`` or every device)."""
-        return self.device_num or jax.device_count()
+        """The device count regions use (``device_num`` or every device). The first read initialises JAX's backend,
+        so the setters never read it (MindSpore's order, ``set_auto_parallel_context`` before
+        ``communication.init()``, must work): the checks that need the device count run here, when a region is
+        built."""
+        have = jax.device_count()
+        if self.device_num is not None and self.device_num > have:
+            _too_many(self.device_num, have)
+        n = self.device_num or have
+        if self.device_num is None:
+            _check_device_count(self, n)
+        return n
 
     def cache_key(self) -> str:
         return repr(self)
@@ -128,12 +138,25 @@ def _v_device_num(v, ctx):
     if v is None:
         return None
     _type("device_num", v, (int,), "a positive int")
-    have = jax.device_count()
-    if v < 1 or v > have:
-        raise ContextError(f"set_auto_parallel_context: device_num={v} but this process sees {have} "
-                           f"device(s); use 1 <= device_num <= {have} (or launch more devices, e.g. "
-                           f"XLA_FLAGS=--xla_force_host_platform_device_count={v} on CPU).")
+    have = jax.device_count() if _backend_up() else None
+    if v < 1 or (have is not None and v > have):
+        _too_many(v, have)
     return v
+
+
+def _too_many(v: int, have: int | None):
+    bound = "the devices of the job" if have is None else have
+    raise ContextError(f"set_auto_parallel_context: device_num={v} but this process sees "
+                       f"{'no devices yet' if have is None else f'{have} device(s)'}; use 1 <= device_num <= {bound} "
+                       f"(or launch more devices, e.g. XLA_FLAGS=--xla_force_host_platform_device_count={v} on CPU).")
+
+
+def _backend_up() -> bool:
+    """Whether JAX's backend is initialised already, so reading the device count initialises nothing. Before
+    ``jax.distributed.initialize`` (``ms.communication.init``) it must not be read: MindSpore's scripts set the
+    context first."""
+    up = getattr(_xla_bridge, "backends_are_initialized", None)
+    return bool(up()) if up is not None else False
 
 
 def _v_bool(key):
@@ -150,14 +173,14 @@ def _v_stages(v, ctx):
     return v
 
 
-def _split_tuple(key: str, t: Any, n: int) -> tuple[int, ...]:
+def _split_tuple(key: str, t: Any, n: int | None) -> tuple[int, ...]:
     if not isinstance(t, (tuple, list)) or not all(isinstance(s, int) and not isinstance(s, bool) for s in t):
         raise ContextTypeError(f"set_auto_parallel_context: {key} entries must be tuples of ints, got {t!r}.")
     if any(s < 1 for s in t):
         raise ContextError(f"set_auto_parallel_context: {key} entry {tuple(t)} has a split < 1; "
                            f"every split count must be a positive int.")
     prod = math.prod(t)
-    if n % prod:
+    if n is not None and n % prod:
         raise ContextError(f"set_auto_parallel_context: {key} entry {tuple(t)} splits over {prod} devices, "
                            f"which does not divide device_num={n}; use splits whose product divides {n}.")
     return tuple(t)
@@ -167,7 +190,7 @@ def _v_dataset(v, ctx):
     if isinstance(v, str):
         return _one_of("dataset_strategy", v, ("data_parallel", "full_batch"))
     if isinstance(v, (tuple, list)) and v:
-        return tuple(_split_tuple("dataset_strategy", t, ctx.devices) for t in v)
+        return tuple(_split_tuple("dataset_strategy", t, ctx.device_num) for t in v)
     raise ContextTypeError(f"set_auto_parallel_context: dataset_strategy must be 'data_parallel', "
                            f"'full_batch' or a tuple of per-input split tuples like ((8, 1),), got {v!r}.")
 
@@ -317,18 +340,24 @@ def _with(base: ParallelContext, **kwargs: Any) -> ParallelContext:
             ctx = dataclasses.replace(ctx, **{k: _VALIDATORS[k](kwargs[k], ctx)})
     if "search_mode" in kwargs:
         ctx = dataclasses.replace(ctx, search_mode_explicit=True)
-    # cross-key checks
-    n = ctx.devices
+    if _backend_up():
+        _check_device_count(ctx, ctx.devices)
+    elif ctx.device_num is not None:     # the rest when a region reads the device count (ParallelContext.devices)
+        _check_device_count(ctx, ctx.device_num)
+    return ctx
+
+
+def _check_device_count(ctx: ParallelContext, n: int) -> None:
+    """The checks of the keys that depend on the device count ``n``."""
     if n % ctx.pipeline_stages:
         raise ContextError(f"set_auto_parallel_context: pipeline_stages={ctx.pipeline_stages} does not divide "
                            f"device_num={n}; choose a divisor of {n}.")
-    if isinstance(ctx.dataset_strategy, tuple):
-        _v_dataset(ctx.dataset_strategy, ctx)
+    for t in ctx.dataset_strategy if isinstance(ctx.dataset_strategy, tuple) else ():
+        _split_tuple("dataset_strategy", t, n)
     shard = ctx.parallel_optimizer_config["optimizer_weight_shard_size"]
     if shard != -1 and n % shard:
         raise ContextError(f"set_auto_parallel_context: optimizer_weight_shard_size={shard} does not divide "
                            f"device_num={n}; use a divisor of the data-parallel size or -1.")
-    return ctx
 
 
 def set_auto_parallel_context(**kwargs: Any) -> None:

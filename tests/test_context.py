@@ -124,3 +124,32 @@ def test_algo_and_cost_model_context():
 def test_typos_get_a_did_you_mean(call, want):
     with pytest.raises(ms.errors.ContextError, match=re.escape(want)):
         call()
+
+
+def test_setting_the_context_never_starts_the_backend_and_regions_check_the_device_count():
+    """MindSpore's scripts set the context before ``communication.init()``; ``jax.distributed.initialize`` refuses to
+    run once JAX's backend is up, so the setters must not start it. The device-count checks then run when a region
+    is built."""
+    script = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax.numpy as jnp
+import mshard as ms
+from jax._src import xla_bridge
+ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, pipeline_stages=2,
+                             dataset_strategy=((4, 1),), gradients_mean=True)
+with ms.parallel_context(parallel_mode="data_parallel"):
+    pass
+ms.set_auto_parallel_context(device_num=16)             # more than the 8 devices: known only from the backend
+print("backend up:", xla_bridge.backends_are_initialized(), flush=True)
+try:
+    ms.jit(lambda x: x + 1)(jnp.ones((16, 4)))
+except ms.errors.ContextError as e:
+    print("region:", e)
+"""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "backend up: False" in r.stdout, r.stdout
+    assert "region: set_auto_parallel_context: device_num=16 but this process sees 8 device(s)" in r.stdout, r.stdout

@@ -19,8 +19,8 @@ MP = pathlib.Path(__file__).parent / "mp"
 WORKER = MP / "worker_launch.py"
 
 
-def _launch(tmp_path, fault="none", extra=(), script=WORKER, devices=4, mode="data_parallel"):
-    env = dict(os.environ, FAULT=fault, MODE=mode, JAX_PLATFORMS="cpu",
+def _launch(tmp_path, fault="none", extra=(), script=WORKER, devices=4, mode="data_parallel", order="init_first"):
+    env = dict(os.environ, FAULT=fault, MODE=mode, JAX_PLATFORMS="cpu", ORDER=order, JOB_DEVICES=str(2 * devices),
                XLA_FLAGS=xla_flags(devices))
     cmd = [sys.executable, "-m", "mshard", "run", "--worker_num=2", "--local_worker_num=2",
            f"--master_port={free_port()}", f"--log_dir={tmp_path}", *extra, str(script)]
@@ -40,9 +40,13 @@ def _wait_for(path: pathlib.Path, text: str, p: subprocess.Popen, timeout: float
     pytest.fail(f"{text!r} did not appear in {path} within {timeout} s")
 
 
-@pytest.mark.parametrize("fault,mode", [("none", "data_parallel"), ("none", "megatron"), ("hybrid", "data_parallel")])
-def test_two_processes_train_equal_to_one_device(tmp_path, fault, mode):
-    p = _launch(tmp_path, fault=fault, mode=mode)
+@pytest.mark.parametrize("fault,mode,order", [("none", "data_parallel", "init_first"), ("none", "megatron", "init_first"),
+                                              ("hybrid", "data_parallel", "init_first"),
+                                              ("none", "data_parallel", "context_first")])
+def test_two_processes_train_equal_to_one_device(tmp_path, fault, mode, order):
+    """``order=context_first``: MindSpore's order of set-up, set_auto_parallel_context before communication.init()
+    (JAX refuses jax.distributed.initialize once its backend is up, so setting the context must not start it)."""
+    p = _launch(tmp_path, fault=fault, mode=mode, order=order)
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, err[-3000:]
     for r in range(2):

@@ -5,7 +5,8 @@ Env: FAULT = none | raise (rank 1 raises a ValueError at step 3) | batch (rank 1
 loop (train until killed: the test kills or stops a worker) | hostbatch (the whole batch passed to the step as host
 arrays, rank 1's with half the rows) | hybrid (hybrid_parallel: a hand-sliced row-parallel
 layer in a jax.shard_map over every device of the job, with ms.ops.AllReduce); STEPS (default 3);
-MODE = data_parallel (default) | megatron (semi_auto_parallel: fc1 column parallel, fc2 row parallel over 4
+ORDER = context_first: set_auto_parallel_context (device_num=JOB_DEVICES) before communication.init(), as MindSpore's
+tutorials do; MODE = data_parallel (default) | megatron (semi_auto_parallel: fc1 column parallel, fc2 row parallel over 4
 devices, data parallel across the 2 processes).
 """
 
@@ -15,6 +16,10 @@ import time
 
 import mshard as ms
 
+if os.environ.get("ORDER") == "context_first":
+    # MindSpore's tutorials: the context first, then init(); setting it must not initialise JAX's backend
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=int(os.environ["JOB_DEVICES"]),
+                                 gradients_mean=True, dataset_strategy="data_parallel")
 ms.communication.init()
 
 import jax  # noqa: E402
