@@ -35,6 +35,7 @@ from .context import set_auto_parallel_context as set_auto_parallel_context
 from .context import set_cost_model_context as set_cost_model_context
 from .dryrun import dry_run as dry_run
 from .layout import Layout as Layout
+from .nn.cell import recompute as recompute
 from .plan import Plan as Plan
 from .plan import load_plan as load_plan
 from .region import Region as Region
@@ -69,6 +70,7 @@ __all__ = [
                       "ops",
                       "parallel",
                       "parallel_context",
+                      "recompute",
                       "reset_algo_parameters",
                       "reset_auto_parallel_context",
                       "reset_cost_model_context",

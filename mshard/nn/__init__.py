@@ -1,6 +1,7 @@
 """mshard.nn: Cells (Flax NNX modules), layers, losses and training wrappers with MindSpore's names."""
 
 from .cell import Cell as Cell
+from .cell import recompute as recompute
 from .layers import Conv2d as Conv2d
 from .layers import Dense as Dense
 from .layers import Dropout as Dropout

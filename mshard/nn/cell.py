@@ -147,7 +147,9 @@ def _ordered_checkpoint(fn: Callable, policy) -> Callable:
         cts = [c for c in jax.tree.leaves(ct) if hasattr(c, "dtype") and jnp.issubdtype(c.dtype, jnp.floating)
                and c.size]
         if cts:
-            t = cts[0].reshape(-1)[0]
+            # a scalar every device holds: the sum is partitioned as local sums and one 4-byte all-reduce, where
+            # an element (reshape(-1)[0]) made XLA all-gather the whole cotangent of a batch-split activation
+            t = jnp.sum(cts[0])
             leaves, tree = jax.tree.flatten(vjp)
             leaves = [r if k or not jnp.issubdtype(r.dtype, jnp.floating) else after(r, t)
                       for r, k in zip(leaves, keep)]
@@ -218,20 +220,10 @@ class Cell(nnx.Module):
         Cell's call is traced: inside a region (``ms.jit``, ``TrainOneStepCell``) or the user's own
         ``jax.jit``/``jax.grad``; an eager call runs plainly. MindSpore's ``mp_comm_recompute``,
         ``parallel_optimizer_comm_recompute`` and ``recompute_slice_activation`` are accepted and have no
-        effect (XLA decides which collectives to redo).
+        effect (XLA decides which collectives to redo). ``nn.Cell.recompute(module)`` (or
+        :func:`recompute`) on a plain ``nnx.Module`` makes that module recompute too.
         """
-        for k in kwargs:
-            if k not in _MS_RECOMPUTE_KWARGS:
-                raise CellTypeError(f"{type(self).__name__}.recompute: unknown argument {k!r}; expected policy= or one "
-                                f"of {_MS_RECOMPUTE_KWARGS}.")
-        if isinstance(policy, str):
-            if policy not in _POLICIES:
-                raise CellError(f"{type(self).__name__}.recompute: unknown policy {policy!r}; use one of "
-                                 f"{_POLICIES} or a jax.checkpoint_policies callable.")
-            policy = getattr(jax.checkpoint_policies, policy)
-        self._mshard_recompute = policy if policy is not None else False
-        annotate.bump_epoch()
-        return self
+        return recompute(self, policy, **kwargs)
 
     def set_train(self, mode: bool = True) -> Cell:
         """MindSpore's ``set_train``: ``False`` makes Dropout deterministic in this Cell and below (nnx's
@@ -261,3 +253,48 @@ class Cell(nnx.Module):
             from ..errors import PipelineError
             raise PipelineError(f"{type(self).__name__}.pipeline_segment = {segment!r}: a segment is an int >= 0.")
         self._mshard_segment = segment
+
+
+_recomputing: dict[type, type] = {}      # a plain nnx.Module class -> its subclass whose __call__ recomputes
+
+
+def recompute(module: nnx.Module, policy: Callable | str | None = None, **kwargs: Any) -> nnx.Module:
+    """Make ``module`` (a Cell or any ``nnx.Module``) recompute its activations in the backward pass; returns it.
+
+    A plain ``nnx.Module`` becomes an instance of a subclass of its class whose ``__call__`` is checkpointed
+    as a Cell's is (its parameters, paths and ``nnx.split``/``merge`` are unchanged). Anything that is not an
+    nnx module, or a module with no ``__call__``, raises ``CellTypeError``.
+
+    >>> from flax import nnx
+    >>> import mshard as ms
+    >>> lin = ms.recompute(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    >>> isinstance(lin, nnx.Linear), lin._mshard_recompute
+    (True, False)
+    """
+    who = f"{type(module).__name__}.recompute"
+    if not isinstance(module, nnx.Module):
+        raise CellTypeError(f"recompute: {module!r} is not an nnx.Module (a Cell or a flax module); recompute wraps "
+                            f"a module's __call__ in jax.checkpoint. For a function, use jax.checkpoint(fn).")
+    for k in kwargs:
+        if k not in _MS_RECOMPUTE_KWARGS:
+            raise CellTypeError(f"{who}: unknown argument {k!r}; expected policy= or one of {_MS_RECOMPUTE_KWARGS}.")
+    if isinstance(policy, str):
+        if policy not in _POLICIES:
+            raise CellError(f"{who}: unknown policy {policy!r}; use one of {_POLICIES} or a jax.checkpoint_policies "
+                            f"callable.")
+        policy = getattr(jax.checkpoint_policies, policy)
+    cls = type(module)
+    call = next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
+    if not getattr(call, "_mshard_wrapped", False):
+        if call is None:
+            raise CellTypeError(f"{who}: {cls.__name__} defines no __call__, so there is nothing to recompute; call "
+                                f"recompute on the module whose __call__ runs the layers.")
+        sub = _recomputing.get(cls)
+        if sub is None:
+            sub = type(cls.__name__, (cls,), {"__call__": _wrap_call(call), "__module__": cls.__module__,
+                                              "__qualname__": cls.__qualname__})
+            _recomputing[cls] = sub
+        object.__setattr__(module, "__class__", sub)
+    module._mshard_recompute = policy if policy is not None else False
+    annotate.bump_epoch()
+    return module
