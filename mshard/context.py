@@ -77,6 +77,7 @@ class ParallelContext:
     strategy_ckpt_config: dict = field(default_factory=lambda: {
         "save_file": "", "load_file": "", "only_trainable_params": True})
     search_mode_explicit: bool = False          # set by set_auto_parallel_context(search_mode=...)
+    gradients_mean_explicit: bool = False       # set by set_auto_parallel_context(gradients_mean=...)
 
     @property
     def devices(self) -> int:
@@ -96,7 +97,7 @@ class ParallelContext:
         return repr(self)
 
 
-PUBLIC_KEYS = tuple(f.name for f in dataclasses.fields(ParallelContext) if f.name != "search_mode_explicit")
+PUBLIC_KEYS = tuple(f.name for f in dataclasses.fields(ParallelContext) if not f.name.endswith("_explicit"))
 
 
 # -- validators: one per key (a registry, not an if-chain) ---------------------------------------
@@ -340,6 +341,8 @@ def _with(base: ParallelContext, **kwargs: Any) -> ParallelContext:
             ctx = dataclasses.replace(ctx, **{k: _VALIDATORS[k](kwargs[k], ctx)})
     if "search_mode" in kwargs:
         ctx = dataclasses.replace(ctx, search_mode_explicit=True)
+    if "gradients_mean" in kwargs:
+        ctx = dataclasses.replace(ctx, gradients_mean_explicit=True)
     if _backend_up():
         _check_device_count(ctx, ctx.devices)
     elif ctx.device_num is not None:     # the rest when a region reads the device count (ParallelContext.devices)

@@ -88,11 +88,17 @@ class CommFusionWarning(UserWarning):
     whose gradient reductions XLA places and fuses)."""
 
 
+class GradientsMeanWarning(UserWarning):
+    """``gradients_mean=False`` with data-parallel replicas: MindSpore would sum the replicas' gradients; mshard
+    computes the gradient of the global-batch loss in every route (README, "Gradients")."""
+
+
 class StrategyIgnoredWarning(UserWarning):
     """User strategies found in a region whose parallel_mode ignores them (data_parallel, stand_alone)."""
 
 
 __all__ = [
+    "GradientsMeanWarning",
     "CellError",
     "CellTypeError",
     "CheckpointError",

@@ -96,8 +96,8 @@ def test_r8_data_parallel_training_ignores_strategies_written_for_the_global_bat
     ref_loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w0)
     # float32: a 16x2 mean of squares and a 16-row gradient sum, reordered over the 8 replicas
     assert_close(loss, ref_loss)
-    # gradients_mean=False (MindSpore's default): the 8 replicas' gradients of their own mean loss are summed
-    assert_close(net.w[...], w0 - 0.1 * 8 * g)
+    # gradients_mean unset: the gradient of the global-batch loss, as on one device (README, "Gradients")
+    assert_close(net.w[...], w0 - 0.1 * g)
 
 
 def test_r9_grouped_conv_with_out_channels_split_matches_one_device():

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import warnings
+
 import pytest
 from flax import nnx
 from helpers import split_counts
@@ -47,13 +49,18 @@ def test_every_mode_matches_one_device_adam(mode):
     assert mu.sharding == w.sharding
 
 
-def test_data_parallel_gradients_mean_false_is_the_sum_over_replicas():
-    """MindSpore: each of the 8 devices' gradient of its own mean loss, all-reduced (summed)."""
-    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=False)
+@pytest.mark.parametrize("mode", ["data_parallel", "semi_auto_parallel"])
+def test_gradients_mean_false_warns_and_trains_as_one_device(mode):
+    """One rule in every route (README, "Gradients"): the gradient of the global-batch loss. MindSpore's sum over
+    replicas (gradients_mean=False) is not applied, and the step says so once. Plain SGD: a gradient scaled by dp
+    would move every parameter dp times as far."""
+    ms.set_auto_parallel_context(parallel_mode=mode, device_num=8, gradients_mean=False)
     data = batches(STEPS, [(32, 16), (32, 8)], seed=1)
-    net = MLP(nnx.Rngs(1))
-    ref, _, _ = reference_train(net, optax.sgd(1e-3), data, mse, grad_scale=8.0)
-    run(net, optax.sgd(1e-3), data)
+    net = MLP(nnx.Rngs(1)) if mode == "data_parallel" else MLP(nnx.Rngs(1)).megatron(2, 4)
+    ref, _, _ = reference_train(net, optax.sgd(1e-1), data, mse)
+    with pytest.warns(ms.errors.GradientsMeanWarning, match="8 data-parallel replicas" if mode == "data_parallel"
+                      else "2 data-parallel replicas"):
+        run(net, optax.sgd(1e-1), data)
     assert_params_close(net, ref)
 
 
@@ -112,16 +119,6 @@ def test_data_parallel_dropout_draws_the_one_device_mask():
     # a real difference: the mask changes the gradients by O(1) and 3 Adam steps move each weight by ~lr = 1e-2, while
     # float32 reordering moves it by < PARAM_ATOL = 2e-6; atol=1e-4 sits between the two
     assert not np.allclose(np.asarray(plain.fc3.weight[...]), np.asarray(net.fc3.weight[...]), atol=1e-4)
-
-
-def test_semi_auto_gradients_mean_false_scales_by_the_planned_batch_split():
-    """Megatron x:(2,1): the batch is cut 2 ways, so MindSpore's sum over replicas is 2x the mean gradient."""
-    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=False)
-    data = batches(STEPS, [(32, 16), (32, 8)], seed=4)
-    net = MLP(nnx.Rngs(4)).megatron(2, 4)
-    ref, _, _ = reference_train(net, optax.sgd(1e-3), data, mse, grad_scale=2.0)
-    run(net, optax.sgd(1e-3), data)
-    assert_params_close(net, ref)
 
 
 MICRO_BATCH_WRAPPERS = {   # name: (wrapper, batch, seed)
@@ -390,3 +387,34 @@ def test_a_clone_or_a_kept_array_taken_between_fast_steps_survives_the_next_step
         np.testing.assert_array_equal(np.asarray(a), b)     # the snapshot is the model after two steps
     moved = [not np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), snapshot)]
     assert all(moved)                                    # and the model went on training
+
+
+@pytest.mark.parametrize("mean", [True, False])
+@pytest.mark.parametrize("mode", ["data_parallel", "semi_auto_parallel"])
+def test_a_hand_written_jit_step_and_train_one_step_cell_update_alike(mode, mean):
+    """One gradient rule for both routes (issue 36): TrainOneStepCell and a step written as ``ms.jit`` of
+    ``nnx.value_and_grad`` + an optax update give every parameter one device's value, under plain SGD (where a
+    gradient off by the replica count shows in the parameters; Adam would normalise it away)."""
+    ms.set_auto_parallel_context(parallel_mode=mode, device_num=8, gradients_mean=mean)
+    data = batches(STEPS, [(32, 16), (32, 8)], seed=21)
+
+    def make():
+        net = MLP(nnx.Rngs(21))
+        return net.megatron(2, 4) if mode == "semi_auto_parallel" else net
+    ref, _, _ = reference_train(make(), optax.sgd(1e-1), data, mse)
+    a = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ms.errors.GradientsMeanWarning)      # gradients_mean=False: tested above
+        run(a, optax.sgd(1e-1), data)
+    b = make()
+    opt = nnx.Optimizer(b, optax.sgd(1e-1), wrt=nnx.Param)
+
+    @ms.jit
+    def step(net, opt, x, y):
+        loss, grads = nnx.value_and_grad(lambda n: mse(n(x), y))(net)
+        opt.update(net, grads)
+        return loss
+    for x, y in data:
+        step(b, opt, x, y)
+    assert_params_close(a, ref)
+    assert_params_close(b, ref)

@@ -7,6 +7,7 @@ a 4-byte f32[]) may be merged into any gradient all-reduce by XLA; it is counted
 """
 
 import re
+import warnings
 
 import numpy as np
 import optax
@@ -228,8 +229,8 @@ def test_searched_megatron_step_with_optimizer_parallel_buckets():
 
 @pytest.mark.parametrize("case", ["accumulation", "recompute", "sum"])
 def test_fused_megatron_step_with_accumulation_recompute_or_gradient_sum(case):
-    """GradAccumulationCell inside every replica; recomputed layers; gradients_mean=False: MindSpore's sum over
-    the 2 replicas. The Megatron weights keep their slices although their first use is inside the micro-batch
+    """GradAccumulationCell inside every replica; recomputed layers; an explicit gradients_mean=False (MindSpore's
+    sum over the 2 replicas is not applied: one device's gradient, and a GradientsMeanWarning). The Megatron weights keep their slices although their first use is inside the micro-batch
     loop or the recomputed call, so the replicas are still the 2 data-parallel devices."""
     mean = case != "sum"
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=mean,
@@ -238,9 +239,12 @@ def test_fused_megatron_step_with_accumulation_recompute_or_gradient_sum(case):
     net = MLP(nnx.Rngs(5)).megatron(2, 4)
     if case == "recompute":
         net.recompute()
-    step = train_like_one_device(net, data, tx=lambda: optax.sgd(1e-2), grad_scale=1.0 if mean else 2.0,
-                                 wrap=(lambda n: nn.GradAccumulationCell(n, 2)) if case == "accumulation" else None,
-                                 opt_state=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ms.errors.GradientsMeanWarning)
+        step = train_like_one_device(net, data, tx=lambda: optax.sgd(1e-2),
+                                     wrap=(lambda n: nn.GradAccumulationCell(n, 2)) if case == "accumulation" else None,
+                                     opt_state=False)
+    assert any(issubclass(w.category, ms.errors.GradientsMeanWarning) for w in caught) == (not mean)
     assert net.fc1.weight[...].sharding.shard_shape((64, 16)) == (16, 16)
     assert net.fc2.weight[...].sharding.shard_shape((64, 64)) == (64, 16)
     got = replica_all_reduces(step, data[0], DP_PAIRS)

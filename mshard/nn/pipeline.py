@@ -25,7 +25,7 @@ functions (:mod:`mshard.pipeline.stages`) and the schedule of ``pipeline_config`
 (:mod:`mshard.pipeline.execute`): ``pipeline_scheduler="gpipe"`` or ``"1f1b"`` (default), and with
 ``pipeline_interleave=True`` Megatron's interleaved 1F1B over the chunks that ``cell.pipeline_segment`` numbers.
 The step's loss is the mean of the micro-batch losses and its gradient that mean's gradient (for a mean-reduced
-loss: the full batch's, as one device computes), scaled as ``gradients_mean`` says.
+loss: the full batch's, as one device computes), whatever ``gradients_mean`` says (README, "Gradients").
 
 The cells' operator strategies hold inside a stage: they are planned on one stage's devices, and the parameters,
 their optimizer state and gradients are stored in those layouts. Every schedule keeps each forward's residuals

@@ -21,16 +21,18 @@ Parameter paths are attribute paths from the TrainOneStepCell: ``network.backbon
 An optimizer-state leaf that mirrors a parameter (Adam's ``mu``/``nu``, momentum, ...) takes that
 parameter's layout, or the optimizer-parallel layout below.
 
-Gradient semantics (``gradients_mean``), in global-view JAX. MindSpore's data-parallel step gives
-every device the gradient of *its own* loss (over its slice of the batch) and all-reduces them:
-the sum of the per-replica gradients, divided by the number of replicas ``dp`` when
-``gradients_mean=True``. Here the loss is one scalar over the global batch, so for a loss that is a
-mean over the batch (MindSpore's ``reduction='mean'``, the usual case):
-
-* ``gradients_mean=True``: the gradient of the global-batch loss (= the mean of the per-replica
-  gradients) — what one device computes on the whole batch;
-* ``gradients_mean=False`` (MindSpore's default): ``dp`` times that (= the sum of the per-replica
-  gradients), so an SGD step is ``dp`` times larger than on one device.
+Gradient semantics: one rule for every route (this step, a hand-written ``ms.jit`` step with ``jax.grad``):
+the gradient of the loss the step reports, over the global batch, which is what one device computes
+(README, "Gradients"). MindSpore's data-parallel step gives every device the gradient of *its own*
+loss (over its slice of the batch), all-reduces them (a sum) and, with ``gradients_mean=True``,
+divides by the number of replicas ``dp``. Here the step reports the mean of the replicas' losses
+(for a batch-mean loss, the global-batch loss), and its gradient is that mean of the replicas'
+gradients: MindSpore's ``gradients_mean=True``. ``gradients_mean=False`` (MindSpore's default, the sum,
+``dp`` times larger for a batch-mean loss) is not applied: a hand-written ``jax.grad`` step cannot be
+scaled without changing what JAX computes, and a step that differs from one device by a factor is a
+different program; a step under an explicit ``gradients_mean=False`` warns once
+(:class:`~mshard.errors.GradientsMeanWarning`; the unset default does not). For
+MindSpore's update with ``gradients_mean=False``, multiply the learning rate by ``dp`` (or ``sens=dp``).
 
 ``dp`` is the number of slices the batch is cut into (dim 0 of the data, as planned: ``device_num``
 in data_parallel, the batch split of the first data input in semi/auto modes; 1 with full_batch).
@@ -83,7 +85,7 @@ from jax.sharding import NamedSharding
 
 from .. import annotate, fusion
 from .. import context as ctxmod
-from ..errors import CellTypeError, CommFusionWarning, StrategyError
+from ..errors import CellTypeError, CommFusionWarning, GradientsMeanWarning, StrategyError
 from ..fastcall import MISS
 from ..layout import spec_of
 from ..region import Region, search_algorithm
@@ -95,6 +97,17 @@ from .step_plan import _plan_step, _StepPlan
 from .zero import _zero_layouts
 
 __all__ = ["GradAccumulationCell", "MicroBatchInterleaved", "TrainOneStepCell", "WithLossCell"]
+
+
+def _warn_gradients_sum(ctx, dp: int) -> None:
+    """The one warning of ``gradients_mean=False`` with data-parallel replicas (module doc: gradient semantics)."""
+    if ctx.gradients_mean or not ctx.gradients_mean_explicit or dp <= 1 or ctx.parallel_mode == "stand_alone":
+        return
+    warnings.warn(f"gradients_mean=False (MindSpore's default) would sum the {dp} data-parallel replicas' gradients, "
+                  f"{dp}x the gradient of a batch-mean loss; mshard computes the gradient of the reported loss over "
+                  f"the global batch in every route (what one device computes: MindSpore's gradients_mean=True). Set "
+                  f"gradients_mean=True to say so, or multiply the learning rate (or sens) by {dp} for MindSpore's "
+                  f"summed update.", GradientsMeanWarning, stacklevel=4)
 
 
 # -- the step ----------------------------------------------------------------------------------------
@@ -164,6 +177,7 @@ class _Runtime:
         data = tuple(data)
         plan = dataclasses.replace(plan)      # what tracing decides (the fused replicas) stays in this trace
         ctx = ctxmod.current()
+        _warn_gradients_sum(ctx, plan.pipeline.dp if plan.pipeline is not None else plan.dp)
         net, opt = cell.network, cell.optimizer
         names, params = _param_names(net)
         ptree = jax.tree.structure(nnx.as_pure(nnx.state(net, nnx.Param)))
@@ -209,15 +223,13 @@ class _Runtime:
             shard_axes = plan.info[names[key[0]]]["shard_axes"]
             return fusion.reduce_scatter_buckets(sub, buckets, mesh, plan.dp_axes, shard_axes, token)
         reduced, token = _reduce_in_buckets(stacked, names, nb, plan, ctx, collective)
-        if ctx.gradients_mean:
-            reduced = [g / dp for g in reduced]
+        reduced = [g / dp for g in reduced]       # the mean over the replicas: the gradient of the reported loss
         return jnp.mean(losses), reduced, token
 
     def _pipeline_grads(self, net, data, plan: _StepPlan, names, ctx):
         """A PipelineCell's gradient: its schedule run over the stage axes (:mod:`mshard.nn.pipeline`)."""
         loss, g = pipeline_grads(net, data, plan.pipeline)
-        scale = 1.0 if ctx.gradients_mean else float(plan.pipeline.dp)
-        grads = [x * scale if scale != 1.0 else x for x in jax.tree.leaves(g)]
+        grads = list(jax.tree.leaves(g))
         mesh = plan.mesh.jax_mesh()
         if plan.pipeline_layouts:
             grads = [jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_of(plan.param_layouts[nm])))
@@ -230,8 +242,7 @@ class _Runtime:
     def _global_grads(self, net, data, plan: _StepPlan, names, ctx):
         """The gradient of the global-batch loss (``jax.grad``; XLA's partitioner places the reductions)."""
         loss, g = _value_and_grad(net, data, "network")
-        scale = 1.0 if ctx.gradients_mean else float(plan.dp)
-        grads = [x * scale if scale != 1.0 else x for x in jax.tree.leaves(g)]
+        grads = list(jax.tree.leaves(g))
         mesh = plan.mesh.jax_mesh()
         for i, nm in enumerate(names):
             if nm in plan.zero:
@@ -262,10 +273,8 @@ class _Runtime:
                                                          buckets, mesh, rax, plan.info[names[key[0]]]["shard_axes"],
                                                          token)
         reduced, token = _reduce_in_buckets(stacked, names, local, plan, ctx, collective)
-        # the mean over the replicas is the global-batch gradient; gradients_mean=False scales it by the batch
-        # split, as the XLA path does (see the module doc)
-        scale = 1.0 / dp if ctx.gradients_mean else plan.dp / dp
-        return jnp.mean(losses), [g * scale for g in reduced], token
+        # the mean over the replicas is the global-batch gradient (see the module doc)
+        return jnp.mean(losses), [g / dp for g in reduced], token
 
     def _update(self, opt, plan: _StepPlan, names, params, grads, ptree, token):
         """optax on the (possibly ZeRO-sharded) gradients; ZeRO parameters are updated on their shard and
