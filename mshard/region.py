@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from . import annotate, dryrun
 from . import context as ctxmod
 from .assign import InputInfo, RegionLayouts
-from .errors import DatasetStrategyError, RegionTypeError
+from .errors import ContextError, DatasetStrategyError, RegionTypeError
 from .execute import emit
 from .fastcall import MISS, InputsChanged, fast_call, follow_plan, graph_structure, module_variables, same_structure
 from .guards import apply_guards
@@ -245,6 +245,10 @@ class Region:
         n_user = n_out - n_state
         outvars, invars = closed.jaxpr.outvars, closed.jaxpr.invars
         changed = [j for j in range(n_state) if outvars[n_user + j] is not invars[j]]
+        if self.input_layout_hook is None:     # not a training wrapper's own step (TrainOneStepCell)
+            kinds = [type(v) for s in states for v in jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, nnx.Variable))]
+            _check_training_settings(self.name, ctx, [param_names[j] for j in changed
+                                                      if j < len(kinds) and issubclass(kinds[j], nnx.Param)])
         mod_out = [in_sh[j] for j in changed]
         out_sh = [None] * n_user + mod_out
 
@@ -455,6 +459,25 @@ def _module_classes(graphdefs) -> set:
     """The nnx Module classes in these graphdefs (for :class:`annotate.module_scopes`)."""
     return {n.type for g in graphdefs for n in getattr(g, "nodes", ()) or ()
             if isinstance(getattr(n, "type", None), type) and issubclass(n.type, nnx.Module)}
+
+
+def _check_training_settings(name: str, ctx, written: list[str]) -> None:
+    """A region that writes parameters is a training step written by hand (``ms.jit`` of value_and_grad + an
+    optimizer update). The context's pipeline and optimizer-parallel settings are applied by ``TrainOneStepCell``,
+    which plans the step around them; such a hand-written step would silently ignore them, so it is refused."""
+    if not written or ctx.parallel_mode == "stand_alone":
+        return
+    asked = [f"{k}={v!r}" for k, v, on in (("pipeline_stages", ctx.pipeline_stages, ctx.pipeline_stages > 1),
+                                         ("enable_parallel_optimizer", ctx.enable_parallel_optimizer,
+                                          ctx.enable_parallel_optimizer)) if on]
+    if asked:
+        raise ContextError(
+            f"ms.jit region {name!r} updates parameters ({', '.join(written[:3])}{', ...' if len(written) > 3 else ''}"
+            f"): a training step written by hand, but the context's {' and '.join(asked)} is applied only by "
+            f"nn.TrainOneStepCell, which plans the step around it. Train with nn.TrainOneStepCell(nn.WithLossCell("
+            f"net, loss_fn), optimizer) (nn.PipelineCell for stages), or set "
+            f"{' and '.join(a.split('=')[0] + '=' + ('1' if a.startswith('pipeline') else 'False') for a in asked)} "
+            f"for this step.")
 
 
 def search_algorithm(ctx) -> str | None:

@@ -418,3 +418,26 @@ def test_a_hand_written_jit_step_and_train_one_step_cell_update_alike(mode, mean
         step(b, opt, x, y)
     assert_params_close(a, ref)
     assert_params_close(b, ref)
+
+
+@pytest.mark.parametrize("setting", [{"pipeline_stages": 2}, {"enable_parallel_optimizer": True}])
+def test_a_hand_written_step_refuses_the_settings_only_train_one_step_cell_applies(setting):
+    """pipeline_stages > 1 and enable_parallel_optimizer are planned into a step by TrainOneStepCell; a step written
+    as ms.jit (value_and_grad + optimizer) used to run without them and say nothing. It now raises, naming the
+    setting and the fix; the same context's forward-only region still runs."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True, **setting)
+    net = MLP(nnx.Rngs(3))
+    opt = nnx.Optimizer(net, optax.sgd(1e-1), wrt=nnx.Param)
+
+    @ms.jit
+    def step(net, opt, x, y):
+        loss, grads = nnx.value_and_grad(lambda n: mse(n(x), y))(net)
+        opt.update(net, grads)
+        return loss
+    x, y = batches(1, [(32, 16), (32, 8)], seed=3)[0]
+    before = np.asarray(net.fc1.weight[...])
+    (key, value), = setting.items()
+    with pytest.raises(ms.errors.ContextError, match=rf"{key}={value}.*nn.TrainOneStepCell"):
+        step(net, opt, x, y)
+    np.testing.assert_array_equal(np.asarray(net.fc1.weight[...]), before)      # nothing was updated
+    assert ms.jit(lambda n, x: n(x))(net, x).shape == (32, 8)
