@@ -25,6 +25,7 @@ the step moves nothing.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -172,6 +173,28 @@ def _agree(shapes: list[tuple[int, ...]], dtypes: list) -> None:
                                f"batch of the same shapes and dtypes (through ms.dataset.shard_batch the global "
                                f"batch is their concatenation; passed to a step or region directly, every process "
                                f"holds the whole batch). Drop or pad the last, smaller batch on every rank.")
+
+
+def _digest(x: Any) -> int:
+    """A 63-bit digest of a host value's bytes (blake2b over the contiguous buffer)."""
+    a = np.ascontiguousarray(np.asarray(x))
+    return int.from_bytes(hashlib.blake2b(memoryview(a).cast("B"), digest_size=8).digest(), "little") >> 1
+
+
+def agree_on_values(values: list) -> None:
+    """Multi-process: host values passed straight to a step or region are the global batch, so every process must
+    hold the same whole value; a process that passes its own rows instead would have the devices of each process
+    read their slices from different arrays, a batch made of every rank's rows. Checked with one small all-gather
+    of a digest per value (after :func:`_agree` checked the shapes); a difference raises on every process."""
+    from jax.experimental import multihost_utils
+    rows = np.asarray(multihost_utils.process_allgather(np.asarray([_digest(v) for v in values], np.int64)))
+    bad = [i for i in range(rows.shape[1]) if not (rows[:, i] == rows[0, i]).all()]
+    if bad:
+        raise DatasetStrategyError(
+            f"host input {bad[0]} (shape {tuple(np.shape(values[bad[0]]))}) differs between the processes: passed "
+            f"straight to a step or region, a host value is the whole global batch, which every process must hold "
+            f"alike. For each process's own rows (MindSpore's per-rank dataset), pass ms.dataset.shard_batch(batch): "
+            f"the global batch is then the processes' batches laid out by dataset_strategy.")
 
 
 def _global_shapes(local: list[tuple[int, ...]]) -> list[tuple[int, ...]]:

@@ -88,7 +88,10 @@ def test_a_fault_ends_the_whole_job_naming_the_failing_rank(tmp_path, fault, ran
 
 
 @pytest.mark.parametrize("fault,want", [("batch", "rank 0: (8, 16), (8, 8); rank 1: (4, 16), (4, 8)"),
-                                        ("hostbatch", "rank 0: (16, 16), (16, 8); rank 1: (8, 16), (8, 8)")])
+                                        ("hostbatch", "rank 0: (16, 16), (16, 8); rank 1: (8, 16), (8, 8)"),
+                                        # same shapes, each rank's own rows: a global batch made of both would be
+                                        # silently wrong (issue 36); the error names shard_batch
+                                        ("ownrows", "host input 0 (shape (8, 16)) differs between the processes")])
 def test_mismatched_local_batches_raise_on_every_rank(tmp_path, fault, want):
     p = _launch(tmp_path, fault=fault)
     p.communicate(timeout=240)

@@ -3,7 +3,8 @@ job's devices, fed per rank through ms.dataset.shard_batch, checked against one 
 
 Env: FAULT = none | raise (rank 1 raises a ValueError at step 3) | batch (rank 1 feeds half as many rows) |
 loop (train until killed: the test kills or stops a worker) | hostbatch (the whole batch passed to the step as host
-arrays, rank 1's with half the rows) | hybrid (hybrid_parallel: a hand-sliced row-parallel
+arrays, rank 1's with half the rows) | ownrows (each rank's own rows passed to the step as host arrays, not
+through shard_batch) | hybrid (hybrid_parallel: a hand-sliced row-parallel
 layer in a jax.shard_map over every device of the job, with ms.ops.AllReduce); STEPS (default 3);
 ORDER = context_first: set_auto_parallel_context (device_num=JOB_DEVICES) before communication.init(), as MindSpore's
 tutorials do; MODE = data_parallel (default) | megatron (semi_auto_parallel: fc1 column parallel, fc2 row parallel over 4
@@ -94,7 +95,9 @@ while True:
         mine = slice(rank * 8, rank * 8 + 4)
     if fault == "raise" and rank == 1 and k == 3:
         raise ValueError("a bad value on rank 1 only")
-    if fault == "hostbatch":
+    if fault == "ownrows":                      # each rank's own rows as host arrays, straight to the step
+        losses.append(float(step(x[mine], y[mine])))
+    elif fault == "hostbatch":
         rows_ = slice(0, rows // 2 if rank == 1 else rows)
         losses.append(float(step(x[rows_], y[rows_])))
     else:
