@@ -1,7 +1,8 @@
 """Per-step time of mshard's TrainOneStepCell against a hand-written jax.jit step with identical shardings,
 and per-device memory of each training feature on and off.
 
-    python bench/step.py [--steps 10] [--repeats 7] [--size small|medium] [--modes data_parallel,semi_auto_parallel]
+    python bench/step.py [--steps 10] [--repeats 7] [--size tiny|small|medium] [--modes data_parallel,semi_auto_parallel]
+    python bench/step.py --smoke          # tiny model, 2 steps, 1 repeat: that it runs and writes its JSON
 
 Time: a 4-layer GPT (nn.TransformerBlock) trained with AdamW. The hand-written step is plain JAX: one
 ``jax.jit`` of ``nnx.value_and_grad`` + ``optax`` over the TrainOneStepCell's state pytree, with
@@ -21,7 +22,9 @@ every device, as sequence parallelism does): its ratio is printed too. Megatron 
 
 Memory: the compiled step's ``memory_analysis()`` per device, for optimizer parallel (argument bytes and
 optimizer-state bytes from shard shapes), recompute of every block (temp bytes) and gradient accumulation
-over 2 micro-batches (temp bytes), each against the same step without the feature; and the parameter
+over 2 micro-batches (temp bytes), each against the same step without the feature; recompute's temp bytes per
+route (TrainOneStepCell in data_parallel and Megatron, ms.jit of nnx.grad, plain flax modules through
+ms.recompute: :func:`recompute_routes`); and the parameter
 bytes per device (shard shapes) with Megatron against data parallel. Everything printed also goes to
 ``bench/out/step.json`` (``--out``).
 
@@ -51,8 +54,10 @@ from jax.sharding import PartitionSpec as P
 
 import mshard as ms
 from mshard import nn
+from mshard.fastcall import fast_call, module_variables
 
-SIZES = {"small": dict(vocab=256, hidden=128, heads=4, ffn=512, seq=64, batch=16),
+SIZES = {"tiny": dict(vocab=64, hidden=32, heads=4, ffn=128, seq=16, batch=16),
+         "small": dict(vocab=256, hidden=128, heads=4, ffn=512, seq=64, batch=16),
          "medium": dict(vocab=512, hidden=256, heads=8, ffn=1024, seq=128, batch=32)}
 LOSS = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 
@@ -193,14 +198,14 @@ def bench_time(cfg, mode, n, steps, repeats, megatron=False):
             free()
     for _ in range(2):
         hand()
-    fast = step._rt.fast                              # the compiled step mshard calls (bench only: internals)
+    comp, variables = compiled_step(step, data)      # the compiled step mshard calls (bench only: internals)
 
     def direct():                                     # the same executable with no mshard Python around it
-        vals = [v._raw_value for v in fast.variables]
-        outs = fast.comp.jitted(*vals, *data)
-        n_user = len(outs) - len(fast.changed)
-        for i, x in zip(fast.changed, outs[n_user:]):
-            fast.variables[i]._raw_value = x
+        vals = [v.get_raw_value() for v in variables]
+        outs = comp.jitted(*vals, *data)
+        n_user = len(outs) - len(comp.changed)
+        for i, x in zip(comp.changed, outs[n_user:]):
+            variables[i].set_raw_value(x)
         return outs[0]
 
     ms_t, hw_t, dr_t, ratios, overhead, free_r = [], [], [], [], [], []
@@ -220,6 +225,13 @@ def bench_time(cfg, mode, n, steps, repeats, megatron=False):
     return med(ms_t), med(hw_t), med(dr_t), med(ratios), ratios, med(overhead), comm, extra
 
 
+def compiled_step(step, data):
+    """The step region's compiled program for ``data`` and the TrainOneStepCell's Variables in its parameter order
+    (bench only: internals)."""
+    comp = step._rt.region._prepare((*data, step, step._rt.last), {})[0]
+    return comp, module_variables([step])
+
+
 def python_overhead(cfg, n, calls=2000):
     """Per-step Python time of mshard's step with the compiled executable stubbed out (bench only: internals),
     and of flattening the same state pytree, which a hand-written ``jitted(state, ...)`` call also pays."""
@@ -227,7 +239,7 @@ def python_overhead(cfg, n, calls=2000):
     data = ms.dataset.shard_batch(batch(cfg))
     for _ in range(2):
         jax.block_until_ready(step(*data))
-    fast = step._rt.fast
+    comp, variables = compiled_step(step, data)
     loss = jnp.zeros(())
 
     class Stub:
@@ -236,17 +248,18 @@ def python_overhead(cfg, n, calls=2000):
 
         def jitted(self, *args):
             return [loss] + [args[i] for i in self.changed]
-    real, fast.comp = fast.comp, Stub(fast.comp)
+    real = step._rt.fast
+    step._rt.fast = fast_call(Stub(comp), variables, data, donate=False)   # mshard's fast path, no executable
     t0 = time.perf_counter()
     for _ in range(calls):
         step(*data)
     ms_us = (time.perf_counter() - t0) / calls * 1e6
-    fast.comp = real
+    step._rt.fast = real
     _, state = nnx.split(step)
     t0 = time.perf_counter()
     for _ in range(calls):
         jax.tree.flatten(state)
-    return ms_us, (time.perf_counter() - t0) / calls * 1e6, len(fast.variables)
+    return ms_us, (time.perf_counter() - t0) / calls * 1e6, len(variables)
 
 
 def per_device_bytes(tree):
@@ -297,6 +310,62 @@ def bench_fused(cfg, n, steps, repeats, config=(40, 80)):
             "replica_all_reduces": {"fused": n_fused, "xla": n_plain}}
 
 
+class _PlainFFN(nnx.Module):
+    """A plain flax block (not a Cell), for the route ``ms.recompute(module)``."""
+
+    def __init__(self, hidden, ffn, rngs):
+        self.up, self.down = nnx.Linear(hidden, ffn, rngs=rngs), nnx.Linear(ffn, hidden, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+class _PlainStack(nn.Cell):
+    def __init__(self, hidden, ffn, recompute, rngs):
+        self.blocks = nnx.List([_PlainFFN(hidden, ffn, rngs) for _ in range(4)])
+        for b in self.blocks if recompute else ():
+            ms.recompute(b)
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def recompute_routes(cfg, n):
+    """Temp bytes per device with every block recomputed against without, per route: TrainOneStepCell in
+    data_parallel (the per-replica path) and in Megatron semi_auto, ms.jit of nnx.grad, and plain flax modules
+    made to recompute with ms.recompute (TrainOneStepCell, data_parallel)."""
+    data = batch(cfg)
+    rows = []
+
+    def temp_step(mode, megatron, on):
+        step = make_step(cfg, mode, n, megatron=megatron, recompute=on)
+        return step.lower(*data).compile().memory_analysis().temp_size_in_bytes
+
+    def temp_grad(on):
+        step = make_step(cfg, "data_parallel", n, recompute=on)
+        net = step.network
+        f = ms.jit(nnx.grad(lambda m, x, y: m(x, y)))
+        return f.lower(net, *data).compile().memory_analysis().temp_size_in_bytes
+
+    def temp_plain(on):
+        ms.reset_auto_parallel_context()
+        ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=n, gradients_mean=True)
+        x = np.random.default_rng(0).standard_normal((cfg["batch"] * cfg["seq"], cfg["hidden"])).astype(np.float32)
+        step = nn.TrainOneStepCell(nn.WithLossCell(_PlainStack(cfg["hidden"], cfg["ffn"], on, nnx.Rngs(0)),
+                                                   nn.MSELoss()), optax.sgd(1e-2))
+        return step.lower(x, x).compile().memory_analysis().temp_size_in_bytes
+    rows.append(("recompute route TrainOneStepCell data_parallel: temp B/device",
+                 temp_step("data_parallel", False, False), temp_step("data_parallel", False, True)))
+    if n % 2 == 0 and n > 1:
+        rows.append((f"recompute route TrainOneStepCell Megatron (dp=2, mp={n // 2}): temp B/device",
+                     temp_step("semi_auto_parallel", True, False), temp_step("semi_auto_parallel", True, True)))
+    rows.append(("recompute route ms.jit(nnx.grad) data_parallel: temp B/device", temp_grad(False), temp_grad(True)))
+    rows.append(("recompute route ms.recompute(plain nnx module): temp B/device", temp_plain(False), temp_plain(True)))
+    return rows
+
+
 def megatron_parameter_bytes(cfg, n):
     """Per-device parameter bytes of the GPT placed data parallel (replicated) and with Megatron (dp=2)."""
     out = []
@@ -316,7 +385,10 @@ def main(argv=None):
     ap.add_argument("--modes", default="data_parallel,semi_auto_parallel")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "step.json"))
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, 1 repeat: checks that it runs")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.size, args.steps, args.repeats = "tiny", 2, 1
     cfg = SIZES[args.size]
     n = jax.device_count()
     report: dict = {"devices": n, "platform": jax.devices()[0].platform, "model": {**cfg, "layers": 4},
@@ -344,13 +416,13 @@ def main(argv=None):
         report["fused_megatron"] = fz
         print(f"Megatron + all_reduce_fusion_config={fz['config']} against Megatron without it: ratio (median) "
               f"{fz['ratio_median']:.3f}; all-reduces over the 2 replicas: {fz['replica_all_reduces']}")
-    ms_us, flat_us, nvars = python_overhead(cfg, n)
+    ms_us, flat_us, nvars = python_overhead(cfg, n, calls=20 if args.smoke else 2000)
     report["python_us"] = {"mshard_step": ms_us, "flatten_state": flat_us, "variables": nvars}
     print(f"per-step Python of mshard's step (executable stubbed): {ms_us:.0f} us for {nvars} Variables; flattening "
           f"the same state for a hand-written jitted(state, ...) call: {flat_us:.0f} us")
     if not args.skip_memory:
         print(f"\nper-device memory on {n} devices (compiled memory_analysis / shard shapes):")
-        rows = bench_memory(cfg, n)
+        rows = bench_memory(cfg, n) + recompute_routes(cfg, n)
         if n % 2 == 0 and n > 1:
             dp_b, mt_b = megatron_parameter_bytes(cfg, n)
             rows.append((f"Megatron (dp=2, mp={n // 2}) vs data parallel: parameter B/device", dp_b, mt_b))
