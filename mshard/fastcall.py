@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax._src.array import ArrayImpl
+from jax._src.random.prng import PRNGKeyArray
 
 from . import context as ctxmod
 
@@ -30,8 +31,9 @@ class InputsChanged(ValueError):
     it was planned for (a fast path's call with a new shape): the call goes through the region instead."""
 
 # concrete values (a tracer's type is never one); ArrayImpl named, not made: creating an array at import would
-# start the XLA backend before a multi-process job's jax.distributed.initialize
-_ARRAYS = frozenset({ArrayImpl, np.ndarray})
+# start the XLA backend before a multi-process job's jax.distributed.initialize. PRNGKeyArray: a model's RNG
+# state (nnx.Rngs, dropout) is one; without it every step of such a model missed the fast path
+_ARRAYS = frozenset({ArrayImpl, PRNGKeyArray, np.ndarray})
 _LEAF = jax.tree.structure(0)
 
 
