@@ -25,7 +25,6 @@ the step moves nothing.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -34,6 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from . import context as ctxmod
+from .agreement import agree as _agree
 from .assign import Assigner, InputInfo, data_layout
 from .errors import DatasetStrategyError
 from .layout import DimAxes, RegionMesh, TensorStrategy, spec_of
@@ -134,67 +134,6 @@ def _shard_one_batch(batch: Any) -> Any:
     else:
         shardings = batch_shardings(shapes)
     return _unflatten([_one(a, sh) for a, sh in zip(arrays, shardings)], how)
-
-
-_SLOTS = 64
-
-
-def _encode(shapes: list[tuple[int, ...]], dtypes: list) -> np.ndarray:
-    """A fixed-size description of a process's local batch (every process must send the same size)."""
-    words = [len(shapes)]
-    for s, d in zip(shapes, dtypes):
-        words += [len(s), *s, int(np.dtype(d).num)]
-    head = words[:_SLOTS - 1] + [0] * max(0, _SLOTS - 1 - len(words))
-    return np.asarray([*head, hash(tuple(words)) % (2**31)], np.int64)
-
-
-def _decode(row: np.ndarray) -> str:
-    n, i, out = int(row[0]), 1, []
-    for _ in range(n):
-        if i >= _SLOTS - 1:
-            out.append("...")
-            break
-        r = int(row[i])
-        out.append(tuple(int(v) for v in row[i + 1:i + 1 + r]))
-        i += r + 2
-    return ", ".join(map(str, out))
-
-
-def _agree(shapes: list[tuple[int, ...]], dtypes: list) -> None:
-    """Multi-process: every process's local batch has the same shapes and dtypes, or every process raises.
-    (Ranks that feed different local shapes would compile different programs whose collectives can still line
-    up, and train on a silently wrong loss.) One small all-gather per batch."""
-    from jax.experimental import multihost_utils
-    rows = np.asarray(multihost_utils.process_allgather(_encode(shapes, dtypes)))
-    if all(np.array_equal(r, rows[0]) for r in rows):
-        return
-    desc = "; ".join(f"rank {k}: {_decode(r)}" for k, r in enumerate(rows))
-    raise DatasetStrategyError(f"the processes' local batches disagree ({desc}); every process must feed a local "
-                               f"batch of the same shapes and dtypes (through ms.dataset.shard_batch the global "
-                               f"batch is their concatenation; passed to a step or region directly, every process "
-                               f"holds the whole batch). Drop or pad the last, smaller batch on every rank.")
-
-
-def _digest(x: Any) -> int:
-    """A 63-bit digest of a host value's bytes (blake2b over the contiguous buffer)."""
-    a = np.ascontiguousarray(np.asarray(x))
-    return int.from_bytes(hashlib.blake2b(memoryview(a).cast("B"), digest_size=8).digest(), "little") >> 1
-
-
-def agree_on_values(values: list) -> None:
-    """Multi-process: host values passed straight to a step or region are the global batch, so every process must
-    hold the same whole value; a process that passes its own rows instead would have the devices of each process
-    read their slices from different arrays, a batch made of every rank's rows. Checked with one small all-gather
-    of a digest per value (after :func:`_agree` checked the shapes); a difference raises on every process."""
-    from jax.experimental import multihost_utils
-    rows = np.asarray(multihost_utils.process_allgather(np.asarray([_digest(v) for v in values], np.int64)))
-    bad = [i for i in range(rows.shape[1]) if not (rows[:, i] == rows[0, i]).all()]
-    if bad:
-        raise DatasetStrategyError(
-            f"host input {bad[0]} (shape {tuple(np.shape(values[bad[0]]))}) differs between the processes: passed "
-            f"straight to a step or region, a host value is the whole global batch, which every process must hold "
-            f"alike. For each process's own rows (MindSpore's per-rank dataset), pass ms.dataset.shard_batch(batch): "
-            f"the global batch is then the processes' batches laid out by dataset_strategy.")
 
 
 def _global_shapes(local: list[tuple[int, ...]]) -> list[tuple[int, ...]]:

@@ -21,6 +21,7 @@ from jax._src.array import ArrayImpl
 from jax._src.random.prng import PRNGKeyArray
 
 from . import context as ctxmod
+from .agreement import agree, agree_on_values
 
 MISS = object()
 """What a fast path returns when the call must go through the region."""
@@ -122,8 +123,7 @@ def follow_plan(flat_data, shardings) -> list:
     if multi:
         host = [x for x in flat_data if not isinstance(x, jax.Array)]
         if host:   # every process must hold the same full value; shapes that differ would train on garbage
-            from .dataset import _agree, agree_on_values
-            _agree([tuple(np.shape(x)) for x in host], [np.asarray(x).dtype for x in host])
+            agree([tuple(np.shape(x)) for x in host], [np.asarray(x).dtype for x in host])
             agree_on_values(host)
     out = []
     for x, sh in zip(flat_data, shardings):
