@@ -389,6 +389,14 @@ def test_a_clone_or_a_kept_array_taken_between_fast_steps_survives_the_next_step
     assert all(moved)                                    # and the model went on training
 
 
+@ms.jit
+def hand_written_step(net, opt, x, y):
+    """A training step as a MindSpore or flax user writes it: value_and_grad and the optimizer's update in one jit."""
+    loss, grads = nnx.value_and_grad(lambda n: mse(n(x), y))(net)
+    opt.update(net, grads)
+    return loss
+
+
 @pytest.mark.parametrize("mean", [True, False])
 @pytest.mark.parametrize("mode", ["data_parallel", "semi_auto_parallel"])
 def test_a_hand_written_jit_step_and_train_one_step_cell_update_alike(mode, mean):
@@ -408,14 +416,8 @@ def test_a_hand_written_jit_step_and_train_one_step_cell_update_alike(mode, mean
         run(a, optax.sgd(1e-1), data)
     b = make()
     opt = nnx.Optimizer(b, optax.sgd(1e-1), wrt=nnx.Param)
-
-    @ms.jit
-    def step(net, opt, x, y):
-        loss, grads = nnx.value_and_grad(lambda n: mse(n(x), y))(net)
-        opt.update(net, grads)
-        return loss
     for x, y in data:
-        step(b, opt, x, y)
+        hand_written_step(b, opt, x, y)
     assert_params_close(a, ref)
     assert_params_close(b, ref)
 
@@ -428,12 +430,7 @@ def test_a_hand_written_step_refuses_the_settings_only_train_one_step_cell_appli
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True, **setting)
     net = MLP(nnx.Rngs(3))
     opt = nnx.Optimizer(net, optax.sgd(1e-1), wrt=nnx.Param)
-
-    @ms.jit
-    def step(net, opt, x, y):
-        loss, grads = nnx.value_and_grad(lambda n: mse(n(x), y))(net)
-        opt.update(net, grads)
-        return loss
+    step = hand_written_step
     x, y = batches(1, [(32, 16), (32, 8)], seed=3)[0]
     before = np.asarray(net.fc1.weight[...])
     (key, value), = setting.items()
