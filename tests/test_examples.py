@@ -23,7 +23,6 @@ def test_quickstart_script_runs():
 
 def test_quickstart_notebook_executes():
     nb = nbformat.read(ROOT / "notebooks" / "01_quickstart.ipynb", as_version=4)
-    env_flags = os.environ.get("XLA_FLAGS", "")
     client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}})
     client.execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
@@ -31,7 +30,6 @@ def test_quickstart_notebook_executes():
     assert any("8 devices" in o.get("text", "") for o in outputs)
     html = [o for o in outputs if "text/html" in o.get("data", {})]
     assert len(html) == 3 and "all-reduce" in html[0]["data"]["text/html"]
-    assert env_flags is not None
 
 
 def test_infer_gpt_example_generates_like_one_device():

@@ -49,17 +49,25 @@ def test_plan_executes_and_matches_one_device(mode, model):
     assert_close(l, ref_l, rtol=1e-4, atol=1e-4)
     assert_close(g, ref_g, rtol=1e-4, atol=1e-4)
     assert plan.algorithm == mode and len(plan.ops) > 5
-    assert plan.cost.total > 0
+    # the search partitions: a planner that fell back to replicating every op would pass the value checks above
+    assert any(c > 1 for st in plan.strategies.values() for split in st for c in split), plan.strategies
 
 
 @pytest.mark.parametrize("mode", SEARCH_MODES)
 def test_conv_net_plan_matches_one_device(mode):
     m, args = ConvNet(), inputs("conv")
+    def weighted(m, x):       # each output weighed differently: a plain sum's all-ones cotangent hides misplaced shards
+        y = m(x)
+        return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=y.dtype).reshape(y.shape) * 0.37))
+    ref_g = nnx.grad(weighted)(m, *args)                # eager: plain JAX on one device
     with auto(mode):
         y = ms.jit(lambda m, x: m(x))(m, *args)
+        g = ms.jit(nnx.grad(weighted))(m, *args)
     # float32: 36-term conv sums (4 channels x 3 x 3), batch statistics over 256 values and a 256-term head reordered by
     # the partitioning (<= 256 * 2**-24 = 1.5e-5 relative), rsqrt(var) passing the statistics' error on; atol: outputs ~ 0
     assert_close(y, m(*args), rtol=1e-4, atol=1e-4)
+    # every parameter's gradient: sums over the 256-value batch of those terms, so the same relative bound
+    assert_close(g, ref_g, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("mode", SEARCH_MODES)
@@ -98,7 +106,6 @@ def test_cost_model_context_takes_effect(mode):
     with auto(mode):
         heavy = ms.jit(fn).plan(m, *args)
     # float64 cost model: an unchanged plan's compute is the same terms re-summed (~n * 2**-53), far below rel=1e-6
-    assert heavy.cost.compute == pytest.approx(base.cost.compute, rel=1e-6) or heavy.cost.total != base.cost.total
     assert heavy.cost.total > base.cost.total
 
 
