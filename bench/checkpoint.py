@@ -1,6 +1,7 @@
 """Checkpoint throughput and memory: ``ms.save_checkpoint`` / ``ms.load_checkpoint`` against raw orbax on the same tree.
 
     python bench/checkpoint.py [--gb 1.0] [--leaves 4] [--repeats 2] [--out bench/out/checkpoint.json]
+    python bench/checkpoint.py --smoke    # 2 MB tree, 1 repeat: that it runs and writes its JSON
 
 The tree: ``--leaves`` float32 leaves of ``--gb`` GB in all, every one split over all devices in a different
 layout of a (2, n/2) mesh (no replicated leaf: simulated CPU devices share the host's memory). Three writers, each
@@ -207,7 +208,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--memory", choices=("orbax", "mshard"), help="only one memory probe (run in a fresh process)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "checkpoint.json"))
+    ap.add_argument("--smoke", action="store_true", help="a 2 MB tree, 1 repeat: checks that it runs")
     a = ap.parse_args()
+    if a.smoke:
+        a.gb, a.repeats = 2 / 1024, 1
     if a.memory:
         print(json.dumps(memory(a.gb, a.memory)))
         return

@@ -1,6 +1,7 @@
 """High-resolution images split over height and width, through a stack of "same" convolutions (issue 14).
 
     .venv/bin/python bench/conv_halo.py [--size 256] [--out bench/out/conv_halo.json]
+    .venv/bin/python bench/conv_halo.py --smoke     # 16x16 images: that it runs and writes its JSON
 
 ``examples/models.py``'s SameConvs (plain flax, NHWC: 3x3 4->8, 3x3 8->8, 5x5 8->4, ReLUs between) on a
 (2, size, size, 4) batch that arrives split over height (4 ways) and width (2 ways), ``dataset_strategy=((1, 4, 2,
@@ -44,7 +45,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "conv_halo.json"))
+    ap.add_argument("--smoke", action="store_true", help="16x16 images: checks that it runs")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.size = 16
     net = SameConvs()
     x = np.random.default_rng(0).standard_normal((2, a.size, a.size, 4)).astype(np.float32)
     ref = np.asarray(net(jnp.asarray(x)))

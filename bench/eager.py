@@ -3,6 +3,7 @@
 dispatch dominates.
 
     python bench/eager.py [--calls 50] [--repeats 40] [--out bench/out/eager.json]
+    python bench/eager.py --smoke         # 5 calls, 2 rounds: that it runs and writes its JSON
 
 Timed per round: ``--calls`` back-to-back calls of each case in turn, then one block. Two figures per case,
 medians over ``--repeats`` rounds: wall time per call, and the dispatching thread's CPU time per call
@@ -105,7 +106,10 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "eager.json"))
+    ap.add_argument("--smoke", action="store_true", help="5 calls, 2 rounds, 200 overhead calls: checks that it runs")
     a = ap.parse_args()
+    if a.smoke:
+        a.calls, a.repeats = 5, 2
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=jax.device_count())
     x = jnp.ones((16, 32), jnp.float32)
     w = jnp.ones((32, 64), jnp.float32)
@@ -147,7 +151,7 @@ def main() -> None:
     from mshard.ops import direct
     res["eager_primitive_direct"] = direct.is_direct(mm)
     # the eager fast path's Python per call (its checks around the compiled program), timed alone
-    res["eager_primitive_python_us"] = python_overhead_us(mm._eager_fast, (xs, ws))
+    res["eager_primitive_python_us"] = python_overhead_us(mm._eager_fast, (xs, ws), calls=200 if a.smoke else 20000)
     res["eager_primitive_python_share_of_jax_jit_dispatch"] = (res["eager_primitive_python_us"]
                                                               / res["jax_jit_matmul_dispatch_cpu_us"])
     if not np.allclose(np.asarray(mm(xs, ws)), np.asarray(hand(xs, ws))):

@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/fusion.py                  # table + bench/out/fusion.json
     .venv/bin/python bench/fusion.py --repeats 3      # fewer timing repeats
+    .venv/bin/python bench/fusion.py --smoke          # tiny GPT, 1 repeat of 1 step, semi_auto Megatron and
+                                                      # sharding_propagation only: that it runs and writes its JSON
 
 For each setting (semi_auto_parallel with Megatron strategies, auto_parallel with each searcher, with and
 without the Megatron strategies) the step is built twice on 8 simulated CPU devices: without a fusion setting
@@ -28,6 +30,7 @@ from flax import nnx
 import mshard as ms
 
 CFG = dict(vocab=256, hidden=128, heads=4, ffn=512, seq=32, layers=2)
+SMOKE_CFG = dict(vocab=64, hidden=32, heads=4, ffn=64, seq=8, layers=1)
 BATCH = 16
 SETTINGS = [("semi_auto_parallel", None, True), ("auto_parallel", "sharding_propagation", True),
             ("auto_parallel", "dynamic_programming", True), ("auto_parallel", "recursive_programming", True),
@@ -76,10 +79,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(_cpu8.ROOT / "bench" / "out" / "fusion.json"))
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny GPT, 1 repeat of 1 step, the first and last settings only: checks that it runs")
     args = ap.parse_args(argv)
+    steps_per_timing = 5
+    if args.smoke:
+        CFG.update(SMOKE_CFG)
+        args.repeats, steps_per_timing = 1, 1
+    settings = [SETTINGS[0], SETTINGS[-1]] if args.smoke else SETTINGS
     batch = data()
     rows = []
-    for mode, search, megatron in SETTINGS:
+    for mode, search, megatron in settings:
         ctx_name = f"{mode}{'/' + search if search else ''}{' + megatron' if megatron else ''}"
         steps, reports, params = {}, {}, {}
         for fused in (False, True):
@@ -93,7 +103,7 @@ def main(argv=None):
         for _ in range(args.repeats):                      # interleaved; each step under its own context
             for fused in (False, True):
                 ms.set_auto_parallel_context(all_reduce_fusion_config=steps[fused][1])
-                times[fused].append(timed(steps[fused][0], batch))
+                times[fused].append(timed(steps[fused][0], batch, steps_per_timing))
         ratios = [f / u for f, u in zip(times[True], times[False])]
         row = {"setting": ctx_name, "replicas": len(next(iter(groups))),
                "fusion_config": steps[True][1]}

@@ -1,12 +1,14 @@
 """The differential fuzzer's long campaign (issue 13): random programs over every primitive, checked against one device.
 
-    .venv/bin/python bench/fuzz.py --cases 10000 [--invalid 0.25] [--start 0] [--workers 2]
+    .venv/bin/python bench/fuzz.py --cases 10000 [--invalid 0.25] [--start 0] [--workers 2] [--out PATH]
+    .venv/bin/python bench/fuzz.py --smoke      # 2 cases in 1 worker: that it runs and writes its JSON
 
 Case ``i`` is ``tests/fuzz_programs.make_case(start + i, invalid)`` (a fixed share of them with an invalid strategy),
 so a run replays exactly. Cases run in worker subprocesses that log each case before running it: a worker that
 dies (an XLA CHECK failure aborts the process) is restarted after the case it died on, which is recorded as a
 ``process abort`` finding. Every finding is written as a standalone script to bench/out/fuzz/<seed>.py; the counts
-(per mode, per primitive, per outcome) go to bench/out/fuzz-<first>-<last>.json and a table is printed.
+(per mode, per primitive, per outcome) go to bench/out/fuzz-<first>-<last>.json and a table is printed. With
+``--out PATH`` the counts go to PATH, and the workers' logs and the findings' scripts to ``fuzz/`` beside it.
 """
 
 from __future__ import annotations
@@ -72,7 +74,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--log", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help="the JSON counts (default bench/out/fuzz-<first>-<last>.json); logs and findings "
+                                  "go to fuzz/ beside it")
+    ap.add_argument("--smoke", action="store_true", help="2 cases in 1 worker: checks that it runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.cases, args.workers = 2, 1
     if args.worker is not None:
         worker([int(s) for s in args.worker.split(",")], args.invalid, Path(args.log))
         return
@@ -82,10 +89,11 @@ def main() -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from fuzz_programs import describe, make_case, script
-    (OUT / "fuzz").mkdir(parents=True, exist_ok=True)
+    fuzz_dir = Path(args.out).resolve().parent / "fuzz" if args.out else OUT / "fuzz"
+    fuzz_dir.mkdir(parents=True, exist_ok=True)
     seeds = list(range(args.start, args.start + args.cases))
     t0 = time.time()
-    logs = [OUT / "fuzz" / f"worker{w}.jsonl" for w in range(args.workers)]
+    logs = [fuzz_dir / f"worker{w}.jsonl" for w in range(args.workers)]
     for log in logs:
         log.unlink(missing_ok=True)
     todo = {w: seeds[w::args.workers] for w in range(args.workers)}
@@ -127,14 +135,14 @@ def main() -> None:
             by_prim[k][r["outcome"]] += 1
         if r["outcome"] == "finding":
             findings.append({"seed": s, "case": describe(case), "finding": r["detail"]})
-            (OUT / "fuzz" / f"{s}.py").write_text(script(case, r["detail"].splitlines()[0][:300]))
+            (fuzz_dir / f"{s}.py").write_text(script(case, r["detail"].splitlines()[0][:300]))
     outcomes = ("equal", "meeting", "refused", "finding")
     total = Counter(r["outcome"] for r in results.values())
     summary = {"cases": len(seeds), "start": args.start, "invalid_share": args.invalid,
                "seconds": round(time.time() - t0, 1), "outcomes": dict(total),
                "by_mode": {k: dict(v) for k, v in sorted(by_mode.items())},
                "by_primitive": {k: dict(v) for k, v in sorted(by_prim.items())}, "findings": findings}
-    report = OUT / f"fuzz-{args.start}-{args.start + len(seeds) - 1}.json"
+    report = Path(args.out) if args.out else OUT / f"fuzz-{args.start}-{args.start + len(seeds) - 1}.json"
     report.write_text(json.dumps(summary, indent=1))
     print(f"{len(seeds)} cases (seeds {args.start}..{args.start + len(seeds) - 1}) in {summary['seconds']}s: "
           + ", ".join(f"{o} {total[o]}" for o in outcomes))
@@ -145,7 +153,7 @@ def main() -> None:
             print(f"{k:<{width}}  " + "  ".join(f"{v[o]:>8}" for o in outcomes))
     for f in findings:
         print(f"\nFINDING seed {f['seed']}: {f['case']}\n  {f['finding'][:300]}")
-    print(f"\nwrote {report}" + (f" and {len(findings)} scripts in {OUT / 'fuzz'}" if findings else ""))
+    print(f"\nwrote {report}" + (f" and {len(findings)} scripts in {fuzz_dir}" if findings else ""))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python bench/infer.py [--tokens 24] [--repeats 3] [--batch 4] [--layers 2] [--hidden 64]
                           [--out bench/out/infer.json]
+    python bench/infer.py --smoke      # 4 tokens, 1 repeat, 1 layer: that it runs and writes its JSON
 
 Both decode the same mp = 8 model (``block.shard_megatron(1, 8)``, its weights in the layouts
 ``ms.infer_predict_layout`` gives) with the same head-split KV cache:
@@ -61,7 +62,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "infer.json"))
+    ap.add_argument("--smoke", action="store_true", help="4 tokens, 1 repeat, 1 layer: checks that it runs")
     a = ap.parse_args()
+    if a.smoke:
+        a.tokens, a.repeats, a.layers = 4, 1, 1
     ex.LAYERS, ex.HIDDEN, ex.FFN = a.layers, a.hidden, 2 * a.hidden
     ex.SEQ = max(ex.SEQ, a.tokens)
     n = min(8, jax.device_count())

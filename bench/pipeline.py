@@ -2,6 +2,7 @@
 same model without stages.
 
     python bench/pipeline.py [--out bench/out/pipeline.json] [--skip-time] [--repeats 5]
+    python bench/pipeline.py --smoke     # S = 2, M = 4, 1f1b+recompute only, 1 repeat: that it runs and writes its JSON
 
 - ``bubble``: for S in {2, 4}, M in {4, 8, 16} and each schedule (gpipe, 1f1b, interleaved with v = 2 chunks), the
   idle stage-ticks over all stage-ticks of the tick table the executor runs (mshard.pipeline.schedule), beside the
@@ -106,12 +107,12 @@ def _param_bytes_per_device(net) -> int:
     return total
 
 
-def memory_rows() -> list[dict]:
+def memory_rows(stages=(2, 4), micro=(4, 8, 16), schedules=SCHEDULES) -> list[dict]:
     rows = []
-    for S in (2, 4):
-        for M in (4, 8, 16):
+    for S in stages:
+        for M in micro:
             x, y = _batch(M)
-            for sched in SCHEDULES + ("no stages",):
+            for sched in tuple(schedules) + ("no stages",):
                 step, net = _step(1, M, "1f1b") if sched == "no stages" else _step(S, M, sched)
                 compiled = step.lower(x, y).compile()
                 mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
@@ -134,13 +135,13 @@ def _time(step, x, y, repeats: int) -> float:
     return statistics.median(out)
 
 
-def time_rows(repeats: int) -> list[dict]:
+def time_rows(repeats: int, cases=((2, 8), (4, 8)), schedules=SCHEDULES) -> list[dict]:
     rows = []
-    for S, M in ((2, 8), (4, 8)):
+    for S, M in cases:
         x, y = _batch(M)
         base, _ = _step(1, M, "1f1b")
         t0 = _time(base, x, y, repeats)
-        for sched in SCHEDULES:
+        for sched in schedules:
             step, _ = _step(S, M, sched)
             t = _time(step, x, y, repeats)
             rows.append({"S": S, "M": M, "schedule": sched, "step_s": t, "no_stages_s": t0, "ratio": t / t0,
@@ -155,12 +156,20 @@ def main(argv=None) -> None:
     ap.add_argument("--skip-time", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true",
+                    help="S = 2, M = 4, the schedule 1f1b+recompute only, 1 repeat: checks that it runs")
     a = ap.parse_args(argv)
+    # --smoke: one (S, M) and one schedule, beside the step without stages (each pipelined step compiles for seconds)
+    mem_kw, time_kw = {}, {}
+    if a.smoke:
+        a.repeats = 1
+        mem_kw = dict(stages=(2,), micro=(4,), schedules=("1f1b+recompute",))
+        time_kw = dict(cases=((2, 4),), schedules=("1f1b+recompute",))
     out = {"bubble": bubble_rows()}
     if not a.skip_memory:
-        out["memory"] = memory_rows()
+        out["memory"] = memory_rows(**mem_kw)
     if not a.skip_time:
-        out["time"] = time_rows(a.repeats)
+        out["time"] = time_rows(a.repeats, **time_kw)
     from rich.console import Console
     from rich.table import Table
     for key, rows in out.items():

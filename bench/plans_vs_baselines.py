@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/plans_vs_baselines.py [--models mlp,transformer,...] [--skip-forward]
                                                  [--out bench/out/plans_vs_baselines.json]
+    .venv/bin/python bench/plans_vs_baselines.py --smoke     # the MLP only: that it runs and writes its JSON
 
 Models: the MLP, transformer block, conv net and embedding classifier of ``examples/models.py``, the embedding GPT
 of ``examples/train_gpt.py`` (1 block) and the plain flax MiniGPT of ``tests/test_plain_models_train.py``. For each,
@@ -154,7 +155,10 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="mlp,transformer,conv,embed,gpt,flax_minigpt")
     ap.add_argument("--skip-forward", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "plans_vs_baselines.json"))
+    ap.add_argument("--smoke", action="store_true", help="the MLP only: checks that it runs")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.models = "mlp"
     models = _models()
     rows = []
     for name in a.models.split(","):

@@ -1,6 +1,7 @@
 """Searched plans against a hand-written expert plan, on 8 (simulated) devices.
 
-    .venv/bin/python bench/plans_vs_expert.py             # table + bench/out/plans_vs_expert.json
+    .venv/bin/python bench/plans_vs_expert.py             # table + bench/out/plans_vs_expert.json (--out PATH)
+    .venv/bin/python bench/plans_vs_expert.py --smoke     # the MLP only: that it runs and writes its JSON
 
 For the 2-layer MLP, a transformer block and the small conv net of ``examples/models.py``, one
 training step's forward and backward (``value_and_grad`` of ``sum(model(x))``) is planned by
@@ -21,7 +22,9 @@ The ratio column is the plan's collective bytes over the expert's (per device, f
 
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
 
 import _cpu8  # first: 8 simulated CPU devices before JAX is imported, quiet XLA, paths
 
@@ -80,13 +83,19 @@ def max_err(a, b) -> float:
                zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def main() -> None:
+def main(argv=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "plans_vs_expert.json"))
+    ap.add_argument("--smoke", action="store_true", help="the MLP only: checks that it runs")
+    a = ap.parse_args(argv)
     models = {"mlp": lambda: (MLP(), inputs("mlp")[0]),
               "transformer": lambda: (TransformerBlock(), inputs("transformer")[0]),
               "conv": lambda: (ConvNet(), inputs("conv")[0])}
+    if a.smoke:
+        models = {"mlp": models["mlp"]}
     rows = []
     for model, make in models.items():
         m, x = make()
@@ -122,7 +131,7 @@ def main() -> None:
         t.add_row(r["model"], r["plan"], *cells, f"{r['bytes']:,}", f"{r['ratio']:.2f}", str(r["count"]),
                   f"{r['predicted_cost']:.4g}" if "predicted_cost" in r else "-", f"{r['max_err_vs_one_device']:.1e}")
     Console(width=max(200, Console().width)).print(t)
-    out = ROOT / "bench" / "out" / "plans_vs_expert.json"
+    out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1, default=float))
     print(f"JSON: {out}")

@@ -1,8 +1,9 @@
 """Predicted communication (the plan's cost model) beside the compiled HLO's (comm_report), per model.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python bench/predicted_vs_hlo.py [--modes a,b]
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python bench/predicted_vs_hlo.py [--modes a,b] [--out PATH]
+    .venv/bin/python bench/predicted_vs_hlo.py --smoke     # the MLP only: that it runs and writes its JSON
 
-Prints a table and writes JSON (bench/out/predicted_vs_hlo.json). Bytes are per device, "moved" by
+Prints a table and writes JSON (bench/out/predicted_vs_hlo.json, ``--out``). Bytes are per device, "moved" by
 ring formulas from the collective's result size and replica-group size (see mshard.comm_report).
 Runs each model (mlp, transformer block, conv, embedding classifier) forward and as a training step (loss +
 gradients) in data_parallel, semi_auto_parallel and in auto_parallel with every search_mode (``--modes`` picks some; ilp is
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import _cpu8  # first: 8 simulated CPU devices before JAX is imported, quiet XLA, paths
 
@@ -46,11 +48,14 @@ def within(pred: dict, real: dict, tol: float = 0.10) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", default="data_parallel,semi_auto,sharding_propagation,recursive_programming,dynamic_programming")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "predicted_vs_hlo.json"))
+    ap.add_argument("--smoke", action="store_true", help="the MLP only: checks that it runs")
     args = ap.parse_args()
+    models = {"mlp": MODELS["mlp"]} if args.smoke else MODELS
     rows = []
     for mode in args.modes.split(","):
         with ms.parallel_context(device_num=8, **MODES[mode]):
-            for name, cls in MODELS.items():
+            for name, cls in models.items():
                 for what, fn in (("forward", lambda m, *a: m(*a)), ("train", grad_step)):
                     m, xs = cls(), inputs(name)
                     f = ms.jit(fn)
@@ -75,9 +80,9 @@ def main() -> None:
                   "yes" if r["within_10pct"] else "NO", json.dumps(r["hlo_counts"]))
     print(f"within 10% on every kind: {sum(r['within_10pct'] for r in rows)} of {len(rows)}")
     Console(width=180).print(t)
-    out = ROOT / "bench" / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "predicted_vs_hlo.json").write_text(json.dumps(rows, indent=1))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
     print(json.dumps(rows))
 
 

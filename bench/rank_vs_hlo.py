@@ -1,6 +1,8 @@
 """Does the cost model rank plans the way the compiled programs do? (issue 14: Spearman >= 0.9 per net)
 
     .venv/bin/python bench/rank_vs_hlo.py [--plans 50] [--models mlp,transformer,conv,embed] [--steps forward,train]
+                                          [--out bench/out/rank_vs_hlo.json]
+    .venv/bin/python bench/rank_vs_hlo.py --smoke     # 4 plans of the MLP: that it runs and writes its JSON
 
 For each model of ``examples/models.py`` and each step (the forward; the training step, ``value_and_grad`` of
 ``sum(model(x))``), ``--plans`` random valid plans are drawn: every op not fixed by the dataset strategy takes a
@@ -16,7 +18,7 @@ that returns the draw, swapped in for the bench's run) and compiled. Two scores 
 Reported per (model, step): Spearman's rank correlation of the two (scipy), and of the predicted and compiled
 bytes alone, over the distinct plans drawn; per plan, both scores, the bytes, the HLO's FLOPs and collective count,
 the plan's redistributions that move data, the collectives the plan pays for (in latencies) and the compiled ones
-per kind (where the two disagree is where the ranking goes wrong). JSON: ``bench/out/rank_vs_hlo.json``.
+per kind (where the two disagree is where the ranking goes wrong). JSON: ``bench/out/rank_vs_hlo.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from pathlib import Path
 
 import _cpu8  # first: 8 simulated CPU devices before JAX is imported, quiet XLA, paths
 
@@ -103,7 +106,11 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--steps", default="forward,train")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "rank_vs_hlo.json"))
+    ap.add_argument("--smoke", action="store_true", help="4 plans of the MLP: checks that it runs")
     a = ap.parse_args()
+    if a.smoke:
+        a.plans, a.models = 4, "mlp"
     saved = protocol.SEARCHERS[SLOT]
     rng = random.Random(a.seed)
     protocol.register(SLOT, random_searcher(rng))
@@ -140,9 +147,9 @@ def main() -> None:
                       f"spearman(bytes) {rho_bytes:6.3f}", flush=True)
     finally:
         protocol.SEARCHERS[SLOT] = saved
-    out = ROOT / "bench" / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "rank_vs_hlo.json").write_text(json.dumps(rows, indent=1))
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

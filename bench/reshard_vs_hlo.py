@@ -1,12 +1,13 @@
 """The cost model's redistributions (searchers.xla_reshard) beside the collectives XLA compiles, layout pair by pair.
 
-    .venv/bin/python bench/reshard_vs_hlo.py [--sample N]
+    .venv/bin/python bench/reshard_vs_hlo.py [--sample N] [--out bench/out/reshard_vs_hlo.json]
+    .venv/bin/python bench/reshard_vs_hlo.py --smoke     # 3 pairs per case: that it runs and writes its JSON
 
 For each mesh and tensor rank: every pair of layouts (each mesh axis on one tensor dim or none, every order inside a
 dim), or a fixed random sample of N pairs; each pair is compiled as ``jax.jit(x * 2)`` from a ``src`` input
 constrained to ``dst`` (``with_sharding_constraint``, as the executor does) and its HLO collectives are compared
-kind by kind (bytes moved per device) with the model's. Prints a table and writes bench/out/reshard_vs_hlo.json,
-with the pairs that differ.
+kind by kind (bytes moved per device) with the model's. Prints a table and writes bench/out/reshard_vs_hlo.json
+(``--out``), with the pairs that differ.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import itertools
 import json
 import random
 from collections import Counter
+from pathlib import Path
 
 import _cpu8  # first: 8 simulated CPU devices before JAX is imported
 import jax
@@ -43,7 +45,11 @@ def layouts(rank: int, naxes: int):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sample", type=int, default=0, help="pairs per case (0: all)")
+    ap.add_argument("--out", default=str(_cpu8.ROOT / "bench" / "out" / "reshard_vs_hlo.json"))
+    ap.add_argument("--smoke", action="store_true", help="a sample of 3 pairs per case: checks that it runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.sample = 3
     rows = []
     for mesh_shape, shape in CASES:
         names = tuple(f"a{i}" for i in range(len(mesh_shape)))
@@ -73,9 +79,9 @@ def main() -> None:
                      "differ": differ})
         print(f"mesh {mesh_shape} rank {len(shape)}: {len(pairs) - len(differ)} of {len(pairs)} pairs exact",
               flush=True)
-    out = _cpu8.ROOT / "bench" / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "reshard_vs_hlo.json").write_text(json.dumps(rows, indent=1))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
     print(json.dumps([{k: v for k, v in r.items() if k != "differ"} for r in rows]))
 
 

@@ -1,6 +1,7 @@
 """recursive_programming with its levels decided at once (searchers.rp_levels) against op by op.
 
-    .venv/bin/python bench/rp_levels.py
+    .venv/bin/python bench/rp_levels.py [--repeat 3] [--out bench/out/rp_levels.json]
+    .venv/bin/python bench/rp_levels.py --smoke     # 2k-op families, 300 chains of 4 ops, 1 run: that it runs
 
 For each graph: the search time with the level path (the default) and with every op decided
 one by one (``LEVEL_MIN_OPS`` out of reach), in one process, the least of ``--repeat`` runs
@@ -45,12 +46,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "rp_levels.json"))
+    ap.add_argument("--smoke", action="store_true",
+                    help="families of 2,000 ops, 300 chains of 4 ops (levels above the minimum), 1 run: checks that it runs")
     a = ap.parse_args()
+    size, shapes = 100_000, ((200, 500), (400, 250))
+    if a.smoke:
+        size, shapes, a.repeat = 2_000, ((300, 4),), 1
     mesh = DeviceMesh.prime(8)
-    graphs = {f: (lambda f=f: graph_of_size(100_000, f, mesh, fix_data=True)) for f in ("mlp", "transformer", "conv",
-                                                                                          "random")}
-    graphs["chains 200x500"] = lambda: chains(200, 500, mesh)
-    graphs["chains 400x250"] = lambda: chains(400, 250, mesh)
+    graphs = {f: (lambda f=f: graph_of_size(size, f, mesh, fix_data=True)) for f in ("mlp", "transformer", "conv",
+                                                                                      "random")}
+    for w, d in shapes:
+        graphs[f"chains {w}x{d}"] = lambda w=w, d=d: chains(w, d, mesh)
     default = rp.LEVEL_MIN_OPS
     seen: list[tuple[int, int]] = []
     real = rpl.LevelBatch.sweep

@@ -4,6 +4,8 @@
     .venv/bin/python bench/search.py --quick              # sizes 10 and 100, and the 24-layer transformer
     .venv/bin/python bench/search.py --sizes 100000 --searchers recursive_programming,sharding_propagation
     .venv/bin/python bench/search.py --sizes 10 --families mlp --no-24-layers --searchers ilp   # ilp, GPT-1.3B
+    .venv/bin/python bench/search.py --smoke              # size 10, no transformer, 1 run each: that it runs and
+                                                          # writes its JSON
 
 Graphs come from :mod:`searchers.generators` (``graph_of_size``): MLP chains, transformer stacks
 (attention, layer norm, residuals, the backward pass and parameter updates), a VGG-like conv net
@@ -273,6 +275,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1200.0, help="per run, seconds")
     ap.add_argument("--repeat", type=int, default=3, help="runs under 5 s are repeated; the least time counts")
     ap.add_argument("--quick", action="store_true", help="sizes 10 and 100 plus the 24-layer transformer")
+    ap.add_argument("--smoke", action="store_true", help="size 10 of mlp, conv and random (no transformer graph: its "
+                                                         "smallest is 102 ops, ilp's time limit), 1 run each: checks "
+                                                         "that it runs")
     ap.add_argument("--no-24-layers", action="store_true")
     ap.add_argument("--no-gpt-1.3b", dest="no_gpt_1_3b", action="store_true", help="skip the GPT-1.3B graph")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "search.json"))
@@ -282,6 +287,8 @@ def main() -> None:
     if a.child:
         print(json.dumps(_child(json.loads(a.child))))
         return
+    if a.smoke:
+        a.sizes, a.families, a.quick, a.no_24_layers, a.no_gpt_1_3b, a.repeat = "10", "mlp,conv,random", False, True, True, 1
     sizes = [10, 100] if a.quick else [int(s) for s in a.sizes.split(",")]
     families = a.families.split(",")
     names = a.searchers.split(",")

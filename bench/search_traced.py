@@ -1,13 +1,14 @@
 """Search time on a traced model (issue 14: on the MiniGPT forward, ilp <= 5 s and dynamic_programming <= 1 s).
 
-    .venv/bin/python bench/search_traced.py [--repeat 3]
+    .venv/bin/python bench/search_traced.py [--repeat 3] [--out bench/out/search_traced.json]
+    .venv/bin/python bench/search_traced.py --smoke     # 1 run each: that it runs and writes its JSON
 
 The graph is the one mshard's planner searches for the forward of the plain flax MiniGPT of
 ``tests/test_plain_models_train.py`` (2 blocks) under auto_parallel with a data-parallel batch on 8 devices: a
 searcher swapped in for one planning run captures it. Each searcher then runs on it with the cache off, ``--repeat``
 times (the least time counts): dynamic_programming, ilp, and ilp with ``eliminate=False`` (the whole integer
-program, as before the elimination fast path). JSON: ``bench/out/search_traced.json`` (seconds, predicted cost,
-notes per searcher).
+program, as before the elimination fast path). JSON: ``bench/out/search_traced.json`` (``--out``; seconds,
+predicted cost, notes per searcher).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import _cpu8  # first: 8 simulated CPU devices before JAX is imported, quiet XLA, paths
 
@@ -54,7 +56,11 @@ def captured_graph():
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "search_traced.json"))
+    ap.add_argument("--smoke", action="store_true", help="1 run per searcher: checks that it runs")
     a = ap.parse_args()
+    if a.smoke:
+        a.repeat = 1
     g, params, options = captured_graph()
     runs = {"dynamic_programming": lambda: dynamic_programming(g, params, cache=False, **options),
             "ilp": lambda: ilp(g, params, cache=False, **options),
@@ -69,9 +75,9 @@ def main() -> None:
         rows.append({"searcher": name, "ops": len(g.ops), "seconds": best, "cost": float(res.cost.total),
                      "notes": list(res.notes)})
         print(f"{name:24s} {len(g.ops)} ops  {best:7.2f} s  cost {res.cost.total:.6g}", flush=True)
-    out = ROOT / "bench" / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "search_traced.json").write_text(json.dumps(rows, indent=1))
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

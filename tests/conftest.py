@@ -54,7 +54,7 @@ def _fresh_mshard_context():
     ms.reset_cost_model_context()
 
 
-# The slow tier: multi-process runs, notebooks, examples run as scripts, and the tests that compile whole training
+# The slow tier: multi-process runs, notebooks, examples and benchmarks run as scripts, and the tests that compile whole training
 # steps for longer than a few seconds on a 2-core CPU. CI runs everything; a developer runs the fast tier with
 # `bash scripts/test.sh -m "not slow"` (under 3 minutes). Module paths mark every test in them; node ids one test.
 SLOW = (
@@ -68,6 +68,7 @@ SLOW = (
     "tests/test_launch.py::test_dry_run",
     "tests/test_examples.py",
     "tests/test_train_examples.py",
+    "tests/test_bench_smoke.py",
     "tests/test_train_memory.py",
     "tests/test_reshard_model.py::test_every_pair_sample_on_the_planner_mesh_rank2",
     "tests/test_plan_program.py::test_predicted_communication_is_the_compiled_programs_and_replays[transformer-",
