@@ -237,14 +237,29 @@ def test_no_search_returns_a_plan_worse_than_the_obvious_ones(name, fully, shape
     g = random_dag(40, 7, mesh) if graph == "random_b" else small_graphs(mesh)[graph]
     search = sharding_propagation if name == "sharding_propagation" else SEARCHERS[name]
     res = search(g, P, fully_use_devices=fully, cache=False)
+    movable = [op for op in g.ops if op.fixed is None and op.follow_operand is None and op.id not in g.operand_ties]
+    entry = _data_consumers(g)          # under fully_use_devices the batch must enter over every device
+    checked = []
     for base, plan in _obvious_plans(g).items():
-        movable = [op for op in g.ops if op.fixed is None and op.follow_operand is None and op.id not in g.operand_ties]
-        entry = _data_consumers(g)          # under fully_use_devices the batch must enter over every device
         if fully and any(op.id in entry and plan[op.id] not in enumerate_strategies(op, mesh, fully_use_devices=True)
                          for op in movable):
-            continue
+            continue                    # not a plan this search may return: it does not bound it
         # 1e-9: float64 re-summation of the same costs (~1e-15) and the ILP's mip_rel_gap
         assert res.cost.total <= graph_cost(g, plan, P).total * (1 + 1e-9), (base, res.notes)
+        checked.append(base)
+    if not checked:
+        # under fully_use_devices neither obvious plan is one the search may return (the replicated one never is;
+        # the data-parallel one where a data reader cannot use every device in it): what binds a cost-model search
+        # then is fully_use_devices itself, every data reader on a strategy that uses every device.
+        # sharding_propagation keeps the layout that needs no redistribution even where devices idle (MindSpore's
+        # propagation): its plan must be valid
+        assert fully
+        valid(g, res.strategies)
+        if name == "sharding_propagation":
+            return
+        for op in movable:
+            if op.id in entry and enumerate_strategies(op, mesh, fully_use_devices=True):
+                assert res.strategies[op.id] in enumerate_strategies(op, mesh, fully_use_devices=True), op.name
 
 
 @pytest.mark.parametrize("name", [*SEARCHERS, "sharding_propagation"])
