@@ -171,4 +171,9 @@ def test_the_fallback_on_ilps_own_problem_is_dynamic_programmings_plan(follow):
     res = ilp(g, P, max_variables=1, elementwise_op_strategy_follow=follow, cache=False)
     dp = dynamic_programming(g, P, elementwise_op_strategy_follow=follow, cache=False)
     assert any("too large" in n for n in res.notes), res.notes
-    assert res.strategies == dp.strategies
+    # the same plan up to which of the (2, 2, 2) mesh's equal axes a split takes: such plans tie exactly, and which
+    # one the solver returns has been seen to depend on what ran before in the process (issue 14's note); the split
+    # counts of every op and the cost are the plan
+    splits = lambda st: {k: tuple(len(axes) for axes in v) for k, v in st.items()}
+    assert splits(res.strategies) == splits(dp.strategies)
+    assert res.cost.total == pytest.approx(dp.cost.total, rel=1e-9)       # float64 re-summation, ILP gap
