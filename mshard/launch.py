@@ -204,6 +204,7 @@ def run(a: argparse.Namespace) -> int:
                 break
             else:
                 time.sleep(0.05)
+        ended = [p.poll() for p in procs]              # before the kill: which of the others had ended by then
         if failed is not None:
             _kill(procs)
         stop.set()
@@ -214,8 +215,12 @@ def run(a: argparse.Namespace) -> int:
             return 0
         i, rc = failed
         hint = _unhealthy(logs[i]) if rc in (134, -signal.SIGABRT) else ""
-        sys.stderr.write(f"mshard run: worker {first + i} failed ({_how(rc)}{hint}); stopped the other workers. Last "
-                         f"lines of {logs[i]}:\n{_last_lines(logs[i])}")
+        others = "".join(f"mshard run: worker {first + j} (pid {p.pid}) "
+                         + ("was still running: killed by mshard run (SIGKILL)" if ended[j] is None
+                            else f"had ended by itself ({_how(ended[j])})") + "\n"
+                         for j, p in enumerate(procs) if j != i)
+        sys.stderr.write(f"mshard run: worker {first + i} failed ({_how(rc)}{hint}); stopped the other workers.\n"
+                         f"{others}Last lines of {logs[i]}:\n{_last_lines(logs[i])}")
         sys.stderr.flush()
         return rc if 0 < rc < 256 else 1
     except KeyboardInterrupt:

@@ -38,6 +38,15 @@ def _jax_compilation_cache():
 _jax_compilation_cache()
 
 
+@pytest.fixture
+def port():
+    """A port for a multi-process job's coordinator, chosen by the OS and held for the test
+    (tests/helpers.py::reserved_port)."""
+    from helpers import reserved_port
+    with reserved_port() as p:
+        yield p
+
+
 @pytest.fixture(autouse=True)
 def _fresh_mshard_context():
     try:
@@ -54,44 +63,11 @@ def _fresh_mshard_context():
     ms.reset_cost_model_context()
 
 
-# The slow tier: multi-process runs, notebooks, examples and benchmarks run as scripts, and the tests that compile whole training
-# steps for longer than a few seconds on a 2-core CPU. CI runs everything; a developer runs the fast tier with
-# `bash scripts/test.sh -m "not slow"` (under 3 minutes). Module paths mark every test in them; node ids one test.
-SLOW = (
-    "tests/test_multiprocess.py",
-    "tests/test_pipeline_multiprocess.py",
-    "tests/test_train_multiprocess.py",
-    "tests/test_checkpoint_multiprocess.py",
-    "tests/test_launch.py::test_two_processes",
-    "tests/test_launch.py::test_a_fault",
-    "tests/test_launch.py::test_mismatched",
-    "tests/test_launch.py::test_dry_run",
-    "tests/test_examples.py",
-    "tests/test_train_examples.py",
-    "tests/test_bench_smoke.py",
-    "tests/test_train_memory.py",
-    "tests/test_reshard_model.py::test_every_pair_sample_on_the_planner_mesh_rank2",
-    "tests/test_plan_program.py::test_predicted_communication_is_the_compiled_programs_and_replays[transformer-",
-    "tests/test_reshard_model.py::test_every_pair_sample_on_the_planner_mesh_rank3",
-    "tests/test_searchers_e2e.py::test_plan_executes_and_matches_one_device[transformer-",
-    "tests/test_train.py::test_megatron_gpt_semi_auto_matches_one_device",
-    "tests/test_train.py::test_searched_megatron_step_communicates_no_more_than_its_strategies_alone",
-    "tests/test_train.py::test_recompute_transformer_matches_one_device",
-    "tests/test_train_fusion.py::test_fusion_buckets_in_a_searched",
-    "tests/test_propagation_e2e.py::test_propagated_plans_match_one_device_forward_and_grad",
-    "tests/test_user_axes.py::test_any_prefix_before_a_megatron_pair",
-    "tests/searchers/test_dynamic_programming.py::test_training_graph_through_the_fallback_beats_propagation",
-    "tests/test_fuzz.py::test_random_programs_equal_one_device",
-    "tests/test_pipeline.py::test_gpt_trains",
-    "tests/test_pipeline.py::test_interleaved",
-    "tests/test_pipeline.py::test_megatron_inside",
-    "tests/test_pipeline.py::test_the_plan_shows",
-    "tests/test_pipeline.py::test_composes_with",
-    "tests/test_pipeline.py::test_stage_helper",
-    "tests/test_pipeline.py::test_a_parameter_two_stages",
-    "tests/test_pipeline.py::test_pipeline_form",
-    "tests/test_pipeline.py::test_stages_keep",
-)
+# Tiers are markers on the tests themselves (a renamed test keeps its tier): ``@pytest.mark.slow`` (or a module's
+# ``pytestmark``) for multi-process runs, notebooks, examples and benchmarks run as scripts, and tests that compile
+# whole training steps for longer than a few seconds on a 2-core CPU; ``@pytest.mark.heavy(seconds)`` for a case
+# beyond CI's budget, covered there by a cheaper case of the same path. CI runs every tier but heavy; a developer
+# runs the fast tier with `bash scripts/test.sh -m "not slow"`. pyproject's --strict-markers refuses a misspelt mark.
 
 
 def pytest_configure(config):
@@ -102,30 +78,9 @@ def pytest_configure(config):
                                        "MSHARD_HEAVY=1")
 
 
-# heavy by node id (seconds on 2 cores): a case too slow for CI's budget, covered there by a cheaper case of the same
-# path. The MiniGPT's ~390-op training step under ilp: HiGHS runs to its 60 s time limit, then dynamic_programming
-# (the MiniGPT's dynamic_programming case, and the CNN's ilp case, run in CI). The GPT on 4 stages under 1f1b with 8
-# micro-batches: CI runs 1f1b on 2 stages and 4 stages under gpipe; the schedule's tables for every S, M are
-# tests/test_pipeline_schedule.py's, which compiles nothing.
-HEAVY: dict[str, int] = {
-    "tests/test_plain_models_train.py::test_a_plain_flax_model_trains_as_on_one_device[minigpt-ilp]": 80,
-    "tests/test_pipeline.py::test_gpt_trains_as_on_one_device[4-4-8-1f1b]": 30,
-    # the three slowest benchmark smoke runs (bench/step.py's two modes, fused step and memory routes; bench/launch.py's
-    # 2-process jobs; bench/pipeline.py's schedules): with them the suite ran 25.7 min on 2 cores, over CI's budget.
-    # The other 15 bench scripts' smoke runs stay in CI
-    "tests/test_bench_smoke.py::test_bench_smoke_writes_its_json[step]": 140,
-    "tests/test_bench_smoke.py::test_bench_smoke_writes_its_json[launch]": 25,
-    "tests/test_bench_smoke.py::test_bench_smoke_writes_its_json[pipeline]": 22,
-}
-
-
 def pytest_collection_modifyitems(config, items):
     heavy = os.environ.get("MSHARD_HEAVY") == "1"
     for item in items:
-        if item.nodeid.startswith(SLOW):
-            item.add_marker(pytest.mark.slow)
-        if item.nodeid in HEAVY:
-            item.add_marker(pytest.mark.heavy(HEAVY[item.nodeid]))
         mark = item.get_closest_marker("heavy")
         if mark is not None and not heavy:
             item.add_marker(pytest.mark.skip(reason=f"heavy (~{mark.args[0]} s on 2 cores): run with MSHARD_HEAVY=1"))

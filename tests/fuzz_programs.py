@@ -200,7 +200,7 @@ def make_prim(step: dict[str, Any]) -> ops.Primitive:
 def _out_shapes(prim: ops.Primitive, step: dict[str, Any]) -> tuple[Shape, ...]:
     """The primitive's output shapes (a split must divide the output dims it lands on too: a pool's output)."""
     args = [jax.ShapeDtypeStruct(s, jnp.int32 if r.startswith("int:") else jnp.float32)
-            for r, s in zip(step["roles"], step["shapes"])]
+            for r, s in zip(step["roles"], step["shapes"], strict=True)]
     attrs = [jnp.float32 if a == "float32" else a for a in step["attrs"]]
     out = jax.eval_shape(lambda *t: prim.compute(*t, *attrs), *args)
     return tuple(tuple(o.shape) for o in jax.tree.leaves(out))
@@ -212,8 +212,8 @@ def _valid(step: dict[str, Any], rnd: random.Random, devices: int = 8):
     prim = make_prim(step)
     in_dims, out_dims, fixed = prim.spec(step["shapes"], step["attrs"])
     sizes: dict[str, int] = {}
-    for dims, shape in zip(in_dims + out_dims, step["shapes"] + _out_shapes(prim, step)):
-        for d, n in zip(dims, shape):
+    for dims, shape in zip(in_dims + out_dims, step["shapes"] + _out_shapes(prim, step), strict=True):
+        for d, n in zip(dims, shape, strict=True):
             if d is not None:
                 sizes[d] = math.gcd(sizes.get(d, n), n)
     counts, left = {}, devices
@@ -277,8 +277,8 @@ def _axes_for(step: dict[str, Any], rnd: random.Random) -> tuple:
     its own axes of the (2, 2, 2) layout (a shared letter the same axes on every input)."""
     in_dims, _, _ = make_prim(step).spec(step["shapes"], step["attrs"])
     free, of = list(LAYOUT_AXES), {}
-    for dims, counts in zip(in_dims, step["strategy"]):
-        for d, c in zip(dims, counts):
+    for dims, counts in zip(in_dims, step["strategy"], strict=True):
+        for d, c in zip(dims, counts, strict=True):
             if d is not None and c > 1 and d not in of:
                 k = c.bit_length() - 1
                 pick = sorted(rnd.sample(free, k), key=LAYOUT_AXES.index)
@@ -359,7 +359,7 @@ class Program(nnx.Module):
             if step["strategy"] is not None:
                 p = p.shard(_strategy_form(step), step.get("out_strategy"))
             prims.append(p)
-            for role, shp in zip(step["roles"], step["shapes"]):
+            for role, shp in zip(step["roles"], step["shapes"], strict=True):
                 if role in ("param", "pos_param"):
                     fan = math.prod(shp[1:]) if len(shp) >= 2 else 1
                     v = rng.standard_normal(shp) / math.sqrt(fan)
@@ -374,10 +374,10 @@ class Program(nnx.Module):
     def chain(self, params, x):
         h, kp = x, 0
         rng = np.random.default_rng(self.seed + 3)       # the constants (indices, labels): the same on every call
-        for p, (roles, shapes, attrs, pre, post) in zip(self.prims, self.steps):
+        for p, (roles, shapes, attrs, pre, post) in zip(self.prims, self.steps, strict=True):
             h = {"tanh": jnp.tanh, "pos": lambda v: jnp.abs(v) + 1.0, None: lambda v: v}[pre](h)
             args = []
-            for role, shp in zip(roles, shapes):
+            for role, shp in zip(roles, shapes, strict=True):
                 if role == "x":
                     args.append(h)
                 elif role in ("param", "pos_param"):
@@ -462,7 +462,7 @@ def check_case(case: dict[str, Any]) -> tuple[str, str]:
         gm0, gx0 = nnx.jit(lambda m, x: nnx.grad(loss, argnums=(0, 1))(m, x))(ref, x)
     tol = tolerance(case)
     pairs = [("output", y, y0), ("grad x", gx, gx0)] + [
-        (f"grad param {i}", a, b) for i, (a, b) in enumerate(zip(jax.tree.leaves(gm), jax.tree.leaves(gm0)))]
+        (f"grad param {i}", a, b) for i, (a, b) in enumerate(zip(jax.tree.leaves(gm), jax.tree.leaves(gm0), strict=True))]
     exact = None
     for k, (what, a, b) in enumerate(pairs):
         a, b = np.asarray(a), np.asarray(b)

@@ -1,9 +1,12 @@
 """Shared test helpers: single-device references and shard-shape checks."""
 
+import contextlib
 import os
+import socket
 
 import jax
 import numpy as np
+import pytest
 
 # float32 forward checks (test_strategies, test_shard_in_plain_jit, the examples' MLP): dot products of 32 to 256
 # terms reordered by the partitioning, over 1-2 layers; roundings are random-signed, ~sqrt(n) * 2**-24 <= 1e-6
@@ -28,52 +31,53 @@ def on_one_device(fn, *args):
 
 
 def assert_close(a, b, rtol=RTOL, atol=ATOL):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
 def split_counts(arr) -> tuple[int, ...]:
     """How many slices each dim of a global array is cut into (from its sharding, not from mshard)."""
     shard = arr.sharding.shard_shape(arr.shape)
-    return tuple(n // s for n, s in zip(arr.shape, shard))
+    return tuple(n // s for n, s in zip(arr.shape, shard, strict=True))
 
 
 def rand(key, *shape):
     return jax.random.normal(jax.random.key(key), shape, dtype=np.float32)
 
 
-def free_port() -> str:
-    """A free TCP port on 127.0.0.1 (for a multi-process job's coordinator)."""
-    import socket
+@contextlib.contextmanager
+def reserved_port():
+    """A TCP port on 127.0.0.1 chosen by the OS at bind time and held, bound, until the block ends: yields it as a
+    string. The socket sets SO_REUSEPORT, as gRPC's servers do (JAX's coordination service among them), so the job's
+    coordinator can bind the same port while no other process can be handed it in between (binding, closing and
+    reusing a port later is a race with every other process on the machine)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+        yield str(s.getsockname()[1])
 
 
 def run_workers(worker, n: int = 2, timeout: float = 300) -> None:
     """Start ``n`` processes of ``worker`` (argv: rank, port) on 127.0.0.1, wait, kill leftovers, and assert
     each exited 0 and printed ``process <rank> OK``."""
-    import os
     import subprocess
     import sys
 
-    import pytest
-
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, str(worker), str(i), port], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env) for i in range(n)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{worker}: multi-process run timed out after {timeout} s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for i, (p, out) in enumerate(zip(procs, outs)):
+    with reserved_port() as port:
+        procs = [subprocess.Popen([sys.executable, str(worker), str(i), port], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, env=env) for i in range(n)]
+        outs = []
+        try:
+            for p in procs:
+                outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{worker}: multi-process run timed out after {timeout} s")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    for i, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, out[-4000:]
         assert f"process {i} OK" in out

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from train_helpers import MLP, batches, mse, reference_train
+from train_helpers import MLP, assert_params_close, assert_trees_close, batches, mse, reference_train
 
 import mshard as ms
 from mshard.errors import ContextError
@@ -35,15 +35,17 @@ def _script(parallel_mode, strategy_file):
     parallel_net.enable_gradients_mean()
     parallel_net.save_param_strategy_file(strategy_file)
     parallel_net.no_init_parameters_in_compile()
-    return [float(parallel_net(x, y)) for x, y in DATA], parallel_net
+    return [float(parallel_net(x, y)) for x, y in DATA], parallel_net, net, train_step
 
 
 @pytest.mark.parametrize("mode", ["semi_auto", "sharding_propagation", "recursive_programming"])
 def test_a_mindspore_26_script_runs_and_equals_one_device(tmp_path, mode):
-    _, _, ref = reference_train(MLP(nnx.Rngs(0)), optax.adam(1e-2), DATA, mse)
-    losses, pnet = _script(mode, tmp_path / "strategy.json")
+    ref, ref_opt, ref_losses = reference_train(MLP(nnx.Rngs(0)), optax.adam(1e-2), DATA, mse)
+    losses, pnet, net, train_step = _script(mode, tmp_path / "strategy.json")
     # float32 over 2 Adam steps: tests/train_helpers.py's reasoning
-    np.testing.assert_allclose(losses, ref, rtol=2e-5)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    assert_params_close(net, ref)                                             # every parameter and Adam leaf
+    assert_trees_close(train_step.opt_state, ref_opt)
     assert ms.get_auto_parallel_context("parallel_mode") == "stand_alone"      # the global context untouched
     plan = json.loads((tmp_path / "strategy.json").read_text())
     assert plan["format"] and plan["ops"]                                       # the strategy file was written

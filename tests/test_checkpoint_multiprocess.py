@@ -8,7 +8,10 @@ import signal
 import subprocess
 import sys
 
-from helpers import free_port
+import pytest
+from helpers import reserved_port
+
+pytestmark = pytest.mark.slow
 
 WORKER = pathlib.Path(__file__).parent / "mp" / "worker_checkpoint.py"
 
@@ -20,22 +23,21 @@ def _start(rank, port, phase, d, nproc, ndev):
 
 
 def _run(phase, d, nproc, ndev, timeout=240):
-    port = free_port()
-    procs = [_start(i, port, phase, d, nproc, ndev) for i in range(nproc)]
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for i, (p, out) in enumerate(zip(procs, outs)):
+    with reserved_port() as port:
+        procs = [_start(i, port, phase, d, nproc, ndev) for i in range(nproc)]
+        try:
+            outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    for i, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0 and f"process {i} OK" in out, out[-4000:]
     return outs
 
 
-def test_multiprocess_save_kill_and_restore_anywhere(tmp_path):
-    port = free_port()
+def test_multiprocess_save_kill_and_restore_anywhere(tmp_path, port):
     procs = [_start(i, port, "save", tmp_path, 2, 4) for i in range(2)]
     try:
         out1 = procs[1].communicate(timeout=240)[0]        # process 1 kills itself while writing step 3

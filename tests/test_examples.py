@@ -6,8 +6,11 @@ import subprocess
 import sys
 
 import nbformat
+import pytest
 from helpers import xla_flags
 from nbclient import NotebookClient
+
+pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -37,6 +37,7 @@ def _check(case, allowed):
 
 # CI's share of the campaign (bench/fuzz.py runs thousands, 10,000 seeds in bench/out/fuzz-*.json): 20 programs
 # keep the suite inside its 15 minutes
+@pytest.mark.slow
 @settings(FAST, max_examples=20)
 @given(seed=SEEDS)
 @example(seed=158)    # two valid strategies whose splits meet in an unannotated mul and cannot be disjoint

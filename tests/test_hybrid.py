@@ -8,7 +8,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from train_helpers import mse, reference_train
+from train_helpers import assert_params_close, assert_trees_close, mse, reference_train
 
 import mshard as ms
 from mshard import nn, ops
@@ -83,17 +83,22 @@ class HybridNet(nn.Cell):
         return self.fc2(jax.nn.relu(self.row(self.fc1(x))))
 
 
-def test_hybrid_parallel_training_step_equals_one_device():
+@pytest.mark.parametrize("tx", [optax.adam, optax.sgd])
+def test_hybrid_parallel_training_step_equals_one_device(tx):
+    """Every parameter and every optimizer leaf against one device; plain SGD as well as Adam, where a gradient off
+    by the replica count or the mp group size would be normalised away."""
     rng = np.random.default_rng(0)
     data = [(rng.normal(size=(32, 16)).astype(np.float32), rng.normal(size=(32, 8)).astype(np.float32))
             for _ in range(3)]
-    _, _, ref = reference_train(HybridNet(nnx.Rngs(0)), optax.adam(1e-2), data, mse)
+    ref, ref_opt, ref_losses = reference_train(HybridNet(nnx.Rngs(0)), tx(1e-2), data, mse)
     ms.set_auto_parallel_context(parallel_mode="hybrid_parallel", device_num=8, gradients_mean=True)
     net = HybridNet(nnx.Rngs(0))
-    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), tx(1e-2))
     losses = [float(step(*b)) for b in data]
     # float32: the 64-term row-parallel product summed in 8 partial sums, 16/32-term dot products, a 256-element
-    # MSE mean, reordered over 8 devices, across 3 Adam steps (tests/train_helpers.py's PARAM_RTOL reasoning)
-    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    # MSE mean, reordered over 8 devices, across 3 steps (tests/train_helpers.py's PARAM_RTOL reasoning)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+    assert_trees_close(step.opt_state, ref_opt)
     rep = ms.comm_report(step, *data[0])
     assert rep.count("all-reduce") >= 1           # the user's AllReduce (and the gradient reduction) are in it

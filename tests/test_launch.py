@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from helpers import free_port, xla_flags
+from helpers import xla_flags
 
 import mshard as ms
 
@@ -19,11 +19,12 @@ MP = pathlib.Path(__file__).parent / "mp"
 WORKER = MP / "worker_launch.py"
 
 
-def _launch(tmp_path, fault="none", extra=(), script=WORKER, devices=4, mode="data_parallel", order="init_first"):
+def _launch(tmp_path, port, fault="none", extra=(), script=WORKER, devices=4, mode="data_parallel",
+            order="init_first", tx="adam"):
     env = dict(os.environ, FAULT=fault, MODE=mode, JAX_PLATFORMS="cpu", ORDER=order, JOB_DEVICES=str(2 * devices),
-               XLA_FLAGS=xla_flags(devices))
+               TX=tx, XLA_FLAGS=xla_flags(devices))
     cmd = [sys.executable, "-m", "mshard", "run", "--worker_num=2", "--local_worker_num=2",
-           f"--master_port={free_port()}", f"--log_dir={tmp_path}", *extra, str(script)]
+           f"--master_port={port}", f"--log_dir={tmp_path}", *extra, str(script)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -40,13 +41,17 @@ def _wait_for(path: pathlib.Path, text: str, p: subprocess.Popen, timeout: float
     pytest.fail(f"{text!r} did not appear in {path} within {timeout} s")
 
 
-@pytest.mark.parametrize("fault,mode,order", [("none", "data_parallel", "init_first"), ("none", "megatron", "init_first"),
-                                              ("hybrid", "data_parallel", "init_first"),
-                                              ("none", "data_parallel", "context_first")])
-def test_two_processes_train_equal_to_one_device(tmp_path, fault, mode, order):
-    """``order=context_first``: MindSpore's order of set-up, set_auto_parallel_context before communication.init()
-    (JAX refuses jax.distributed.initialize once its backend is up, so setting the context must not start it)."""
-    p = _launch(tmp_path, fault=fault, mode=mode, order=order)
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,mode,order,tx", [("none", "data_parallel", "init_first", "adam"),
+                                                 ("none", "megatron", "init_first", "sgd"),
+                                                 ("hybrid", "data_parallel", "init_first", "sgd"),
+                                                 ("none", "data_parallel", "context_first", "adam")])
+def test_two_processes_train_equal_to_one_device(tmp_path, port, fault, mode, order, tx):
+    """Each worker compares every parameter and optimizer leaf it holds with one device; plain SGD in two cases, where
+    a gradient off by the process count shows. ``order=context_first``: MindSpore's order of set-up,
+    set_auto_parallel_context before communication.init() (JAX refuses jax.distributed.initialize once its backend
+    is up, so setting the context must not start it)."""
+    p = _launch(tmp_path, port, fault=fault, mode=mode, order=order, tx=tx)
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, err[-3000:]
     for r in range(2):
@@ -55,10 +60,11 @@ def test_two_processes_train_equal_to_one_device(tmp_path, fault, mode, order):
     assert "[worker 0] " in out and "[worker 1] " in out and "all 2 workers finished" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault,rank,sig", [("kill", 1, signal.SIGKILL), ("kill", 0, signal.SIGKILL),
                                             ("stop", 1, signal.SIGSTOP), ("raise", 1, None)])
-def test_a_fault_ends_the_whole_job_naming_the_failing_rank(tmp_path, fault, rank, sig):
-    p = _launch(tmp_path, fault="raise" if fault == "raise" else "loop")
+def test_a_fault_ends_the_whole_job_naming_the_failing_rank(tmp_path, port, fault, rank, sig):
+    p = _launch(tmp_path, port, fault="raise" if fault == "raise" else "loop")
     log = tmp_path / f"worker_{rank}.log"
     body = _wait_for(log, "step 2 ", p)
     pid = int(body.split(" pid ", 1)[1].split()[0])
@@ -66,7 +72,7 @@ def test_a_fault_ends_the_whole_job_naming_the_failing_rank(tmp_path, fault, ran
     if sig is not None:
         os.kill(pid, sig)
     try:
-        _, err = p.communicate(timeout=60)
+        out, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
@@ -78,6 +84,20 @@ def test_a_fault_ends_the_whole_job_naming_the_failing_rank(tmp_path, fault, ran
     elapsed = time.time() - t0          # reported, not asserted: the 15 s figures are bench/launch.py's
     assert p.returncode != 0
     assert "mshard run: worker" in err and "failed" in err, err[-2000:]
+    # fail-fast by behaviour: when the launcher returns, no worker of the job is left, and it says how each of the
+    # others ended: killed by it while still running, or ended on its own before that (a peer's runtime abort)
+    pids = [int(v) for v in out.split("pids [", 1)[1].split("]", 1)[0].split(",")]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    failing = int(err.split("mshard run: worker ", 1)[1].split()[0])
+    for r in {0, 1} - {failing}:
+        fate = err.split(f"mshard run: worker {r} (pid {pids[r]}) ", 1)[1].splitlines()[0]
+        assert fate in ("was still running: killed by mshard run (SIGKILL)",
+                        "had ended by itself (exit code 134 (aborted: the JAX runtime stopped it, e.g. a lost peer))",
+                        "had ended by itself (killed by SIGABRT)", "had ended by itself (exit code 1)"), fate
+    if fault == "stop":     # the stopped rank cannot end by itself: only the launcher's SIGKILL ends it
+        assert f"mshard run: worker 1 (pid {pids[1]}) was still running: killed by mshard run (SIGKILL)" in err, err
     if fault in ("kill", "raise"):
         assert f"worker {rank} failed" in err, err[-2000:]
     if fault == "raise":
@@ -87,13 +107,14 @@ def test_a_fault_ends_the_whole_job_naming_the_failing_rank(tmp_path, fault, ran
     print(f"{fault} rank {rank}: ended in {elapsed:.2f} s; {err.strip().splitlines()[0]}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault,want", [("batch", "rank 0: (8, 16), (8, 8); rank 1: (4, 16), (4, 8)"),
                                         ("hostbatch", "rank 0: (16, 16), (16, 8); rank 1: (8, 16), (8, 8)"),
                                         # same shapes, each rank's own rows: a global batch made of both would be
                                         # silently wrong (issue 36); the error names shard_batch
                                         ("ownrows", "host input 0 (shape (8, 16)) differs between the processes")])
-def test_mismatched_local_batches_raise_on_every_rank(tmp_path, fault, want):
-    p = _launch(tmp_path, fault=fault)
+def test_mismatched_local_batches_raise_on_every_rank(tmp_path, port, fault, want):
+    p = _launch(tmp_path, port, fault=fault)
     p.communicate(timeout=240)
     assert p.returncode != 0
     logs = [(tmp_path / f"worker_{r}.log").read_text() for r in range(2)]
@@ -102,6 +123,7 @@ def test_mismatched_local_batches_raise_on_every_rank(tmp_path, fault, want):
     assert want in hit[0], hit[0][-2000:]
 
 
+@pytest.mark.slow
 def test_dry_run_plans_a_step_for_64_devices_and_runs_nothing(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)

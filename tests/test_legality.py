@@ -55,7 +55,7 @@ def _searchable(make, shapes, attrs) -> set:
     op, note = tr.graph.ops[te.op], te.eqn.params["note"]
     out = set()
     for s in enumerate_strategies(op, MESH):
-        where = dict(zip(op.dims, s))
+        where = dict(zip(op.dims, s, strict=True))
         out.add(tuple(tuple(MESH.count(where.get(letter, ())) if letter else 1 for letter in dims)
                       for dims in note.in_dims))
     return out
@@ -237,5 +237,5 @@ def test_semi_auto_plan_is_the_program_it_runs(train):
     g = ms.jit(fn)
     assert _hlo_collectives(g, typed, x) == _hlo_collectives(f, net, x)
     # float32: 32- and 128-term sums reordered by the partitioning (the loss sums 1024 squares of order 1e2)
-    for a, b in zip(jax.tree.leaves(f(net, x)), jax.tree.leaves(fn(ThreeOps(nnx.Rngs(0)), x))):
+    for a, b in zip(jax.tree.leaves(f(net, x)), jax.tree.leaves(fn(ThreeOps(nnx.Rngs(0)), x)), strict=True):
         assert jnp.allclose(a, b, rtol=1e-4, atol=1e-3)

@@ -2,7 +2,10 @@
 
 import pathlib
 
+import pytest
 from helpers import run_workers
+
+pytestmark = pytest.mark.slow
 
 
 def test_megatron_region_across_two_processes():

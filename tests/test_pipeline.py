@@ -23,6 +23,7 @@ from flax import nnx
 import mshard as ms
 from mshard import nn
 from mshard.errors import ContextError, PipelineError, StrategyError
+from mshard.pipeline.execute import record_ticks
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 from reference import train_one_device
@@ -64,7 +65,7 @@ def train_both(net, S, M, *, sched="1f1b", interleave=False, mode="semi_auto_par
 
 def assert_equal_training(mine, losses, ref, ref_losses):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
-    for a, b in zip(jax.tree.leaves(nnx.state(mine, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param))):
+    for a, b in zip(jax.tree.leaves(nnx.state(mine, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
 
 
@@ -83,7 +84,11 @@ def two_stages():
     return train_both(staged_gpt(2, 2), 2, 4, report=True, inspect=inspect), seen
 
 
-@pytest.mark.parametrize("layers,S,M,sched", [(2, 2, 4, "1f1b"), (4, 4, 8, "1f1b"), (5, 4, 4, "gpipe")])
+@pytest.mark.slow
+# the GPT on 4 stages under 1f1b with 8 micro-batches is heavy (~30 s on 2 cores): CI runs 1f1b on 2 stages and 4
+# stages under gpipe; the schedule's tables for every S, M are tests/test_pipeline_schedule.py's, which compiles nothing
+@pytest.mark.parametrize("layers,S,M,sched", [(2, 2, 4, "1f1b"), pytest.param(4, 4, 8, "1f1b", marks=pytest.mark.heavy(30)),
+                                              (5, 4, 4, "gpipe")])
 def test_gpt_trains_as_on_one_device(layers, S, M, sched, request):
     if (layers, S, M, sched) == (2, 2, 4, "1f1b"):
         mine, losses, ref, ref_losses, rep = request.getfixturevalue("two_stages")[0]
@@ -106,6 +111,7 @@ def test_gpt_trains_as_on_one_device(layers, S, M, sched, request):
     assert any(c.kind == "all-to-all" and c.group_size == S for c in rep.collectives)
 
 
+@pytest.mark.slow
 def test_megatron_inside_the_stages_dp_mp_pp_2x2x2():
     """dp x mp x pp = 2 x 2 x 2: Megatron strategies (dp 2, mp 2) on every block, two stages of 4 devices. The
     strategies are planned on one stage's devices and hold inside it: the weights are stored and updated in their
@@ -125,6 +131,7 @@ def test_megatron_inside_the_stages_dp_mp_pp_2x2x2():
     assert not [c for c in rep.collectives if c.kind == "all-gather" and c.nbytes in weight_bytes]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sched", ["1f1b"])     # gpipe with recompute runs the same (recomputing) executor
 def test_composes_with_optimizer_parallel_and_recompute(sched):
     """ZeRO-1 (every parameter's optimizer state sharded over the data-parallel devices) and recomputed blocks
@@ -138,6 +145,7 @@ def test_composes_with_optimizer_parallel_and_recompute(sched):
     assert_equal_training(mine, losses, ref, ref_losses)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapper", ["micro_batch_interleaved", "grad_accumulation"])
 def test_composes_with_micro_batch_interleaved_and_gradient_accumulation(wrapper):
     """MicroBatchInterleaved inside the PipelineCell (each micro-batch runs as two interleaved slices), and
@@ -154,6 +162,7 @@ def test_composes_with_micro_batch_interleaved_and_gradient_accumulation(wrapper
     assert_equal_training(mine, losses, ref, ref_losses)
 
 
+@pytest.mark.slow
 def test_stages_keep_their_residuals_unless_recompute_is_set(monkeypatch):
     """Without a recompute setting a stage's backward uses the residuals its forward kept: the compiled step does
     no forward twice. A matmul's backward is two matmuls of its size (input and weight gradients), so a step that
@@ -182,11 +191,52 @@ def test_stages_keep_their_residuals_unless_recompute_is_set(monkeypatch):
     np.testing.assert_allclose(got[True][2], got[False][2], rtol=1e-6)    # one float32 loss, reordered sums
 
 
-def test_interleaved_gpt_trains_as_on_one_device():
-    mine, losses, ref, ref_losses, _ = train_both(staged_gpt(4, 2, segments=2), 2, 4, interleave=True)
+def assert_ran_the_schedule(ticks, S, M, v, name, steps):
+    """What the running program did, from its tick trace (mshard.pipeline.execute.record_ticks: each stage calls
+    back from inside the branch it runs), against what the schedule promises, derived here and not read from its
+    table: every stage ran the forward and the backward of every (micro-batch, chunk) once per step; each ran after
+    what it needs (a forward after the previous virtual stage's, a backward after the next one's and after its own
+    forward); 1f1b keeps at most S - s micro-batches in flight on stage s; and the measured bubble, idle stage-ticks
+    over all stage-ticks up to the last tick that ran, is the textbook (S-1)/(v*M+S-1)."""
+    one = set(ticks)
+    assert len(ticks) == steps * len(one), "the steps did not all run the same ticks"
+    ran = {(k, i, c * S + s): t for s, t, k, i, c in one}
+    assert len(ran) == len(one) == 2 * M * S * v, "an operation ran twice in a step, or one never ran"
+    assert len({(s, t) for s, t, *_ in one}) == len(one), "a stage ran two operations in one tick"
+    V = S * v
+    for i in range(M):
+        for vs in range(V):
+            f, b = ran[(1, i, vs)], ran[(2, i, vs)]
+            assert b > f and (vs == 0 or f > ran[(1, i, vs - 1)]) and (vs == V - 1 or b > ran[(2, i, vs + 1)]), \
+                (i, vs, f, b)
+    if name == "1f1b":
+        for s in range(S):
+            order = sorted((t, k) for (k, i, vs), t in ran.items() if vs % S == s)
+            live = np.cumsum([1 if k == 1 else -1 for _, k in order])
+            assert live.max() <= S - s, (s, live)
+    T = max(t for _, t, *_ in one) + 1
+    np.testing.assert_allclose(1 - len(one) / (S * T), (S - 1) / (v * M + S - 1), rtol=1e-12)
+
+
+@pytest.mark.slow
+def test_four_stage_1f1b_trains_as_on_one_device_and_runs_its_schedule():
+    """The smallest 4-stage 1f1b (4 blocks, 4 micro-batches) in CI: every parameter after 3 steps equals one
+    device, and the executed tick trace is the schedule's (bubble 3/7 measured)."""
+    with record_ticks() as ticks:
+        mine, losses, ref, ref_losses, _ = train_both(staged_gpt(4, 4), 4, 4, sched="1f1b")
     assert_equal_training(mine, losses, ref, ref_losses)
+    assert_ran_the_schedule(ticks, 4, 4, 1, "1f1b", steps=3)
 
 
+@pytest.mark.slow
+def test_interleaved_gpt_trains_as_on_one_device():
+    with record_ticks() as ticks:
+        mine, losses, ref, ref_losses, _ = train_both(staged_gpt(4, 2, segments=2), 2, 4, interleave=True)
+    assert_equal_training(mine, losses, ref, ref_losses)
+    assert_ran_the_schedule(ticks, 2, 4, 2, "interleaved", steps=3)
+
+
+@pytest.mark.slow
 def test_stage_helper_balances_the_cells_when_none_has_a_stage():
     from mshard.pipeline.stages import auto_stages
     net = make_gpt(nnx.Rngs(0), layers=3)
@@ -215,6 +265,7 @@ class TiedLM(nn.Cell):
         return h @ self.embedding.embedding_table[...].T
 
 
+@pytest.mark.slow
 def test_a_parameter_two_stages_use_stays_one_parameter():
     data = synthetic_batches(3)
     _, _, ref_losses = ref_out = train_one_device(TiedLM(), TX, data, LOSS)
@@ -231,6 +282,7 @@ def test_a_parameter_two_stages_use_stays_one_parameter():
     assert kernel.sharding.shard_shape(kernel.shape) == (kernel.shape[0] // 2, kernel.shape[1])
 
 
+@pytest.mark.slow
 def test_pipeline_form_with_stage_config_and_gradients_mean_false():
     """nn.Pipeline(stage_config=...) and an explicit gradients_mean=False: 4 data-parallel replicas inside each of
     the 2 stages on 8 devices; the step warns that MindSpore's sum is not applied and computes one device's
@@ -247,7 +299,7 @@ def test_pipeline_form_with_stage_config_and_gradients_mean_false():
             losses = [float(step(*b)) for b in data]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     # SGD: a parameter's error is lr * its gradient's error (4 x float32 reordering over 512 terms, <= 1.2e-4)
-    for a, b in zip(jax.tree.leaves(nnx.state(mine, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param))):
+    for a, b in zip(jax.tree.leaves(nnx.state(mine, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=0.01 * 1.2e-4 * 2)
 
 
@@ -313,6 +365,7 @@ def test_stage_counts_that_do_not_divide_the_devices_are_refused():
     ms.reset_auto_parallel_context()
 
 
+@pytest.mark.slow
 def test_the_plan_shows_every_stage_and_what_crosses_between_them(two_stages):
     (*_, comm), seen = two_stages
     plan, whole = seen["plan"], seen["whole"]

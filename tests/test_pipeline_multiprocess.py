@@ -2,7 +2,10 @@
 
 import pathlib
 
+import pytest
 from helpers import run_workers
+
+pytestmark = pytest.mark.slow
 
 
 def test_one_stage_per_process_trains_as_on_one_device():

@@ -60,7 +60,7 @@ def test_balance_is_optimal_against_every_cut():
         costs = [rng.choice([1, 2, 3, 5, 8, 13]) * rng.random() for _ in range(n)]
         got = balance(costs, S)
         assert got == sorted(got) and set(got) == set(range(S))          # contiguous, every stage used
-        worst = max(sum(c for c, s in zip(costs, got) if s == k) for k in range(S))
-        best = min(max(sum(costs[a:b]) for a, b in zip((0,) + cuts, cuts + (n,)))
+        worst = max(sum(c for c, s in zip(costs, got, strict=True) if s == k) for k in range(S))
+        best = min(max(sum(costs[a:b]) for a, b in zip((0,) + cuts, cuts + (n,), strict=True))
                    for cuts in itertools.combinations(range(1, n), S - 1))
         assert worst == pytest.approx(best, rel=1e-12)

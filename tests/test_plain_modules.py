@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from train_helpers import mse, reference_train
+from train_helpers import assert_params_close, assert_trees_close, mse, reference_train
 
 import mshard as ms
 from mshard.errors import ParameterPlanError
@@ -91,15 +91,21 @@ def test_an_ambiguous_or_unknown_key_is_an_error_naming_the_parameters():
         ms.shard(MLP(nnx.Rngs(0)), in_strategy=((2, 1),), parameter_plan={"l3.kernel": (1, 2)})(X)
 
 
-def test_train_one_step_cell_over_a_plain_flax_module_equals_one_device():
+@pytest.mark.parametrize("tx", [optax.adam, optax.sgd])
+def test_train_one_step_cell_over_a_plain_flax_module_equals_one_device(tx):
+    """Every parameter and optimizer leaf against one device, under Adam and plain SGD (where a gradient's scale
+    shows in the parameters)."""
     rng = np.random.default_rng(1)
     data = [(rng.normal(size=(32, 64)).astype(np.float32), rng.normal(size=(32, 64)).astype(np.float32))
             for _ in range(2)]
-    _, _, ref = reference_train(MLP(nnx.Rngs(0)), optax.adam(1e-3), data, mse)
+    ref, ref_opt, ref_losses = reference_train(MLP(nnx.Rngs(0)), tx(1e-3), data, mse)
     ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True)
-    step = ms.nn.TrainOneStepCell(ms.nn.WithLossCell(MLP(nnx.Rngs(0)), mse), optax.adam(1e-3))
-    # float32, 2 Adam steps: tests/train_helpers.py's reasoning
-    np.testing.assert_allclose([float(step(*b)) for b in data], ref, rtol=2e-5)
+    net = MLP(nnx.Rngs(0))
+    step = ms.nn.TrainOneStepCell(ms.nn.WithLossCell(net, mse), tx(1e-3))
+    # float32, 2 steps: tests/train_helpers.py's reasoning
+    np.testing.assert_allclose([float(step(*b)) for b in data], ref_losses, rtol=2e-5)
+    assert_params_close(net, ref)
+    assert_trees_close(step.opt_state, ref_opt)
 
 
 def test_op_names_carry_the_module_path_and_the_summary_groups_by_module():
@@ -137,7 +143,7 @@ def test_visualize_shows_every_shard_with_its_devices_and_mesh_coordinates():
     want = {(r["slices"], tuple(r["devices"])) for r in v.rows}
     # each device's own index ranges, from JAX
     assert want == {("[" + ", ".join(":" if (s.start in (0, None) and s.stop in (n, None)) else f"{s.start}:{s.stop}"
-                                     for s, n in zip(idx, x.shape)) + "]", (d.id,))
+                                     for s, n in zip(idx, x.shape, strict=True)) + "]", (d.id,))
                     for d, idx in x.sharding.devices_indices_map(x.shape).items()}
     rep = ms.visualize(NamedSharding(mesh, P("mp")), shape=(8, 2))           # replicated over dp: 2 devices a shard
     assert [len(r["devices"]) for r in rep.rows] == [2] * 4 and "dp=1, mp=3" in rep.rows[3]["coords"]

@@ -26,6 +26,7 @@ def loss_and_grad(m, *a):
     return nnx.value_and_grad(lambda m, *a: jnp.sum(m(*a)))(m, *a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_propagated_plans_match_one_device_forward_and_grad(name):
     m, args = MODELS[name](), inputs(name)

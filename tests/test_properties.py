@@ -69,7 +69,7 @@ def build(steps, rng):
 def make_program(fns, steps):
     def program(x, *ws):
         it = iter(ws)
-        for (kind, op), (_, _, n) in zip(fns, steps):
+        for (kind, op), (_, _, n) in zip(fns, steps, strict=True):
             if kind == "matmul" or kind == "add":
                 x = op(x, next(it))
             elif kind == "relu":

@@ -143,5 +143,5 @@ def test_r7_data_parallel_step_with_a_1x1_conv_matches_one_device():
     # float32: 192-term means per sample and a 16-term loss, reordered over the replicas
     assert_close(loss, ref_loss)
     for a, b, gb in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param)),
-                        jax.tree.leaves(g)):
+                        jax.tree.leaves(g), strict=True):
         assert_close(a, b - 0.1 * gb)

@@ -314,8 +314,8 @@ def _bind(eqn, vals):
 
 def _find(jaxpr, consts, args, prim):
     """The first equation of ``prim`` (inlined sub-jaxprs searched too) and its operand values."""
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
     read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
     for eqn in jaxpr.eqns:
         vals = [read(v) for v in eqn.invars]
@@ -328,7 +328,7 @@ def _find(jaxpr, consts, args, prim):
             found = _find(inner, getattr(sub, "consts", []), vals, prim)
             if found is not None:
                 return found
-        env.update(zip(eqn.outvars, _bind(eqn, vals)))
+        env.update(zip(eqn.outvars, _bind(eqn, vals), strict=True))
     return None
 
 
@@ -374,12 +374,12 @@ def test_rule(case: Case):
     ref = [_np(o) for o in _bind(eqn, vals)]
     for d in _splittable(s)[:case.max_splits]:
         def f(*ops, d=d):
-            ops = [lax.with_sharding_constraint(x, _spec(lab, d)) for x, lab in zip(ops, s.in_dims)]
+            ops = [lax.with_sharding_constraint(x, _spec(lab, d)) for x, lab in zip(ops, s.in_dims, strict=True)]
             outs = _bind(eqn, ops)
-            return [lax.with_sharding_constraint(o, _spec(lab, d)) for o, lab in zip(outs, s.out_dims)]
+            return [lax.with_sharding_constraint(o, _spec(lab, d)) for o, lab in zip(outs, s.out_dims, strict=True)]
         args = [jnp.asarray(v) for v in vals]
         compiled = jax.jit(f).lower(*args).compile()
-        for r, g in zip(ref, compiled(*args)):
+        for r, g in zip(ref, compiled(*args), strict=True):
             # float32 on inputs in [0.2, 0.9]: splitting a dim over 2 devices reorders sums of up to 72 positive terms
             # (conv_grad_kernel: 2 x 6 x 6), <= 72 * 2**-24 = 4.3e-6 relative; special functions compiled for the shard's shape
             # may vectorise differently (a few ulps, compounded over betainc's continued-fraction iterations); atol: outputs ~ 0

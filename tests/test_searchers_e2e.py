@@ -32,7 +32,7 @@ def small_block():
 
 
 @pytest.mark.parametrize("mode", SEARCH_MODES)
-@pytest.mark.parametrize("model", ["mlp", "transformer"])
+@pytest.mark.parametrize("model", ["mlp", pytest.param("transformer", marks=pytest.mark.slow)])
 def test_plan_executes_and_matches_one_device(mode, model):
     m, args = (MLP(), inputs("mlp")) if model == "mlp" else small_block()
     ref_y = m(*args)

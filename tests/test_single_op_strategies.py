@@ -63,8 +63,8 @@ def strategies(name, devices):
     letters = [l for l in dict.fromkeys("".join(ins)) if l not in fixed]
     powers = [2 ** e for e in range(int(math.log2(devices)) + 1)]
     for counts in itertools.product(powers, repeat=len(letters)):
-        if devices % math.prod(counts) == 0 and all(sizes[l] % c == 0 for l, c in zip(letters, counts)):
-            yield dict(zip(letters, counts))
+        if devices % math.prod(counts) == 0 and all(sizes[l] % c == 0 for l, c in zip(letters, counts, strict=True)):
+            yield dict(zip(letters, counts, strict=True))
 
 
 def _shapes(text):
@@ -137,10 +137,10 @@ def _run(name, devices, counts, via):
     def lands(res, operands):
         if len(operands) != len(ins) or not contains(res, local_out) or not contains(local_out, res):
             return False
-        for got, want, letters in zip(operands, local_in, ins):
+        for got, want, letters in zip(operands, local_in, ins, strict=True):
             if len(letters) < len(out):        # a broadcast operand reaches the op already broadcast
                 continue
-            keep = [d for d, l in zip(want, letters) if l not in halo]
+            keep = [d for d, l in zip(want, letters, strict=True) if l not in halo]
             if got is None or not contains(got, keep) or (not halo and not contains(keep, got)):
                 return False
         return True

@@ -59,7 +59,7 @@ def check_trace(r: TraceResult, kinds, names):
     assert [t.eqn for t in r.eqns] == [e for e, _ in expected]
     # names: scope/primitive, repeats numbered in program order, all unique
     seen: dict[str, int] = {}
-    for t, (_, base) in zip(r.eqns, expected):
+    for t, (_, base) in zip(r.eqns, expected, strict=True):
         n = seen.get(base, 0)
         seen[base] = n + 1
         assert t.name == (base if n == 0 else f"{base}_{n}"), (t.name, base)
@@ -76,8 +76,8 @@ def check_trace(r: TraceResult, kinds, names):
         in_shapes = [tuple(getattr(v.aval, "shape", ())) for v in t.eqn.invars]
         assert [g.tensors[i].shape for i in op.inputs] == in_shapes
         assert [g.tensors[i].shape for i in op.outputs] == [tuple(v.aval.shape) for v in t.eqn.outvars]
-        for tid, dims in [*zip(op.inputs, op.in_dims), *zip(op.outputs, op.out_dims)]:
-            for size, d in zip(g.tensors[tid].shape, dims):
+        for tid, dims in [*zip(op.inputs, op.in_dims, strict=True), *zip(op.outputs, op.out_dims, strict=True)]:
+            for size, d in zip(g.tensors[tid].shape, dims, strict=True):
                 if d is None or d in op.unsplittable:
                     continue
                 legal = op.split_sizes()[list(op.dims).index(d)]     # a split must divide this
@@ -87,13 +87,13 @@ def check_trace(r: TraceResult, kinds, names):
         assert t.op in r.ops_of(t.eqn)
         if len(r.ops_of(t.eqn)) == 1:   # a sub-jaxpr inlined at several places maps its vars to the last
             assert r.op_of(t.eqn) == t.op
-            for v, tid in zip(t.eqn.outvars, t.outputs):
+            for v, tid in zip(t.eqn.outvars, t.outputs, strict=True):
                 assert r.tensor_of(v) == tid
     # producers precede consumers, outputs are the jaxpr's results
     for p, c, _, _ in g.edges():
         assert p < c
     assert len(g.outputs) == len(cj.jaxpr.outvars)
-    for v, tid in zip(cj.jaxpr.outvars, g.outputs):
+    for v, tid in zip(cj.jaxpr.outvars, g.outputs, strict=True):
         assert g.tensors[tid].shape == tuple(v.aval.shape)
         if not isinstance(v, jcore.Literal):
             assert r.tensor_of(v) == tid

@@ -160,6 +160,7 @@ def test_micro_batch_wrappers_called_directly_give_the_full_batch_loss():
         nn.MicroBatchInterleaved(nn.WithLossCell(net, mse), 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [None, "dots_saveable"])
 def test_recompute_transformer_matches_one_device(policy):
     ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True)
@@ -175,6 +176,7 @@ def test_recompute_transformer_matches_one_device(policy):
     assert_params_close(net, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, fusion", [
     ("semi_auto_parallel", {}), ("semi_auto_parallel", {"all_reduce_fusion_config": [4, 12]}),
     ("auto_parallel", {"all_reduce_fusion_config": [4, 12]})], ids=["xla-reductions", "fused-replicas", "searched-fused"])
@@ -300,6 +302,7 @@ def test_repeated_steps_see_written_values_and_context_changes():
     assert ms.comm_report(step, *data[2]).count("all-reduce") == 3
 
 
+@pytest.mark.slow
 def test_searched_megatron_step_communicates_no_more_than_its_strategies_alone():
     """The semi_auto step (the Megatron strategies, XLA's propagation elsewhere) is a plan in the search space
     of the same step in auto_parallel with the same strategies fixed, so a good search must not compile to
@@ -357,7 +360,7 @@ def test_training_a_clone_never_deletes_the_arrays_of_the_model_it_was_cloned_fr
     step(x, y)
     assert not any(a.is_deleted() for a in jax.tree.leaves(nnx.state(model)))
     after = jax.tree.leaves(nnx.state(model, nnx.Param))
-    for a, b in zip(after, before):
+    for a, b in zip(after, before, strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)     # untouched
 
 
@@ -383,9 +386,10 @@ def test_a_clone_or_a_kept_array_taken_between_fast_steps_survives_the_next_step
     np.testing.assert_array_equal(np.asarray(kept), kept_before)
     params = jax.tree.leaves(nnx.state(best, nnx.Param))
     assert not any(a.is_deleted() for a in params)
-    for a, b in zip(params, snapshot):
+    for a, b in zip(params, snapshot, strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)     # the snapshot is the model after two steps
-    moved = [not np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), snapshot)]
+    moved = [not np.array_equal(np.asarray(a), b)
+             for a, b in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), snapshot, strict=True)]
     assert all(moved)                                    # and the model went on training
 
 

@@ -5,7 +5,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 from helpers import xla_flags
+
+pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")

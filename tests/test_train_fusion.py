@@ -170,6 +170,7 @@ def slice_bytes(step):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sharding_propagation", "dynamic_programming", "recursive_programming", "ilp"])
 def test_fusion_buckets_in_a_searched_megatron_step(mode):
     """auto_parallel: the Megatron strategies are fixed, the search plans the rest. The replicas lie along the
@@ -190,6 +191,7 @@ def test_fusion_buckets_in_a_searched_megatron_step(mode):
     assert sorted(got) == sorted(sum(slices[i] for i in b) for b in plan_buckets(slices, "index", (2, 4)))
 
 
+@pytest.mark.slow
 def test_fusion_buckets_in_a_searched_step_without_strategies():
     """auto_parallel, no strategies: the batch is split over all 8 devices, so all 8 are replicas and every
     gradient is reduced whole, in the buckets of all_reduce_fusion_config — whatever layouts the search gave

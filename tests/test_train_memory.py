@@ -10,6 +10,8 @@ from train_helpers import MLP, TinyGPT, batches, mse, token_loss
 import mshard as ms
 from mshard import nn
 
+pytestmark = pytest.mark.slow
+
 
 def memory(step, *data):
     return step.lower(*data).compile().memory_analysis()

@@ -3,7 +3,10 @@ with optimizer parallel, then Megatron (dp across the processes) with gradient f
 
 import pathlib
 
+import pytest
 from helpers import run_workers
+
+pytestmark = pytest.mark.slow
 
 
 def test_data_parallel_training_with_optimizer_parallel_across_two_processes():

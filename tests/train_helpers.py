@@ -83,7 +83,7 @@ def params_of(net):
 def assert_params_close(a, b, rtol=PARAM_RTOL, atol=PARAM_ATOL):
     pa, pb = params_of(a), params_of(b)
     assert len(pa) == len(pb)
-    for x, y in zip(pa, pb):
+    for x, y in zip(pa, pb, strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
@@ -91,6 +91,6 @@ def assert_trees_close(a, b, rtol=PARAM_RTOL, atol=PARAM_ATOL):
     """Leaves in order (an optax state of a WithLossCell has one more key level than the bare network's)."""
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(la) == len(lb)
-    for x, y in zip(la, lb):
+    for x, y in zip(la, lb, strict=True):
         assert x.shape == y.shape
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)

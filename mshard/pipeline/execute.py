@@ -29,6 +29,8 @@ holds the same value after the update. The loss lives on the last stage and is p
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,8 +40,40 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from .schedule import BWD, FWD, Schedule
+from .schedule import BWD, FWD, IDLE, Schedule
 from .storage import StageStorage
+
+
+_TICKS: list | None = None
+
+
+@contextlib.contextmanager
+def record_ticks():
+    """Record what each pipeline tick ran, from the running program. In a program *traced* inside the block, the
+    branch a stage runs at each tick also returns ``(kind, micro_batch, chunk)`` (the idle branch returns
+    ``IDLE``); the executor's scan collects them per stage and every run of the program appends
+    ``(stage, tick, kind, micro_batch, chunk)`` for each tick that did work, kind ``FWD`` / ``BWD``. Yields the list
+    they are appended to. For tests and benchmarks (a measured bubble); :func:`run_pipeline` only (gpipe without
+    recompute runs :func:`run_gpipe_keeping_residuals`, whose backward is JAX's transpose of its forward scan).
+
+    >>> with record_ticks() as ticks:
+    ...     pass                        # build and run a pipelined step here
+    >>> ticks
+    []
+    """
+    global _TICKS
+    prev, _TICKS = _TICKS, []
+    try:
+        yield _TICKS
+    finally:
+        _TICKS = prev
+
+
+def _append_ticks(sink: list, marks) -> None:
+    """``marks[s, t] = (kind, micro, chunk)`` from a run -> ``sink`` entries for the ticks that did work."""
+    marks = np.asarray(marks)
+    sink.extend((s, t, int(k), int(i), int(c)) for s in range(marks.shape[0]) for t in range(marks.shape[1])
+                for k, i, c in [marks[s, t]] if k != IDLE)
 
 
 def ring_size(sched: Schedule) -> int:
@@ -270,35 +304,39 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
 
             def idle(pw, h, di, g_h, r):
                 return (zeros_c, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, gacc), zeros_c,
-                        tuple(map(jnp.zeros_like, r)))
+                        tuple(map(jnp.zeros_like, r)), jnp.asarray([IDLE, -1, -1], jnp.int32))
 
             def fwd(pw, h, di, g_h, r):
-                return lax.switch(vs, branches_f, pw, h, di, g_h, r)
+                return lax.switch(vs, branches_f, pw, h, di, g_h, r) + (jnp.stack([FWD, i, c]).astype(jnp.int32),)
 
             def bwd(pw, h, di, g_h, r):
-                return lax.switch(vs, branches_b, pw, h, di, g_h, r)
+                return lax.switch(vs, branches_b, pw, h, di, g_h, r) + (jnp.stack([BWD, i, c]).astype(jnp.int32),)
 
-            send_f, loss, gp, send_b, r_out = lax.switch(k, [idle, fwd, bwd], pw, h, di, g_h, r_in)
+            # mark: what the branch that ran says it did (record_ticks; dead code unless recorded)
+            send_f, loss, gp, send_b, r_out, mark = lax.switch(k, [idle, fwd, bwd], pw, h, di, g_h, r_in)
             to = jnp.where(k == FWD, slot, K)
             ring_r = tuple(r.at[c, to].set(x) for r, x in zip(ring_r, r_out))
             lacc = lacc + jnp.where((k == FWD) & (vs == V - 1), loss, 0.0)
             gacc = jax.tree.map(jnp.add, gacc, gp)
             recv_f = tuple(lax.ppermute(x, stage_axes, fwd_perm) for x in lay_c(send_f))
             recv_b = tuple(lax.ppermute(x, stage_axes, bwd_perm) for x in lay_c(send_b))
-            return (ring_f, ring_b, ring_r, gacc, lacc, recv_f, recv_b), None
+            return (ring_f, ring_b, ring_r, gacc, lacc, recv_f, recv_b), mark
 
         init = (ring_f, ring_b, ring_r, gacc, jnp.zeros((), jnp.float32), zeros_c, zeros_c)
-        (_, _, _, gacc, lacc, _, _), _ = lax.scan(tick, init, jnp.arange(sched.ticks))
+        (_, _, _, gacc, lacc, _, _), marks = lax.scan(tick, init, jnp.arange(sched.ticks))
         split = st.scatter(gacc[0], stage_axes)
         g = [split[j] if st.split(j) else lax.psum(x, stage_axes) for j, x in enumerate(gacc[1])]
-        return lax.psum(lacc, stage_axes) / M, g
+        return lax.psum(lacc, stage_axes) / M, g, marks[None]
 
     spec_p = [P(stage_axes) if st.split(j) else P() for j in range(len(params))]
     spec_d = jax.tree.map(lambda _: P(), data)
     spec_c = jax.tree.map(lambda _: P(), consts)
-    f = jax.shard_map(local, mesh=mesh, in_specs=(spec_p, spec_c, spec_d), out_specs=(P(), spec_p),
+    f = jax.shard_map(local, mesh=mesh, in_specs=(spec_p, spec_c, spec_d), out_specs=(P(), spec_p, P(stage_axes)),
                       axis_names=set(stage_axes), check_vma=False)
-    return f(list(params), consts, _lay_micro(data, data_specs, mesh))
+    loss, grads, marks = f(list(params), consts, _lay_micro(data, data_specs, mesh))
+    if _TICKS is not None:
+        jax.debug.callback(functools.partial(_append_ticks, _TICKS), marks)
+    return loss, grads
 
 
 def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax.ShapeDtypeStruct],

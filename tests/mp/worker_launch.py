@@ -8,7 +8,8 @@ through shard_batch) | hybrid (hybrid_parallel: a hand-sliced row-parallel
 layer in a jax.shard_map over every device of the job, with ms.ops.AllReduce); STEPS (default 3);
 ORDER = context_first: set_auto_parallel_context (device_num=JOB_DEVICES) before communication.init(), as MindSpore's
 tutorials do; MODE = data_parallel (default) | megatron (semi_auto_parallel: fc1 column parallel, fc2 row parallel over 4
-devices, data parallel across the 2 processes).
+devices, data parallel across the 2 processes); TX = adam (default, lr 1e-2) | sgd (lr 1e-1: a gradient's scale
+shows in the parameters). Every parameter and optimizer leaf is compared with one device, shard by shard.
 """
 
 import os
@@ -70,12 +71,29 @@ def mse(p, y):
     return jnp.mean((p - y) ** 2)
 
 
+def make_tx():
+    return optax.sgd(1e-1) if os.environ.get("TX") == "sgd" else optax.adam(1e-2)
+
+
+def assert_every_value_close(got, want, what):
+    """Each value this process holds of every leaf of ``got`` (global arrays over the job's devices) against the
+    same slice of ``want`` (one device's): both processes together check every value."""
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got) == len(want), (what, len(got), len(want))
+    for g, w in zip(got, want, strict=True):
+        w = np.asarray(w)
+        assert g.shape == w.shape, (what, g.shape, w.shape)
+        for shard in g.addressable_shards:
+            # float32: tests/train_helpers.py's PARAM_RTOL / PARAM_ATOL reasoning (3 steps, 16/32-term products)
+            np.testing.assert_allclose(np.asarray(shard.data), w[shard.index], rtol=2e-5, atol=2e-6, err_msg=what)
+
+
 rng = np.random.default_rng(0)
 rows = 8 * size
 data = [(rng.normal(size=(rows, 16)).astype(np.float32), rng.normal(size=(rows, 8)).astype(np.float32))
         for _ in range(steps)]
 with ms.parallel_context(parallel_mode="stand_alone"):          # one local device, full batches
-    _, _, ref = train_one_device(MLP(nnx.Rngs(0)), optax.adam(1e-2), data, mse, device=jax.local_devices()[0])
+    ref_net, ref_opt, ref = train_one_device(MLP(nnx.Rngs(0)), make_tx(), data, mse, device=jax.local_devices()[0])
 megatron = os.environ.get("MODE", "data_parallel") == "megatron"
 mode = "hybrid_parallel" if fault == "hybrid" else ("semi_auto_parallel" if megatron else "data_parallel")
 ms.set_auto_parallel_context(parallel_mode=mode, device_num=jax.device_count(), gradients_mean=True)
@@ -85,7 +103,7 @@ if megatron:
     net.fc1.matmul.shard(((dp, 1), (4, 1)))
     net.fc1.bias_add.shard(((dp, 4), (4,)))
     net.fc2.matmul.shard(((dp, 4), (1, 4)))
-step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.adam(1e-2))
+step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), make_tx())
 losses = []
 k = 0
 while True:
@@ -110,5 +128,7 @@ while True:
         break
 # float32: 16/32-term dot products and a 64-row MSE mean reordered over the devices, over 3 Adam steps (lr 1e-2)
 np.testing.assert_allclose(losses, ref, rtol=1e-5)
+assert_every_value_close(nnx.state(net, nnx.Param), nnx.state(ref_net, nnx.Param), "parameters")
+assert_every_value_close(step.opt_state, ref_opt, "optimizer state")
 print(f"process {rank} OK", flush=True)
 ms.communication.release()

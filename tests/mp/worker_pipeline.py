@@ -33,7 +33,7 @@ assert jax.device_count() == 8 and jax.local_device_count() == 4
 data = synthetic_batches(3)                 # the same batches in both processes
 tx = optax.adamw(1e-3, eps=1e-3)            # tests/test_pipeline.py: eps = lr keeps the update Lipschitz in g
 init = make_gpt(nnx.Rngs(0), layers=4)
-ref, _, ref_losses = train_one_device(init, tx, data, LOSS, device=jax.local_devices()[0])
+ref, ref_opt, ref_losses = train_one_device(init, tx, data, LOSS, device=jax.local_devices()[0])
 
 ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True,
                              pipeline_stages=2)
@@ -51,7 +51,13 @@ for x, y in data:
     losses.append(float(step(bx, by)))
 # tests/test_pipeline.py's bounds: losses rtol 1e-4, parameters 1e-4 after 3 AdamW steps with eps = lr
 np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
-for got, want in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param))):
+for got, want in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param)), strict=True):
+    for shard in got.addressable_shards:
+        np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], atol=1e-4)
+# every AdamW leaf (count, mu, nu) against one device's, the same bound (mu, nu: 3 steps of the same gradients)
+got_opt, want_opt = jax.tree.leaves(step.opt_state), jax.tree.leaves(ref_opt)
+for got, want in zip(got_opt, want_opt, strict=True):
+    assert got.shape == np.shape(want), (got.shape, np.shape(want))
     for shard in got.addressable_shards:
         np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], atol=1e-4)
 # the stages are the processes: the activations cross between them by collective-permute

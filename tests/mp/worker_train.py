@@ -49,8 +49,20 @@ data = [(rng.normal(size=(32, 16)).astype(np.float32), rng.normal(size=(32, 8)).
 tx = optax.adam(1e-2)
 
 # one local device, full batches
-ref, _, ref_losses = train_one_device(MLP(nnx.Rngs(0)), tx, data, mse, device=jax.local_devices()[0])
+ref, ref_opt, ref_losses = train_one_device(MLP(nnx.Rngs(0)), tx, data, mse, device=jax.local_devices()[0])
 ref_params = jax.tree.leaves(nnx.as_pure(nnx.state(ref, nnx.Param)))
+
+
+def assert_opt_state_close(got, want):
+    """Every optimizer leaf this process holds (Adam's count, mu, nu; sharded 8 ways under optimizer parallel)
+    against one device's: Adam's moments carry the gradient's scale, which its update normalises away."""
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got) == len(want), (len(got), len(want))
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == np.shape(w), (g.shape, np.shape(w))
+        for shard in g.addressable_shards:
+            # PARAM_RTOL / PARAM_ATOL (tests/train_helpers.py): mu and nu are sums of 3 reordered float32 gradients
+            np.testing.assert_allclose(np.asarray(shard.data), np.asarray(w)[shard.index], rtol=2e-5, atol=2e-6)
 
 # 8 devices in 2 processes
 ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True,
@@ -66,10 +78,11 @@ for x, y in data:
 # float32: 16/64-term dot products and a 256-term MSE mean reordered across 8 devices in 2 processes,
 # ~sqrt(n) * 2**-24 <= 1e-6 relative per op, over 3 Adam steps
 np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-for got, want in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), ref_params):
+for got, want in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), ref_params, strict=True):
     for shard in got.addressable_shards:
         # tests/train_helpers.py's PARAM_RTOL / PARAM_ATOL: 3 Adam steps (lr 1e-2) of reordered float32 gradient sums
         np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=2e-5, atol=2e-6)
+assert_opt_state_close(step.opt_state, ref_opt)
 mu = step.opt_state[0].mu["backbone"]["fc1"]["weight"]
 assert mu.sharding.shard_shape(mu.shape) == (8, 16)          # Adam's moment sharded 8 ways across processes
 
@@ -92,10 +105,11 @@ for mode, search in (("semi_auto_parallel", {}), ("auto_parallel", {"search_mode
         mp_losses.append(float(step(*ms.dataset.shard_batch((x[half], y[half])))))
     # as above (float32 losses, 3 steps); Megatron's 4-way partial sums reorder the 64-term dot product too
     np.testing.assert_allclose(mp_losses, ref_losses, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), ref_params):
+    for got, want in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), ref_params, strict=True):
         for shard in got.addressable_shards:
             # PARAM_RTOL / PARAM_ATOL, as above
             np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=2e-5, atol=2e-6)
+    assert_opt_state_close(step.opt_state, ref_opt)
     assert step._rt.last.replicas and net.fc1.weight[...].sharding.shard_shape((64, 16)) == (16, 16), mode
 print(f"process {pid} OK", losses, mp_losses, flush=True)
 jax.distributed.shutdown()

@@ -40,7 +40,7 @@ def test_problem_built_from_the_shared_tables_is_the_cost_model_entry_by_entry(f
     from searchers.spec import all_devices, op_spec
     g = graph_of_size(60, family, DeviceMesh.prime(8), fix_data=True)
     prob = Problem.build(g, P, fully_use_devices=fully)
-    for op, cands, vec in zip(g.ops, prob.cands, prob.unary):
+    for op, cands, vec in zip(g.ops, prob.cands, prob.unary, strict=True):
         np.testing.assert_array_equal(vec, op_cost_vector(op, cands, g, P))
         if op.fixed is not None:
             assert cands == (tuple(tuple(a) for a in op.fixed),)
@@ -110,6 +110,7 @@ def test_a_plan_over_the_memory_capacity_gets_a_note():
     assert any("exceeds device_memory_capacity" in n and "ilp" in n for n in res.notes)
 
 
+@pytest.mark.slow
 def test_training_graph_through_the_fallback_beats_propagation():
     from searchers.propagation import sharding_propagation
     from searchers.strategies import data_parallel_strategy

@@ -26,7 +26,7 @@ def test_the_batch_flows_on_and_nothing_new_is_split():
     assert r.strategies[1] == ((), ()) and r.strategies[2] == ((), ())          # unfixed weights stay whole
     for op in g.ops[3:]:
         assert result_layout(op, r.strategies[op.id], 0)[0] == (0, 1, 2), op.name
-        assert all(not axes for d, axes in zip(op.dims, r.strategies[op.id]) if d != "m" and d != "i")
+        assert all(not axes for d, axes in zip(op.dims, r.strategies[op.id], strict=True) if d != "m" and d != "i")
     assert r.cost.total == graph_cost(g, r.strategies, P).total
 
 

@@ -17,11 +17,11 @@ def assert_valid(g):
     for op in g.ops:
         for tid in op.inputs:
             assert g.tensors[tid].producer < op.id, f"{op.name} uses a tensor produced later"
-        for tid, od in zip(op.outputs, op.out_dims):
+        for tid, od in zip(op.outputs, op.out_dims, strict=True):
             t = g.tensors[tid]
             assert t.producer == op.id
             assert len(t.shape) == len(od)
-            for size, d in zip(t.shape, od):
+            for size, d in zip(t.shape, od, strict=True):
                 assert d is None or op.dims[d] == size
     uses = collections.Counter((tid, op.id) for op in g.ops for tid in op.inputs)
     listed = collections.Counter((t.id, c) for t in g.tensors for c in t.consumers)

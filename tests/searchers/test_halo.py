@@ -68,7 +68,7 @@ def test_a_relu_split_on_height_or_width_keeps_its_layout_through_the_conv(axes)
     relu, conv = g.ops[-2], g.ops[-1]
     relu.fixed = ((), (), ah, aw)
     r = sharding_propagation(g, CostParams(), cache=False, baselines=False)
-    got = dict(zip(conv.dims, r.strategies[conv.id]))
+    got = dict(zip(conv.dims, r.strategies[conv.id], strict=True))
     assert got["h"][:len(ah)] == ah and got["w"][:len(aw)] == aw and got["o"] == ()
     # the ReLU's result reaches the conv as it is (at most sliced further, which moves nothing)
     have = result_layout(relu, relu.fixed)

@@ -19,7 +19,7 @@ P = CostParams()
 def enumerate_pairwise(unary, pairs):
     best = (np.inf, None)
     for choice in itertools.product(*[range(len(u)) for u in unary]):
-        t = sum(u[c] for u, c in zip(unary, choice)) + sum(m[choice[a], choice[b]] for a, b, m in pairs)
+        t = sum(u[c] for u, c in zip(unary, choice, strict=True)) + sum(m[choice[a], choice[b]] for a, b, m in pairs)
         if t < best[0]:
             best = (t, choice)
     return best
@@ -41,7 +41,7 @@ def test_solve_pairwise_equals_enumeration(seed):
     # rel=1e-9: solve_pairwise's mip_rel_gap; the enumeration and the recomputed total sum the same 12 float64 terms in
     # another order (~12 * 2**-53)
     assert sol.optimal and sol.objective == pytest.approx(want, rel=1e-9)
-    got = sum(u[c] for u, c in zip(unary, sol.choice)) + sum(m[sol.choice[a], sol.choice[b]] for a, b, m in pairs)
+    got = sum(u[c] for u, c in zip(unary, sol.choice, strict=True)) + sum(m[sol.choice[a], sol.choice[b]] for a, b, m in pairs)
     assert got == pytest.approx(want, rel=1e-9)
 
 

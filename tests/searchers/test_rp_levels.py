@@ -21,7 +21,7 @@ P = CostParams()
 def _longest_paths(src, dst, n):
     """Longest path (in edges) ending at each node, by the textbook recurrence in node order."""
     preds = [[] for _ in range(n)]
-    for a, b in zip(src.tolist(), dst.tolist()):
+    for a, b in zip(src.tolist(), dst.tolist(), strict=True):
         preds[b].append(a)
     out = [0] * n
     for v in range(n):
