@@ -1,0 +1,178 @@
+"""Does the suite catch a wrong program? Plant one deliberate bug at a time in a scratch copy of the repository and
+run the fast tier on it (``-m "not slow"``, stopping at the first failure); print which bugs it caught, by which
+test, in how many seconds.
+
+Each bug is a textual replacement in one file of ``mshard/`` (it must match exactly once, or the bug is reported
+``n/a``: the code moved). The tests run in order: the files most likely to see the bug first, then every other
+fast test, so a caught bug costs a minute and a missed one a whole fast tier (about 10 minutes on 2 cores).
+
+    .venv/bin/python bench/mutate.py                     # every bug, against the working tree
+    .venv/bin/python bench/mutate.py --only grad_doubled --rev 41da81c --out mutate.json
+    .venv/bin/python bench/mutate.py --smoke             # one bug, one targeted file (a check that the tool runs)
+
+``--rev``: the package *and* tests of that commit (``git archive``), to compare the suite before and after a
+change. JSON (``--out``): ``{"rev", "results": [{"bug", "what", "caught", "applied", "test", "seconds"}],
+"caught", "total"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Bug:
+    name: str
+    what: str
+    path: str
+    old: str
+    new: str
+    first: tuple[str, ...]          # test files to run before the rest of the fast tier
+
+
+BUGS = [
+    Bug("search_replicated", "every search returns the replicated plan (user strategies kept)",
+        "mshard/planner.py",
+        "    result = searcher.search(graph, params, opts)\n    if searcher.ties_exactly:",
+        "    result = searcher.search(graph, params, opts)\n"
+        "    if not dp_mode:\n"
+        "        from searchers.graph import replicated as _replicated\n"
+        "        result = dataclasses.replace(result, strategies={\n"
+        "            op.id: result.strategies[op.id] if op.fixed is not None else _replicated(op) for op in graph.ops})\n"
+        "    if searcher.ties_exactly:",
+        ("tests/test_searchers_e2e.py", "tests/test_plan_program.py")),
+    Bug("constraint_dropped", "the planned layout of every dot_general's output is not emitted",
+        "mshard/execute.py",
+        "        outs_lay = self.eqn_out.get(key)\n",
+        "        outs_lay = self.eqn_out.get(key) if prim.name != \"dot_general\" else None\n",
+        ("tests/test_plan_program.py", "tests/test_strategies.py")),
+    Bug("grad_doubled", "the data-parallel gradient reduction counts every replica twice",
+        "mshard/nn/train.py",
+        "        reduced = [g / dp for g in reduced]       # the mean over the replicas",
+        "        reduced = [2 * g / dp for g in reduced]       # the mean over the replicas",
+        ("tests/test_train.py",)),
+    Bug("checksum_passes", "a checkpoint's content checksum accepts any data",
+        "mshard/checkpoint/api.py",
+        "        if np.array_equal(total(w), want):\n",
+        "        if True:\n",
+        ("tests/test_checkpoint.py",)),
+    Bug("pipeline_wrong_microbatch", "a stage stores the activation it receives under the next micro-batch's slot",
+        "mshard/pipeline/execute.py",
+        "            ring_f = store(ring_f, recv_f, ok_f, jnp.where(s == 0, c_f + 1, c_f), i_f)\n",
+        "            ring_f = store(ring_f, recv_f, ok_f, jnp.where(s == 0, c_f + 1, c_f), i_f + 1)\n",
+        ("tests/test_pipeline.py",)),
+    Bug("zero_stale_shard", "optimizer parallel gathers each parameter's shard from before the update",
+        "mshard/nn/train.py",
+        "                out, token = fusion.all_gather_buckets([new[i] for i in key], buckets, mesh,\n",
+        "                out, token = fusion.all_gather_buckets([p_in[i] for i in key], buckets, mesh,\n",
+        ("tests/test_train.py",)),
+    Bug("dataset_off_by_one", "each device's rows of a host batch are the next device's (the last keeps its own)",
+        "mshard/dataset.py",
+        "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])\n",
+        "        def _next(idx):\n"
+        "            s = idx[0] if idx and isinstance(idx[0], slice) else slice(None)\n"
+        "            a, b = s.start or 0, host.shape[0] if s.stop is None else s.stop\n"
+        "            a2 = min(b, host.shape[0] - (b - a))\n"
+        "            return (slice(a2, a2 + b - a),) + tuple(idx[1:])\n"
+        "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[_next(idx)])\n",
+        ("tests/test_train_data.py", "tests/test_train.py")),
+]
+
+
+def scratch_copy(dest: Path, rev: str | None) -> None:
+    """The repository's tracked files (the working tree's, or those of ``rev``) under ``dest``."""
+    if rev:
+        data = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
+        tmp = dest.parent / "rev.tar"
+        tmp.write_bytes(data)
+        with tarfile.open(tmp) as tf:
+            tf.extractall(dest, filter="data")
+        tmp.unlink()
+        return
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for f in files:
+        src = ROOT / f
+        if src.is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / f)
+
+
+def plant(tree: Path, bug: Bug) -> bool:
+    p = tree / bug.path
+    src = p.read_text()
+    if src.count(bug.old) != 1:
+        return False
+    p.write_text(src.replace(bug.old, bug.new))
+    return True
+
+
+def run_fast_tier(tree: Path, first: tuple[str, ...], timeout: float, only_first: bool) -> tuple[bool, str, float]:
+    """-> (caught, the first failing test or the reason, seconds)."""
+    env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu")
+    env.pop("MSHARD_TEST_SHARD", None)
+    targets = [f for f in first if (tree / f).exists()] + ([] if only_first else ["tests"])
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", *targets]
+    t0 = time.time()
+    try:
+        r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"timed out after {timeout:.0f} s", time.time() - t0
+    dt = time.time() - t0
+    out = r.stdout + r.stderr
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, flags=re.M)
+    if r.returncode == 0:
+        return False, "", dt
+    return True, failed[0] if failed else f"pytest exit {r.returncode}: {out.strip().splitlines()[-1:]}", dt
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", action="append", help="run only this bug (repeatable)")
+    ap.add_argument("--rev", help="the package and tests of this commit instead of the working tree")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per bug")
+    ap.add_argument("--smoke", action="store_true", help="one bug, its targeted test files only")
+    ap.add_argument("--out", help="write the JSON here")
+    a = ap.parse_args(argv)
+    bugs = [b for b in BUGS if not a.only or b.name in a.only]
+    if a.smoke:
+        bugs = [next(b for b in BUGS if b.name == "checksum_passes")]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="mshard-mutate-") as td:
+        base = Path(td) / "base"
+        base.mkdir()
+        scratch_copy(base, a.rev)
+        for bug in bugs:
+            tree = Path(td) / bug.name
+            shutil.copytree(base, tree)
+            applied = plant(tree, bug)
+            caught, test, dt = (run_fast_tier(tree, bug.first, a.timeout, a.smoke) if applied
+                                else (False, "n/a: the code to change is not there", 0.0))
+            shutil.rmtree(tree, ignore_errors=True)
+            results.append({"bug": bug.name, "what": bug.what, "applied": applied, "caught": caught, "test": test,
+                            "seconds": round(dt, 1)})
+            mark = "caught" if caught else ("n/a" if not applied else "MISSED")
+            print(f"{bug.name:28s} {mark:7s} {dt:7.1f} s  {test}", flush=True)
+    n = sum(r["caught"] for r in results)
+    print(f"caught {n} of {len(results)} planted bugs ({a.rev or 'working tree'})")
+    doc = {"rev": a.rev or "working tree", "results": results, "caught": n, "total": len(results)}
+    if a.out:
+        Path(a.out).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
