@@ -2,6 +2,7 @@
 and per-device memory of each training feature on and off.
 
     python bench/step.py [--steps 10] [--repeats 7] [--size tiny|small|medium] [--modes data_parallel,semi_auto_parallel]
+                         [--features optimizer_parallel,recompute,grad_accumulation]
     python bench/step.py --smoke          # tiny model, 2 steps, 1 repeat: that it runs and writes its JSON
 
 Time: a 4-layer GPT (nn.TransformerBlock) trained with AdamW. The hand-written step is plain JAX: one
@@ -18,7 +19,11 @@ replicated over the model-parallel devices, as in Megatron: :func:`megatron_forw
 mshard's ``shard_megatron`` asks for; the collectives of both compiled steps are printed side by side. A
 second hand-written step leaves the layer norms and residual adds to XLA (which then splits them over
 every device, as sequence parallelism does): its ratio is printed too. Megatron with
-``all_reduce_fusion_config`` (per-replica gradients, bucketed) is timed against Megatron without it.
+``all_reduce_fusion_config`` (per-replica gradients, bucketed) is timed against Megatron without it. Each training
+feature of ``--features`` is timed in data_parallel against a hand-written step that does the same: optimizer
+parallel (the hand-written jit gets the ZeRO-sharded optimizer state mshard placed, and XLA partitions the update),
+recompute (the same recomputing blocks, ``jax.checkpoint``), gradient accumulation over 2 micro-batches (a
+``lax.scan`` of value_and_grad over the micro-batches, then one update).
 
 Memory: the compiled step's ``memory_analysis()`` per device, for optimizer parallel (argument bytes and
 optimizer-state bytes from shard shapes), recompute of every block (temp bytes) and gradient accumulation
@@ -60,6 +65,9 @@ SIZES = {"tiny": dict(vocab=64, hidden=32, heads=4, ffn=128, seq=16, batch=16),
          "small": dict(vocab=256, hidden=128, heads=4, ffn=512, seq=64, batch=16),
          "medium": dict(vocab=512, hidden=256, heads=8, ffn=1024, seq=128, batch=32)}
 LOSS = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+# training features timed (data_parallel) against a hand-written step doing the same: make_step's keywords
+FEATURES = {"optimizer_parallel": {"zero": True}, "recompute": {"recompute": True},
+            "grad_accumulation": {"micro": 2}}
 
 
 def batch(cfg, seed=0):
@@ -82,16 +90,31 @@ def make_step(cfg, mode, n, *, megatron=False, recompute=False, micro=None, zero
     return nn.TrainOneStepCell(nn.GradAccumulationCell(loss, micro) if micro else loss, optax.adamw(1e-3))
 
 
-def hand_written(step, data):
-    """jax.jit of value_and_grad + optax over the TrainOneStepCell's state, with the shardings mshard placed."""
+def hand_written(step, data, micro=None):
+    """jax.jit of value_and_grad + optax over the TrainOneStepCell's state, with the shardings mshard placed.
+    ``micro``: the gradient accumulated over that many micro-batches by a ``lax.scan`` (the network is then a
+    GradAccumulationCell, whose loss cell the scan differentiates)."""
     gdef, state = nnx.split(step)
     state_sh = jax.tree.map(lambda a: a.sharding, state)
     data_sh = tuple(x.sharding for x in data)
 
+    def accumulated(net, x, y):
+        gd, params, rest = nnx.split(net.network, nnx.Param, ...)
+        xs, ys = (a.reshape(micro, a.shape[0] // micro, *a.shape[1:]) for a in (x, y))
+
+        def body(acc, d):
+            loss, g = jax.value_and_grad(lambda p: nnx.merge(gd, p, rest)(*d))(params)
+            return jax.tree.map(jnp.add, acc, (loss, g)), None
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (loss, g), _ = jax.lax.scan(body, zero, (xs, ys))
+        g = jax.tree.map(lambda v: v / micro, g)
+        # the accumulation cell's parameters are its loss cell's, one level down: the same leaves in order
+        return loss / micro, jax.tree.unflatten(jax.tree.structure(nnx.state(net, nnx.Param)), jax.tree.leaves(g))
+
     def fn(state, x, y):
         m = nnx.merge(gdef, state)
         net, opt = m.network, m.optimizer
-        loss, g = nnx.value_and_grad(lambda n: n(x, y))(net)
+        loss, g = accumulated(net, x, y) if micro else nnx.value_and_grad(lambda n: n(x, y))(net)
         opt.update(net, g)
         return nnx.state(m), loss
 
@@ -163,12 +186,15 @@ def timed(fn, steps):
     return (time.perf_counter() - t0) / steps
 
 
-def bench_time(cfg, mode, n, steps, repeats, megatron=False):
-    step = make_step(cfg, mode, n, megatron=megatron)
+def bench_time(cfg, mode, n, steps, repeats, megatron=False, **feature):
+    """``feature``: one of make_step's training features (zero=True, recompute=True, micro=k), also in the
+    hand-written step (the same optimizer-state shardings; the same recomputing blocks; a scanned accumulation)."""
+    step = make_step(cfg, mode, n, megatron=megatron, **feature)
     data = ms.dataset.shard_batch(batch(cfg))
     for _ in range(2):
         step(*data)                                  # compile and place
-    jitted, state = (hand_written_megatron if megatron else hand_written)(step, data)
+    jitted, state = (hand_written_megatron(step, data) if megatron else
+                     hand_written(step, data, micro=feature.get("micro")))
     box = [state]
     kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
     rep_ms = ms.comm_report(step, *data)
@@ -385,6 +411,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--modes", default="data_parallel,semi_auto_parallel")
+    ap.add_argument("--features", default=",".join(FEATURES),
+                    help="training features timed on data_parallel against the same hand-written step")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "step.json"))
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, 1 repeat: checks that it runs")
@@ -413,6 +441,17 @@ def main(argv=None):
         report["time"].append({"mode": mode, "megatron": megatron, "baseline": baseline, "mshard_s": a,
                                "hand_written_s": b, "direct_s": c, "ratio_median": r, "ratios": rs,
                                "python_overhead_ratio": ov, "collectives": comm, **extra})
+    for name, feature in FEATURES.items():
+        if name not in args.features.split(","):
+            continue
+        a, b, c, r, rs, ov, comm, _ = bench_time(cfg, "data_parallel", n, args.steps, args.repeats, **feature)
+        print(f"data_parallel + {name}: mshard {a * 1e3:.2f} ms/step, hand-written jax.jit {b * 1e3:.2f} ms/step, "
+              f"ratio (median of {len(rs)}) {r:.3f} [{', '.join(f'{x:.3f}' for x in rs)}]; Python overhead ratio "
+              f"{ov:.3f}; collectives mshard vs hand-written: "
+              + "; ".join(f"{k} {v['mshard']} vs {v['hand_written']}" for k, v in comm.items()))
+        report["time"].append({"mode": "data_parallel", "feature": name, "megatron": False,
+                               "baseline": "hand-written jax.jit", "mshard_s": a, "hand_written_s": b, "direct_s": c,
+                               "ratio_median": r, "ratios": rs, "python_overhead_ratio": ov, "collectives": comm})
     if "semi_auto_parallel" in args.modes and n % 2 == 0 and n > 1:
         fz = bench_fused(cfg, n, args.steps, args.repeats)
         report["fused_megatron"] = fz

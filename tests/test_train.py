@@ -127,18 +127,20 @@ MICRO_BATCH_WRAPPERS = {   # name: (wrapper, batch, seed)
 }
 
 
+@pytest.mark.parametrize("tx", [optax.adam, optax.sgd])
 @pytest.mark.parametrize("wrapper", MICRO_BATCH_WRAPPERS)
 @pytest.mark.parametrize("mode", ["data_parallel", "semi_auto_parallel"])
-def test_micro_batch_wrappers_equal_the_full_batch(mode, wrapper):
-    """GradAccumulationCell and MicroBatchInterleaved train exactly as one step on the whole batch."""
+def test_micro_batch_wrappers_equal_the_full_batch(mode, wrapper, tx):
+    """GradAccumulationCell and MicroBatchInterleaved train exactly as one step on the whole batch; under plain SGD
+    too, where a gradient summed instead of averaged over the micro-batches shows in the parameters."""
     wrap, batch, seed = MICRO_BATCH_WRAPPERS[wrapper]
     ms.set_auto_parallel_context(parallel_mode=mode, device_num=8, gradients_mean=True)
     data = batches(STEPS, [(batch, 16), (batch, 8)], seed=seed)
     net = MLP(nnx.Rngs(seed))
     if mode == "semi_auto_parallel":
         net.megatron(2, 4)
-    ref, ref_opt, ref_losses = reference_train(net, optax.adam(1e-2), data, mse)
-    step, losses = run(net, optax.adam(1e-2), data, wrap=wrap)
+    ref, ref_opt, ref_losses = reference_train(net, tx(1e-2), data, mse)
+    step, losses = run(net, tx(1e-2), data, wrap=wrap)
     # float32: the MLP's 16/64-term dot products and 256/512-term MSE mean, reordered by the partitioning and the
     # micro-batches, ~sqrt(n) * 2**-24 <= 1.4e-6 relative per op, over the 3 steps
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -232,6 +234,22 @@ def test_optimizer_parallel_data_parallel_matches_unsharded_and_shards_state():
     info = step.parallel_optimizer_info
     assert info["network.backbone.fc2.weight"]["sharded"]
     assert "threshold" in info["network.backbone.fc1.bias"]["reason"]
+    rep = ms.comm_report(step, *data[0])
+    assert rep.count("reduce-scatter") == 1 and rep.count("all-gather") == 1
+
+
+def test_optimizer_parallel_under_plain_sgd_updates_every_shard_as_one_device():
+    """Optimizer parallel with plain SGD (no state, the gradient's scale in the parameters): each parameter is
+    updated on its shard from the reduce-scattered gradient and gathered back, equal to one device."""
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True,
+                                 enable_parallel_optimizer=True,
+                                 parallel_optimizer_config={"parallel_optimizer_threshold": 1})
+    data = batches(STEPS, [(32, 16), (32, 8)], seed=10)
+    net = MLP(nnx.Rngs(10))
+    ref, _, _ = reference_train(net, optax.sgd(1e-1), data, mse)
+    step, _ = run(net, optax.sgd(1e-1), data)
+    assert_params_close(net, ref)
+    assert step.parallel_optimizer_info["network.backbone.fc2.weight"]["sharded"]
     rep = ms.comm_report(step, *data[0])
     assert rep.count("reduce-scatter") == 1 and rep.count("all-gather") == 1
 

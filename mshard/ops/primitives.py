@@ -392,6 +392,16 @@ def _pair(v) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else tuple(v)
 
 
+def _conv_pads(pad) -> list[tuple[int, int]]:
+    """MindSpore's Conv2D ``pad`` under pad_mode="pad": an int for every side, or (top, bottom, left, right)."""
+    if isinstance(pad, int):
+        return [(pad, pad), (pad, pad)]
+    if isinstance(pad, (tuple, list)) and len(pad) == 4 and all(isinstance(p, int) for p in pad):
+        return [(pad[0], pad[1]), (pad[2], pad[3])]
+    raise StrategyError(f"Conv2D: pad={pad!r} is neither an int nor a 4-tuple (top, bottom, left, right) of ints; "
+                        f"give pad=1 or pad=(1, 1, 2, 2), as MindSpore's Conv2D takes it.")
+
+
 class Conv2D(Primitive):
     """``Conv2D(out_channel, kernel_size, pad_mode="valid", pad=0, stride=1, dilation=1, group=1)``, NCHW/OIHW.
 
@@ -404,10 +414,11 @@ class Conv2D(Primitive):
         super().__init__(name)
         self.out_channel, self.kernel_size = out_channel, _pair(kernel_size)
         self.pad_mode, self.pad, self.stride, self.dilation, self.group = pad_mode, pad, _pair(stride), _pair(dilation), group
+        if pad_mode == "pad":
+            _conv_pads(pad)                 # a pad MindSpore would not take is refused here, when the op is made
 
     def compute(self, x, w):
-        pad = self.pad_mode.upper() if self.pad_mode in ("same", "valid") else [( _pair(self.pad)[0],) * 2,
-                                                                                (_pair(self.pad)[1],) * 2]
+        pad = self.pad_mode.upper() if self.pad_mode in ("same", "valid") else _conv_pads(self.pad)
         if self.stride == (1, 1):
             return _conv(x, w, self.stride, pad, self.dilation, self.group)
         window = [(k - 1) * d + 1 for k, d in zip(w.shape[2:], self.dilation)]
