@@ -3,7 +3,7 @@ and per-device memory of each training feature on and off.
 
     python bench/step.py [--steps 10] [--repeats 7] [--size tiny|small|medium] [--modes data_parallel,semi_auto_parallel]
                          [--features optimizer_parallel,recompute,grad_accumulation]
-    python bench/step.py --smoke          # tiny model, 2 steps, 1 repeat: that it runs and writes its JSON
+    python bench/step.py --smoke          # a 1-layer model, 2 steps, 1 repeat: that it runs and writes its JSON
 
 Time: a 4-layer GPT (nn.TransformerBlock) trained with AdamW. The hand-written step is plain JAX: one
 ``jax.jit`` of ``nnx.value_and_grad`` + ``optax`` over the TrainOneStepCell's state pytree, with
@@ -61,9 +61,10 @@ import mshard as ms
 from mshard import nn
 from mshard.fastcall import fast_call, module_variables
 
-SIZES = {"tiny": dict(vocab=64, hidden=32, heads=4, ffn=128, seq=16, batch=16),
-         "small": dict(vocab=256, hidden=128, heads=4, ffn=512, seq=64, batch=16),
-         "medium": dict(vocab=512, hidden=256, heads=8, ffn=1024, seq=128, batch=32)}
+SIZES = {"smoke": dict(vocab=32, hidden=16, heads=4, ffn=32, seq=8, batch=16, layers=1),
+         "tiny": dict(vocab=64, hidden=32, heads=4, ffn=128, seq=16, batch=16, layers=4),
+         "small": dict(vocab=256, hidden=128, heads=4, ffn=512, seq=64, batch=16, layers=4),
+         "medium": dict(vocab=512, hidden=256, heads=8, ffn=1024, seq=128, batch=32, layers=4)}
 LOSS = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 # training features timed (data_parallel) against a hand-written step doing the same: make_step's keywords
 FEATURES = {"optimizer_parallel": {"zero": True}, "recompute": {"recompute": True},
@@ -415,15 +416,15 @@ def main(argv=None):
                     help="training features timed on data_parallel against the same hand-written step")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "step.json"))
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, 1 repeat: checks that it runs")
+    ap.add_argument("--smoke", action="store_true", help="1-layer model, 2 steps, 1 repeat: checks that it runs")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.size, args.steps, args.repeats = "tiny", 2, 1
+        args.size, args.steps, args.repeats = "smoke", 2, 1
     cfg = SIZES[args.size]
     n = jax.device_count()
-    report: dict = {"devices": n, "platform": jax.devices()[0].platform, "model": {**cfg, "layers": 4},
+    report: dict = {"devices": n, "platform": jax.devices()[0].platform, "model": dict(cfg),
                     "steps": args.steps, "repeats": args.repeats, "time": [], "memory": []}
-    print(f"devices: {n} x {jax.devices()[0].platform}; model {args.size}: {cfg}, 4 layers")
+    print(f"devices: {n} x {jax.devices()[0].platform}; model {args.size}: {cfg}")
     for mode in args.modes.split(","):
         megatron = mode == "semi_auto_parallel" and n % 2 == 0 and n > 1
         a, b, c, r, rs, ov, comm, extra = bench_time(cfg, mode, n, args.steps, args.repeats, megatron=megatron)
