@@ -122,7 +122,7 @@ CASES: list[tuple[str, Callable[[], Any], list[np.ndarray], list[Any], tuple]] =
      [r(0, 2, 4, 7, 6), r(1, 4, 4, 3, 2, scale=0.2)], [], ((2, 1, 1, 1), (2, 1, 1, 1))),
     ("Conv2D-pad-dilation", lambda: ops.Conv2D(4, 3, pad_mode="pad", pad=1, dilation=2),
      [r(0, 2, 4, 8, 8), r(1, 4, 4, 3, 3, scale=0.2)], [], ((2, 2, 1, 1), (1, 2, 1, 1))),
-    # the batch split over all 8 devices (a 2-way split computes a wrong weight gradient: XFAILS below)
+    # the batch split over all 8 devices (a 2-way split computes a wrong weight gradient: FOUND below)
     ("Conv2D-group", lambda: ops.Conv2D(4, 3, group=2), [r(0, 8, 4, 6, 6), r(1, 4, 2, 3, 3, scale=0.25)], [],
      ((8, 1, 1, 1), (1, 1, 1, 1))),
     ("MaxPool", lambda: ops.MaxPool(kernel_size=2, strides=2), [r(0, 4, 4, 8, 8)], [], ((2, 2, 2, 1),)),
@@ -224,8 +224,9 @@ def compare(make: Callable[[], Any], tensors: Sequence[np.ndarray], attrs: Seque
     return [p for p in problems if p]
 
 
-# Known disagreements, each an AssertionError of the comparison (a value or a shape off), strict: a fix shows up
-XFAILS = [
+# What the references found: a known disagreement (a strict xfail: an AssertionError of the comparison, a value or a
+# shape off), or a case that was wrong until mshard was fixed
+FOUND = [
     pytest.param(lambda: ops.BiasAdd(), [r(0, 2, 4, 3, 4), r(1, 4)], [], ((2, 1, 1, 1), (1,)), id="BiasAdd-nchw",
                  marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
                      "mshard's BiasAdd adds the bias over the last dim (its docstring); MindSpore's BiasAdd adds it "
@@ -233,17 +234,14 @@ XFAILS = [
     pytest.param(lambda: ops.Conv2D(4, 3, pad_mode="pad", pad=(1, 0, 2, 1)), [r(0, 2, 4, 6, 6),
                                                                             r(1, 4, 4, 3, 3, scale=0.2)], [],
                  ((2, 1, 1, 1), (1, 1, 1, 1)), id="Conv2D-pad-4-tuple"),      # MindSpore's (top, bottom, left, right)
+    # XLA's own grouped weight gradient is 4x here (plain jax.jit too): mshard computes it group by group
     pytest.param(lambda: ops.Conv2D(4, 3, group=2), [r(0, 2, 4, 6, 6), r(1, 4, 2, 3, 3, scale=0.25)], [],
-                 ((2, 1, 1, 1), (1, 1, 1, 1)), id="Conv2D-group-batch-2-of-8",
-                 marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-                     "XLA (jax 0.10.2, CPU): a grouped convolution's weight gradient with the batch split over one "
-                     "mesh axis while another axis of size k is replicated comes out k times too large (plain "
-                     "jax.jit with the input batch-sharded on a (2, 4) mesh: 4x), here 4x"))),
+                 ((2, 1, 1, 1), (1, 1, 1, 1)), id="Conv2D-group-batch-2-of-8"),
 ]
 
 
-@pytest.mark.parametrize("make, tensors, attrs, strategy", [c[1:] for c in CASES] + XFAILS,
-                         ids=[c[0] for c in CASES] + [p.id for p in XFAILS])
+@pytest.mark.parametrize("make, tensors, attrs, strategy", [c[1:] for c in CASES] + FOUND,
+                         ids=[c[0] for c in CASES] + [p.id for p in FOUND])
 def test_primitive_equals_its_float64_reference(make, tensors, attrs, strategy):
     problems = compare(make, tensors, attrs, strategy)
     assert not problems, "\n".join(problems)
