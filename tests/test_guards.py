@@ -273,3 +273,20 @@ def test_plain_xla_still_aborts_on_a_partially_manual_gather():
     assert_xla_aborts(r, "spmd_partitioner_util.cc", "Check failed: partition_group_list.num_replica_groups()",
                       "a pipeline stage's parameters may be left to XLA's propagation again "
                       "(mshard.nn.pipeline._param_specs)")
+
+
+def test_plain_xla_still_miscompiles_the_grouped_conv_weight_gradient():
+    """Why ops.Conv2D computes a grouped weight gradient group by group (mshard/ops/primitives.py::_weight_grad):
+    XLA (JAX 0.10) computes it k times too large when the batch is split over one mesh axis and another of size k is
+    left whole (here 4x)."""
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+    rng = np.random.default_rng(0)
+    x, w, g = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((2, 4, 6, 6), (4, 2, 3, 3), (2, 4, 4, 4)))
+
+    def loss(w, x):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "VALID", feature_group_count=2,
+                                         dimension_numbers=("NCHW", "OIHW", "NCHW"))
+        return jnp.sum(y * g)
+    got = jax.jit(jax.grad(loss))(w, jax.device_put(x, NamedSharding(mesh, P("a"))))
+    # float32: each kernel entry sums 2 * 4 * 4 = 32 products of order 1
+    assert_xla_still_wrong(got, jax.grad(loss)(w, x), 1e-4, "ops.Conv2D may use XLA's own grouped weight gradient")
