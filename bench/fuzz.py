@@ -4,10 +4,12 @@
     .venv/bin/python bench/fuzz.py --smoke      # 2 cases in 1 worker: that it runs and writes its JSON
 
 Case ``i`` is ``tests/fuzz_programs.make_case(start + i, invalid)`` (a fixed share of them with an invalid strategy),
-so a run replays exactly. Cases run in worker subprocesses that log each case before running it: a worker that
-dies (an XLA CHECK failure aborts the process) is restarted after the case it died on, which is recorded as a
-``process abort`` finding. Every finding is written as a standalone script to bench/out/fuzz/<seed>.py; the counts
-(per mode, per primitive, per outcome) go to bench/out/fuzz-<first>-<last>.json and a table is printed. With
+so a run replays exactly; a case may be a training case (tests/fuzz_training.py), use 2 or 4 devices, another
+Layout, big dims, ilp, scan / cond or Dropout. Cases run in worker subprocesses that log each case before running it:
+a worker that dies (an XLA CHECK failure aborts the process) is restarted after the case it died on, which is
+recorded as a ``process abort`` finding. Every finding is written as a standalone script to bench/out/fuzz/<seed>.py;
+the counts (per mode, per primitive, per feature such as the device count or the training variant, per outcome) go
+to bench/out/fuzz-<first>-<last>.json and a table is printed. With
 ``--out PATH`` the counts go to PATH, and the workers' logs and the findings' scripts to ``fuzz/`` beside it.
 """
 
@@ -88,7 +90,7 @@ def main() -> None:
     sys.path.append(str(ROOT / "tests"))
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from fuzz_programs import describe, make_case, script
+    from fuzz_programs import describe, features, make_case, script
     fuzz_dir = Path(args.out).resolve().parent / "fuzz" if args.out else OUT / "fuzz"
     fuzz_dir.mkdir(parents=True, exist_ok=True)
     seeds = list(range(args.start, args.start + args.cases))
@@ -125,6 +127,7 @@ def main() -> None:
         results[s] = {"seed": s, "outcome": "finding", "detail": why, "s": 0.0}
     by_mode: dict[str, Counter] = defaultdict(Counter)
     by_prim: dict[str, Counter] = defaultdict(Counter)
+    by_feature: dict[str, Counter] = defaultdict(Counter)
     findings = []
     for s in seeds:
         r = results[s]
@@ -133,6 +136,8 @@ def main() -> None:
         by_mode[mode][r["outcome"]] += 1
         for k in sorted({st["kind"] for st in case["steps"]}):
             by_prim[k][r["outcome"]] += 1
+        for k in features(case):
+            by_feature[k][r["outcome"]] += 1
         if r["outcome"] == "finding":
             findings.append({"seed": s, "case": describe(case), "finding": r["detail"]})
             (fuzz_dir / f"{s}.py").write_text(script(case, r["detail"].splitlines()[0][:300]))
@@ -141,13 +146,14 @@ def main() -> None:
     summary = {"cases": len(seeds), "start": args.start, "invalid_share": args.invalid,
                "seconds": round(time.time() - t0, 1), "outcomes": dict(total),
                "by_mode": {k: dict(v) for k, v in sorted(by_mode.items())},
-               "by_primitive": {k: dict(v) for k, v in sorted(by_prim.items())}, "findings": findings}
+               "by_primitive": {k: dict(v) for k, v in sorted(by_prim.items())},
+               "by_feature": {k: dict(v) for k, v in sorted(by_feature.items())}, "findings": findings}
     report = Path(args.out) if args.out else OUT / f"fuzz-{args.start}-{args.start + len(seeds) - 1}.json"
     report.write_text(json.dumps(summary, indent=1))
     print(f"{len(seeds)} cases (seeds {args.start}..{args.start + len(seeds) - 1}) in {summary['seconds']}s: "
           + ", ".join(f"{o} {total[o]}" for o in outcomes))
-    width = max(len(k) for k in list(by_mode) + list(by_prim))
-    for title, table in (("mode", by_mode), ("primitive", by_prim)):
+    width = max(len(k) for k in list(by_mode) + list(by_prim) + list(by_feature))
+    for title, table in (("mode", by_mode), ("primitive", by_prim), ("feature", by_feature)):
         print(f"\n{title:<{width}}  " + "  ".join(f"{o:>8}" for o in outcomes))
         for k, v in sorted(table.items()):
             print(f"{k:<{width}}  " + "  ".join(f"{v[o]:>8}" for o in outcomes))

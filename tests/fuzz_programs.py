@@ -2,10 +2,13 @@
 
 A *case* is plain data (a dict of tuples and numbers, so a failure replays as a standalone script): an input
 shape, a chain of steps over the primitive objects of ``mshard.ops`` (every one but the collectives) with random
-strategies (valid ones drawn from each primitive's own iteration space, or deliberately invalid ones), a parallel
-mode and search mode, a dataset strategy, and whether the chain runs under ``jax.checkpoint`` and as an ``ms.shard``
-function with a strategy for its input. A valid strategy
-comes as split counts, ``Layout`` calls or ``PartitionSpec``s, sometimes with an ``out_strategy``.
+strategies (valid ones drawn from each primitive's own iteration space, or deliberately invalid ones), a device count
+(8, 4 or 2) and the device matrix of its Layouts ((2, 2, 2), (2, 4), (4, 2), (8,); (2, 2), (4,); (2,)), a parallel
+mode and search mode (ilp too), a dataset strategy, and whether the chain runs under ``jax.checkpoint`` and as an
+``ms.shard`` function with a strategy for its input. A valid strategy comes as split counts, ``Layout`` calls or
+``PartitionSpec``s, sometimes with an ``out_strategy``. Some cases have feature dims of 64-128, a step inside
+``jax.lax.scan`` (repeated) or ``jax.lax.cond``, ``mshard.nn.Dropout`` after a step (the reference draws the same
+mask: :func:`dropout_masks`), or are training cases (tests/fuzz_training.py).
 :func:`run_case` runs it through ``ms.jit`` (forward, and the gradient w.r.t. the input and every ``nnx.Param``)
 and compares every value with the same chain evaluated in float64 by the independent references of
 tests/references.py (never through mshard's primitives, so a primitive wrong everywhere is found too). Tolerances
@@ -20,6 +23,7 @@ activation of that shape) giving the constructor arguments, the tensor operands 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
 import warnings
@@ -32,14 +36,20 @@ import numpy as np
 from flax import nnx
 
 import mshard as ms
-from mshard import ops
+from mshard import nn, ops
 from mshard.errors import MshardError
 from references import REFERENCES, gradient_length, reduction_length
 
 MODES = (("semi_auto_parallel", None), ("auto_parallel", "sharding_propagation"),
          ("auto_parallel", "recursive_programming"), ("auto_parallel", "dynamic_programming"),
          ("data_parallel", None))
+# drawn from the case's second stream (:func:`_extra`), so the draws of MODES above keep their seeds' cases
+EXTRA_MODES = (("auto_parallel", "ilp"),)
 SPLITS = (1, 2, 4, 8)
+# device_num, and the device matrices a case's Layout-form strategies use (the product is device_num)
+DEVICES = (8, 8, 4, 2)
+MESHES = {8: ((2, 2, 2), (2, 4), (4, 2), (8,)), 4: ((2, 2), (4,)), 2: ((2,),)}
+DIMS, BIG_DIMS = (8, 16, 32), (64, 128)     # feature dims; a "big" case draws from both
 
 Shape = tuple[int, ...]
 
@@ -53,15 +63,34 @@ def _unary(rnd, s):
     return _step({}, [("x", s)], (), s)
 
 
+class Draw(random.Random):
+    """The generators' random stream, with the case's kind: ``big`` (feature dims up to 128) and ``separable``
+    (every step maps batch row i to output row i alone, with no constant or parameter of the batch's size: the
+    program runs on a slice of the batch as well, as GradAccumulationCell's micro-batches and a pure data-parallel
+    step's replicas run it)."""
+
+    big = False
+    separable = False
+
+    def dims(self, small=DIMS):
+        return self.choice(small + BIG_DIMS if self.big else small)
+
+
+def _separable(rnd: random.Random) -> bool:
+    """A generator may get a plain random.Random (tests/test_user_axes.py writes cases out with one): not separable."""
+    return getattr(rnd, "separable", False)
+
+
 def _binary(role="param"):
-    return lambda rnd, s: _step({}, [("x", s), (role, s)], (), s)
+    # separable: the parameter broadcasts over the batch (MindSpore's broadcast of a lower-rank operand)
+    return lambda rnd, s: _step({}, [("x", s), (role, s[1:] if _separable(rnd) else s)], (), s)
 
 
 def _matmul(rnd, s):
     if len(s) != 2:
         return None
     tb = rnd.random() < 0.3
-    n = rnd.choice([8, 16, 32])
+    n = rnd.dims() if isinstance(rnd, Draw) else rnd.choice(DIMS)
     return _step({"transpose_b": tb}, [("x", s), ("param", (n, s[1]) if tb else (s[1], n))], (), (s[0], n))
 
 
@@ -69,7 +98,8 @@ def _batch_matmul(rnd, s):
     if len(s) != 3:
         return None
     n = rnd.choice([8, 16])
-    return _step({}, [("x", s), ("param", (s[0], s[2], n))], (), s[:-1] + (n,))
+    w = (s[2], n) if _separable(rnd) else (s[0], s[2], n)     # separable: one weight for every row
+    return _step({}, [("x", s), ("param", w)], (), s[:-1] + (n,))
 
 
 def _reduce(rnd, s):
@@ -77,6 +107,11 @@ def _reduce(rnd, s):
 
 
 def _transpose(rnd, s):
+    if _separable(rnd):            # the batch stays dim 0
+        if len(s) < 3:
+            return None
+        perm = (0, 2, 1) if len(s) == 3 else (0, 1, 3, 2)
+        return _step({}, [("x", s)], (perm,), tuple(s[p] for p in perm))
     perm = tuple(reversed(range(len(s)))) if len(s) < 4 else (0, 1, 3, 2)     # NCHW stays N and C first
     return _step({}, [("x", s)], (perm,), tuple(s[p] for p in perm))
 
@@ -88,7 +123,8 @@ def _reshape(rnd, s):
         new = (s[0], math.prod(s[1:]))                      # flatten
     else:
         return None
-    return _step({}, [("x", s)], (new,), new)
+    # separable: the batch dim as -1 (MindSpore's inferred dim), so a slice of the batch reshapes too
+    return _step({}, [("x", s)], ((-1, *new[1:]) if _separable(rnd) else new,), new)
 
 
 def _expand(rnd, s):
@@ -104,6 +140,8 @@ def _squeeze(rnd, s):
 
 
 def _concat(rnd, s):
+    if _separable(rnd):            # a parameter of the batch's size would not slice: h with h
+        return _step({"axis": -1}, [("x", s), ("x", s)], (), s[:-1] + (2 * s[-1],))
     return _step({"axis": -1}, [("x", s), ("param", s)], (), s[:-1] + (2 * s[-1],))
 
 
@@ -118,18 +156,27 @@ def _strided_slice(rnd, s):
 
 
 def _gather(rnd, s):
+    if _separable(rnd):            # columns of every row (axis 1), the same for each row
+        if len(s) != 2 or s[1] % 2:
+            return None
+        return _step({}, [("x", s), (f"int:{s[1]}", (s[1] // 2, 2))], (1,), (s[0], s[1] // 2, 2))
     if len(s) != 2 or s[0] % 2:
         return None
     return _step({}, [("x", s), (f"int:{s[0]}", (s[0] // 2, 2))], (0,), (s[0] // 2, 2, s[1]))
 
 
 def _one_hot(rnd, s):
-    # h * OneHot(indices, width): the strategy covers the (constant) indices
-    return None if len(s) != 2 else _step({}, [(f"int:{s[1]}", (s[0],))], (s[1], 1.0, 0.0), s, post="mul_x")
+    # h * (1 + OneHot(indices, width)): the strategy covers the (constant) indices, one per batch row. Not h * OneHot:
+    # a row with one nonzero left a norm after it dividing by a near-zero deviation (seed 1129)
+    if len(s) != 2 or _separable(rnd):
+        return None
+    return _step({}, [(f"int:{s[1]}", (s[0],))], (s[1], 1.0, 0.0), s, post="mul_x")
 
 
 def _sce(rnd, s):
-    return None if len(s) != 2 else _step({}, [("x", s), ("labels", s)], (), s, post="sce")
+    if len(s) != 2 or _separable(rnd):          # constant labels, one row per batch row
+        return None
+    return _step({}, [("x", s), ("labels", s)], (), s, post="sce")
 
 
 def _layer_norm(rnd, s):
@@ -141,7 +188,8 @@ def _batch_norm(rnd, s):
     if len(s) != 4:
         return None
     c = (s[1],)
-    return _step({"is_training": rnd.random() < 0.5},
+    # in training the statistics are the batch's: not separable (a slice of the batch has its own)
+    return _step({"is_training": rnd.random() < 0.5 and not _separable(rnd)},
                  [("x", s), ("param", c), ("param", c), ("param", c), ("pos_param", c)], (), s)
 
 
@@ -171,8 +219,12 @@ def _pool(rnd, s):
 
 OPS: dict[str, tuple[Callable[[], ops.Primitive], Callable]] = {
     # kind: (the primitive's class, the step generator)
-    "ReLU": (ops.ReLU, _unary), "Tanh": (ops.Tanh, _unary), "GeLU": (ops.GeLU, _unary),
-    "Sigmoid": (ops.Sigmoid, _unary), "Square": (ops.Square, _unary),
+    # GeLU on tanh(h): its tanh form's derivative cancels in float32 (1 - tanh(z)**2 near tanh = -1) and is scaled by
+    # ~|h|**3 in its tail (seed 581: |h| = 6 after a RealDiv, 3x its tolerance on one device alone)
+    "ReLU": (ops.ReLU, _unary), "Tanh": (ops.Tanh, _unary), "GeLU": (ops.GeLU, lambda r, s: {**_unary(r, s), "pre": "tanh"}),
+    # Square on tanh(h): h**2 of a large h (|x / p| up to 6 after a RealDiv) scales the backward of the steps after it
+    # by 2|h|, beyond C_CHAIN (seed 1335: a saturated tanh's float32 derivative 0 where float64's is 1e-7, x 144)
+    "Sigmoid": (ops.Sigmoid, _unary), "Square": (ops.Square, lambda r, s: {**_unary(r, s), "pre": "tanh"}),
     "Exp": (ops.Exp, lambda r, s: {**_unary(r, s), "pre": "tanh"}),
     "Log": (ops.Log, lambda r, s: {**_unary(r, s), "pre": "pos"}),
     "Sqrt": (ops.Sqrt, lambda r, s: {**_unary(r, s), "pre": "pos"}),
@@ -180,7 +232,8 @@ OPS: dict[str, tuple[Callable[[], ops.Primitive], Callable]] = {
     "Add": (ops.Add, _binary()), "Sub": (ops.Sub, _binary()), "Mul": (ops.Mul, _binary()),
     "RealDiv": (ops.RealDiv, _binary("pos_param")), "Maximum": (ops.Maximum, _binary()),
     "Minimum": (ops.Minimum, _binary()),
-    "BiasAdd": (ops.BiasAdd, lambda r, s: None if len(s) == 4 else _step({}, [("x", s), ("param", s[-1:])], (), s)),
+    # MindSpore's BiasAdd: the bias along channel dim 1 (NCHW; the last dim of a 2-D input)
+    "BiasAdd": (ops.BiasAdd, lambda r, s: _step({}, [("x", s), ("param", s[1:2])], (), s)),
     "MatMul": (ops.MatMul, _matmul), "BatchMatMul": (ops.BatchMatMul, _batch_matmul),
     "ReduceSum": (ops.ReduceSum, _reduce), "ReduceMean": (ops.ReduceMean, _reduce),
     "ReduceMax": (ops.ReduceMax, _reduce),
@@ -208,9 +261,31 @@ def _out_shapes(prim: ops.Primitive, step: dict[str, Any]) -> tuple[Shape, ...]:
     return tuple(tuple(o.shape) for o in jax.tree.leaves(out))
 
 
-def _valid(step: dict[str, Any], rnd: random.Random, devices: int = 8):
+def _take(free: tuple[int, ...], c: int) -> tuple[int, ...] | None:
+    """The mesh axis sizes left after a split of ``c`` takes some of ``free`` (None: no subset multiplies to c).
+    In every mesh of :data:`MESHES` a product has one subset up to axes of equal size, so the choice is free."""
+    if c == 1:
+        return free
+    for k in range(1, len(free) + 1):
+        for pick in itertools.combinations(range(len(free)), k):
+            if math.prod(free[i] for i in pick) == c:
+                return tuple(n for i, n in enumerate(free) if i not in pick)
+    return None
+
+
+def _fit(free: tuple[int, ...], counts) -> bool:
+    """Whether splits of ``counts`` take disjoint axes of a mesh of axis sizes ``free``."""
+    for c in counts:
+        free = _take(free, c)
+        if free is None:
+            return False
+    return True
+
+
+def _valid(step: dict[str, Any], rnd: random.Random, mesh: tuple[int, ...] = (2, 2, 2)):
     """A strategy drawn from the primitive's iteration space: one split count per loop letter (fixed letters 1),
-    dividing every tensor dim it splits, the letters' product dividing ``devices``."""
+    dividing every tensor dim it splits, the letters taking disjoint axes of the mesh (axis sizes ``mesh``; of
+    (2, 2, 2), any counts whose product divides 8)."""
     prim = make_prim(step)
     in_dims, out_dims, fixed = prim.spec(step["shapes"], step["attrs"])
     sizes: dict[str, int] = {}
@@ -218,27 +293,28 @@ def _valid(step: dict[str, Any], rnd: random.Random, devices: int = 8):
         for d, n in zip(dims, shape, strict=True):
             if d is not None:
                 sizes[d] = math.gcd(sizes.get(d, n), n)
-    counts, left = {}, devices
+    counts, free = {}, tuple(mesh)
     for letter in sorted(sizes, key=lambda _: rnd.random()):
-        options = [c for c in SPLITS if left % c == 0 and sizes[letter] % c == 0 and (c == 1 or letter not in fixed)]
+        options = [c for c in SPLITS if _take(free, c) is not None and sizes[letter] % c == 0
+                   and (c == 1 or letter not in fixed)]
         counts[letter] = rnd.choice(options)
-        left //= counts[letter]
+        free = _take(free, counts[letter])
     return tuple(tuple(counts.get(d, 1) if d is not None else 1 for d in dims) for dims in in_dims)
 
 
-def _split(shape: Shape, rnd: random.Random, devices: int = 8) -> tuple[int, ...]:
-    """Random split counts for one tensor: each dividing its dim, the product dividing ``devices``."""
-    out, left = [1] * len(shape), devices
+def _split(shape: Shape, rnd: random.Random, mesh: tuple[int, ...] = (2, 2, 2)) -> tuple[int, ...]:
+    """Random split counts for one tensor: each dividing its dim, taking disjoint axes of the mesh."""
+    out, free = [1] * len(shape), tuple(mesh)
     for d in sorted(range(len(shape)), key=lambda _: rnd.random()):
-        out[d] = rnd.choice([c for c in SPLITS if left % c == 0 and shape[d] % c == 0])
-        left //= out[d]
+        out[d] = rnd.choice([c for c in SPLITS if _take(free, c) is not None and shape[d] % c == 0])
+        free = _take(free, out[d])
     return tuple(out)
 
 
-def _invalid(step: dict[str, Any], rnd: random.Random):
+def _invalid(step: dict[str, Any], rnd: random.Random, devices: int = 8):
     """A strategy the primitive must refuse: more splits than devices, a split not dividing its dim, a split of a
     dim the op cannot split, or (where operands share a loop dim) operands that split the shared dim differently."""
-    st = [list(s) for s in _valid(step, rnd)]
+    st = [list(s) for s in _valid(step, rnd, (2,) * (devices.bit_length() - 1))]
     in_dims, _, fixed = make_prim(step).spec(step["shapes"], step["attrs"])
     how = rnd.choice(["too_many", "not_dividing", "disagree", "fixed"])
     if how == "fixed":
@@ -249,85 +325,162 @@ def _invalid(step: dict[str, Any], rnd: random.Random):
             st[t][k] = 2
             return tuple(tuple(s) for s in st), how
     if how == "disagree":
+        lo, hi = (2, 4) if devices >= 4 else (1, 2)       # each within the devices: only the disagreement is wrong
         shared = [(d, [(t, k) for t, dims in enumerate(in_dims) for k, e in enumerate(dims) if e == d])
                   for d in {e for dims in in_dims for e in dims if e is not None}]
         shared = [(d, at) for d, at in shared if len(at) > 1 and d not in fixed and
-                  all(step["shapes"][t][k] % 4 == 0 for t, k in at)]
+                  all(step["shapes"][t][k] % hi == 0 for t, k in at)]
         if shared:
             _, at = rnd.choice(sorted(shared))
             (t0, k0), (t1, k1) = at[0], at[1]
-            st[t0][k0], st[t1][k1] = 2, 4
+            st[t0][k0], st[t1][k1] = lo, hi
             return tuple(tuple(s) for s in st), how
     if how == "not_dividing":
-        at = [(t, k) for t, s in enumerate(step["shapes"]) for k, n in enumerate(s) if n % 8 and n > 1]
+        at = [(t, k) for t, s in enumerate(step["shapes"]) for k, n in enumerate(s)
+              if n > 1 and any(n % c for c in (2, 4, 8) if c <= devices)]
         if at:
             t, k = rnd.choice(at)
-            st[t][k] = next(c for c in (2, 4, 8) if step["shapes"][t][k] % c)
+            st[t][k] = next(c for c in (2, 4, 8) if c <= devices and step["shapes"][t][k] % c)
             for j in range(len(st[t])):       # keep the device count in range, so only the divisibility is wrong
                 if j != k:
                     st[t][j] = 1
             return tuple(tuple(s) for s in st), how
-    st[0][0] = 16
+    st[0][0] = 2 * devices
     return tuple(tuple(s) for s in st), "too_many"
 
 
-LAYOUT_AXES = ("x", "y", "z")      # every Layout-form strategy of a case uses Layout((2, 2, 2), LAYOUT_AXES)
+LAYOUT_AXES = ("x", "y", "z")      # a case's Layout is Layout(case["mesh"], LAYOUT_AXES[:len(case["mesh"])])
 
 
-def _axes_for(step: dict[str, Any], rnd: random.Random) -> tuple:
+def _axes_for(step: dict[str, Any], rnd: random.Random, mesh: tuple[int, ...] = (2, 2, 2)) -> tuple:
     """Mesh axes for the step's strategy, for the Layout and PartitionSpec forms: each loop letter's count gets
-    its own axes of the (2, 2, 2) layout (a shared letter the same axes on every input)."""
+    its own axes of the layout (a shared letter the same axes on every input; :func:`_valid` drew counts that fit)."""
     in_dims, _, _ = make_prim(step).spec(step["shapes"], step["attrs"])
-    free, of = list(LAYOUT_AXES), {}
+    names = LAYOUT_AXES[:len(mesh)]
+    size = dict(zip(names, mesh, strict=True))
+    free, of = list(names), {}
     for dims, counts in zip(in_dims, step["strategy"], strict=True):
         for d, c in zip(dims, counts, strict=True):
             if d is not None and c > 1 and d not in of:
-                k = c.bit_length() - 1
-                pick = sorted(rnd.sample(free, k), key=LAYOUT_AXES.index)
+                if all(size[a] == 2 for a in free):
+                    pick = sorted(rnd.sample(free, c.bit_length() - 1), key=LAYOUT_AXES.index)
+                else:
+                    pick = rnd.choice([p for k in range(1, len(free) + 1) for p in itertools.combinations(free, k)
+                                       if math.prod(size[a] for a in p) == c])
                 free = [a for a in free if a not in pick]
                 of[d] = tuple(pick)
     return tuple(tuple(of.get(d, ()) if d is not None else () for d in dims) for dims in in_dims)
 
 
+TRAIN_SHARE, CONTROL_SHARE, DROPOUT_SHARE, ILP_SHARE, BIG_SHARE = 0.25, 0.2, 0.15, 0.12, 0.25
+
+
+def _extra(seed: int) -> Draw:
+    """The case's second stream: device count, mesh, big dims, ilp, training, scan/cond, dropout (drawn apart from
+    the first, so a seed with 8 devices, the (2, 2, 2) mesh and none of these draws the steps it drew before them)."""
+    return Draw(f"mshard-fuzz-extra-{seed}")
+
+
+def _train_variant(ex: random.Random) -> dict[str, Any]:
+    """A training case: 2 steps of TrainOneStepCell(WithLossCell(program, loss), optax.sgd(lr)), optionally through
+    GradAccumulationCell(., 2), with the parallel optimizer (threshold 0 KB), with the program's Cell recomputed, and
+    as a pure data-parallel step (data_parallel mode on a split batch)."""
+    return {"lr": ex.choice([0.05, 0.1]), "steps": 2, "accum": ex.random() < 0.35, "zero": ex.random() < 0.35,
+            "recompute": ex.random() < 0.35, "pure_dp": ex.random() < 0.3}
+
+
+def _wrappable(step: dict[str, Any]) -> bool:
+    """A step that can run inside jax.lax.scan / cond: it keeps its activation's shape and takes no constants (a scan
+    body is traced once, so constants drawn per call would be drawn once there and per iteration in the reference)."""
+    roles = step["roles"]
+    # not Square: r squarings multiply a value's relative error by 2 ** r
+    return (step["invalid"] is None and step["kind"] != "Square" and roles.count("x") == 1
+            and step["shapes"][roles.index("x")] == step["out"] and all(r in ("x", "param", "pos_param") for r in roles))
+
+
 def make_case(seed: int, invalid: bool = False) -> dict[str, Any]:
-    rnd = random.Random(seed)
+    rnd, ex = Draw(seed), _extra(seed)
+    devices = ex.choice(DEVICES)
+    mesh = ex.choice(MESHES[devices])
+    rnd.big = ex.random() < BIG_SHARE
+    train = None if invalid or ex.random() >= TRAIN_SHARE else _train_variant(ex)
+    ilp = ex.random() < ILP_SHARE
+    control = ex.random() < CONTROL_SHARE
+    dropout = not invalid and train is None and ex.random() < DROPOUT_SHARE
     mode, search = MODES[rnd.randrange(len(MODES))]
+    if ilp:
+        mode, search = EXTRA_MODES[0]
     batch = rnd.choice([8, 16])
     dataset = rnd.choice(["data_parallel", "full_batch"])
+    if train is not None:
+        if train["pure_dp"]:          # data_parallel on a split batch: the step's replicas run the program side by side
+            mode, search, dataset = "data_parallel", None, "data_parallel"
+        elif train["zero"]:           # the parallel optimizer shards over the data-parallel devices: a split batch
+            dataset = "data_parallel"
+        # a micro-batch of half the batch still spans the devices; a step that may run as pure data parallel (its
+        # replicas run the program on their rows) or with micro-batches draws a program that runs on a slice too
+        batch = 16 if train["accum"] else batch
+        rnd.separable = train["accum"] or (dataset == "data_parallel" and mode != "auto_parallel")
     form = rnd.random()
     if form < 0.2:
         shape: Shape = (batch, rnd.choice([4, 8]), rnd.choice([4, 8]), rnd.choice([4, 8]))    # NCHW
     elif form < 0.4:
-        shape = (batch, 4, rnd.choice([8, 16]))
+        shape = (batch, 4, rnd.choice([8, 16] + ([64] if rnd.big else [])))
     else:
-        shape = (batch, rnd.choice([8, 16, 32]))
+        shape = (batch, rnd.dims())
     first = shape
     steps: list[dict[str, Any]] = []
     form_w = rnd.choice([1.0, 1.0, 0.5, 0.0])        # the share of tuple strategies; the rest Layouts or PartitionSpecs
+    # strategies are drawn on the Layout's mesh where a case may name it; tuple-only cases on the prime mesh
+    on = tuple(mesh) if form_w < 1.0 else (2,) * (devices.bit_length() - 1)
     n = rnd.randint(1, 4)
     bad_at = rnd.randrange(n) if invalid else -1
-    while len(steps) < n:
-        kind = rnd.choice(sorted(OPS))
+    cap = 16384 if rnd.big else 4096
+
+    def more() -> bool:         # a training case trains parameters: it draws steps with some until it has one
+        return len(steps) < n or (train is not None and
+                                  not any(r in ("param", "pos_param") for st in steps for r in st["roles"]))
+    while more():
+        kind = rnd.choice(sorted(OPS) if len(steps) < n else ["Add", "BiasAdd", "LayerNorm", "MatMul", "Mul"])
         step = OPS[kind][1](rnd, shape)
-        if step is None or math.prod(step["out"]) > 4096 or 0 in step["out"]:
+        if step is None or math.prod(step["out"]) > cap or 0 in step["out"]:
             continue
         step["kind"] = kind
         step["strategy"], step["invalid"] = None, None
         if len(steps) == bad_at:
-            step["strategy"], step["invalid"] = _invalid(step, rnd)
+            step["strategy"], step["invalid"] = _invalid(step, rnd, devices)
         elif rnd.random() < 0.7:
-            step["strategy"] = _valid(step, rnd)
+            step["strategy"] = _valid(step, rnd, on)
             step["form"] = rnd.choices(["tuple", "layout", "pspec"], [form_w, 1 - form_w, 0.5 * (1 - form_w) if any(
                 st.get("form") == "layout" for st in steps) else 0.0])[0]
             if step["form"] != "tuple":
-                step["axes"] = _axes_for(step, rnd)
+                step["axes"] = _axes_for(step, rnd, on)
             elif rnd.random() < 0.2:
-                step["out_strategy"] = tuple(_split(o, rnd) for o in _out_shapes(make_prim(step), step))
+                step["out_strategy"] = tuple(_split(o, rnd, on) for o in _out_shapes(make_prim(step), step))
+        if control and step["invalid"] is None and _wrappable(step) and ex.random() < 0.5:
+            # no cond in a separable program: its predicate reads the first row of whatever slice runs it
+            step["wrap"] = ex.choice([("scan", 2), ("scan", 3)] + ([] if rnd.separable else [("cond",)]))
+        if dropout and ex.random() < 0.4:
+            step["dropout"] = ex.choice([0.25, 0.5])
         steps.append(step)
         shape = step["out"]
-    return {"seed": seed, "mode": mode, "search_mode": search, "dataset": dataset, "input": first, "steps": steps,
-            "remat": rnd.random() < 0.15, "shard_in": _split(first, rnd) if rnd.random() < 0.15 else None,
+    case = {"seed": seed, "mode": mode, "search_mode": search, "dataset": dataset, "input": first, "steps": steps,
+            "remat": rnd.random() < 0.15, "shard_in": _split(first, rnd, on) if rnd.random() < 0.15 else None,
             "invalid": invalid}
+    case.update({"devices": devices, "mesh": tuple(mesh), "train": train})
+    if any(st.get("dropout") for st in steps):
+        # a Dropout advances its nnx key stream, which nnx refuses inside a plain JAX transform (jax.checkpoint, the
+        # ms.shard function): those cases draw no Dropout
+        case["remat"], case["shard_in"] = False, None
+    return case
+
+
+def region_mesh(case: dict[str, Any]) -> tuple[int, ...]:
+    """The axis sizes of the mesh the case's region runs on: its Layout's where a step names it, else one axis of 2
+    per factor of device_num (mshard's prime mesh)."""
+    if any(st.get("form") == "layout" for st in case["steps"]):
+        return case.get("mesh", (2, 2, 2))
+    return (2,) * (case.get("devices", 8).bit_length() - 1)
 
 
 def _const(role: str, shape: Shape, rng: np.random.Generator):
@@ -338,14 +491,15 @@ def _const(role: str, shape: Shape, rng: np.random.Generator):
     raise ValueError(role)
 
 
-def _strategy_form(step: dict[str, Any]):
-    """The step's strategy as the user writes it: split counts, Layout calls or PartitionSpecs."""
+def _strategy_form(step: dict[str, Any], mesh: tuple[int, ...] = (2, 2, 2)):
+    """The step's strategy as the user writes it: split counts, Layout calls (on the case's device matrix
+    ``mesh``) or PartitionSpecs."""
     form = step.get("form", "tuple")
     if form == "tuple":
         return step["strategy"]
     one = {"layout": lambda a: (a[0] if len(a) == 1 else a) if a else "None",
            "pspec": lambda a: (a[0] if len(a) == 1 else a) if a else None}[form]
-    make = ms.Layout((2, 2, 2), LAYOUT_AXES) if form == "layout" else (lambda *d: jax.sharding.PartitionSpec(*d))
+    make = ms.Layout(mesh, LAYOUT_AXES[:len(mesh)]) if form == "layout" else (lambda *d: jax.sharding.PartitionSpec(*d))
     return tuple(make(*(one(a) for a in t)) for t in step["axes"])
 
 
@@ -365,8 +519,14 @@ def param_values(case: dict[str, Any]) -> list[np.ndarray]:
 _PRE = {"tanh": jnp.tanh, "pos": lambda v: jnp.abs(v) + 1.0, None: lambda v: v}
 
 
+def _dropout_seed(case: dict[str, Any], j: int) -> int:
+    return case["seed"] + 10 + j
+
+
 class Program(nnx.Module):
-    """The case's chain; parameters are ``nnx.Param`` (scaled 1/sqrt(fan-in): values stay O(1) along the chain)."""
+    """The case's chain; parameters are ``nnx.Param`` (scaled 1/sqrt(fan-in): values stay O(1) along the chain). A
+    step may run inside ``jax.lax.scan`` (the step repeated) or ``jax.lax.cond`` (the step if the input's first element
+    is positive, else the identity), and be followed by an ``mshard.nn.Dropout``."""
 
     def __init__(self, case: dict[str, Any]):
         self.remat, self.shard_in = case["remat"], case.get("shard_in")
@@ -374,37 +534,34 @@ class Program(nnx.Module):
         for step in case["steps"]:
             p = make_prim(step)
             if step["strategy"] is not None:
-                p = p.shard(_strategy_form(step), step.get("out_strategy"))
+                p = p.shard(_strategy_form(step, case.get("mesh", (2, 2, 2))), step.get("out_strategy"))
             prims.append(p)
         self.prims = tuple(prims)
         self.params = nnx.List([nnx.Param(jnp.asarray(v)) for v in param_values(case)])
+        self.drops = nnx.List([nn.Dropout(p=st["dropout"], rngs=nnx.Rngs(dropout=_dropout_seed(case, j)))
+                               for j, st in enumerate(case["steps"]) if st.get("dropout")])
         self.seed = case["seed"]
         self.steps = tuple((st["roles"], st["shapes"], tuple(_frozen(a) for a in st["attrs"]), st.get("pre"),
-                            st.get("post"))
+                            st.get("post"), st.get("wrap"), bool(st.get("dropout")))
                            for st in case["steps"])
 
     def chain(self, params, x):
-        h, kp = x, 0
+        h, kp, kd = x, 0, 0
         rng = np.random.default_rng(self.seed + 3)       # the constants (indices, labels): the same on every call
-        for p, (roles, shapes, attrs, pre, post) in zip(self.prims, self.steps, strict=True):
-            h = _PRE[pre](h)
-            args = []
-            for role, shp in zip(roles, shapes, strict=True):
-                if role == "x":
-                    args.append(h)
-                elif role in ("param", "pos_param"):
-                    args.append(params[kp])
-                    kp += 1
-                else:
-                    args.append(_const(role, shp, rng))
-            out = p(*args, *(jnp.float32 if a == "float32" else a for a in attrs))
-            if post == "first":
-                out = out[0]
-            elif post == "sce":
-                out = out[0][:, None] + out[1]
-            elif post == "mul_x":
-                out = h * out
-            h = out
+        for p, (roles, shapes, attrs, pre, post, wrap, drop) in zip(self.prims, self.steps, strict=True):
+            mine = [params[kp + i] for i in range(sum(r in ("param", "pos_param") for r in roles))]
+            kp += len(mine)
+            consts = [_const(r, shp, rng) for r, shp in zip(roles, shapes, strict=True) if r not in NOT_CONST]
+            apply = functools.partial(_apply_step, p, roles, attrs, pre, post, mine, consts)
+            if wrap is None:
+                h = apply(h)
+            elif wrap[0] == "scan":
+                h, _ = jax.lax.scan(lambda c, _: (apply(c), None), h, None, length=wrap[1])
+            else:
+                h = jax.lax.cond(x.reshape(-1)[0] > 0, apply, lambda c: c, h)
+            if drop:
+                h = self.drops[kd](h)
+                kd += 1
         return h
 
     def __call__(self, x):
@@ -413,6 +570,26 @@ class Program(nnx.Module):
         if self.shard_in is not None:     # the chain as an ms.shard function with the input's strategy
             body = ms.shard(body, in_strategy=(self.shard_in,))
         return body(x)
+
+
+NOT_CONST = ("x", "param", "pos_param")     # the roles that are not constants
+
+
+def _apply_step(prim, roles, attrs, pre, post, params, consts, h, fn=None):
+    """One step on activation ``h``: the pre-shift, the call (``prim``, or ``fn(*inputs, *attrs)`` for the reference)
+    with the step's parameters and constants in call order, and the post-processing."""
+    h = _PRE[pre](h)
+    ps, cs, args = iter(params), iter(consts), []
+    for role in roles:
+        args.append(h if role == "x" else next(ps) if role in ("param", "pos_param") else next(cs))
+    out = (fn or prim)(*args, *(jnp.float32 if a == "float32" else a for a in attrs))
+    if post == "first":
+        out = out[0]
+    elif post == "sce":
+        out = out[0][:, None] + out[1]
+    elif post == "mul_x":
+        out = h * (1.0 + out)
+    return out
 
 
 def _frozen(a):
@@ -440,7 +617,9 @@ def _lengths(case: dict[str, Any]) -> list[tuple[int, tuple[int, ...]]]:
         prim = _reference_prim(step)
         args = (*step["shapes"], *step["attrs"])
         n = reduction_length(prim, *args)
-        out.append((n, tuple(g - n for g in gradient_length(prim, *args))))
+        # a step scanned r times: its sums r times over (and a parameter's gradient a sum of the r iterations')
+        r = step["wrap"][1] if step.get("wrap") and step["wrap"][0] == "scan" else 1
+        out.append((r * n, tuple(r * (g - n) for g in gradient_length(prim, *args))))
     return out
 
 
@@ -453,13 +632,17 @@ def tolerances(case: dict[str, Any]) -> list[float]:
     fwd = sum(n for n, _ in lengths)
     back = []                                  # per step, the backward sum through its activation operand
     for step, (_, fan) in zip(case["steps"], lengths, strict=True):
-        back.append(fan[step["roles"].index("x")] if "x" in step["roles"] else 1)      # OneHot: h * onehot
+        back.append(fan[step["roles"].index("x")] if "x" in step["roles"] else 1)      # OneHot: h * (1 + onehot)
     tol = [C_CHAIN * fwd * 2.0 ** -24 + FLOOR, C_CHAIN * (fwd + sum(back)) * 2.0 ** -24 + FLOOR]
     for j, (step, (_, fan)) in enumerate(zip(case["steps"], lengths, strict=True)):
         for role, f in zip(step["roles"], fan, strict=True):
             if role in ("param", "pos_param"):
                 tol.append(C_CHAIN * (fwd + f + sum(back[j + 1:])) * 2.0 ** -24 + FLOOR)
-    return tol
+    # a Dropout scales what it keeps by 1 / (1 - p), and with it an error made before it (forward) or after it (the
+    # backward's): beyond C_CHAIN's amplification, so the tolerances grow by that (seed 789: 2 Dropouts, tanh's
+    # saturated derivative 1 - tanh**2, off by 2**-23 absolute, carried 2.67x further than without them)
+    gain = math.prod(1.0 / (1.0 - st["dropout"]) for st in case["steps"] if st.get("dropout"))
+    return [t * gain for t in tol]
 
 
 def tolerance(case: dict[str, Any]) -> float:
@@ -467,16 +650,50 @@ def tolerance(case: dict[str, Any]) -> float:
     return max(tolerances(case))
 
 
-def check_case(case: dict[str, Any]) -> tuple[str, str]:
-    """-> (outcome, detail). Outcomes: ``equal`` (a valid case equals the float64 reference), ``refused`` (an invalid strategy
-    raised an mshard error), ``meeting`` (valid per op, but two user splits meet in one op and their product does
-    not fit the devices: the LayoutError of DESIGN invariant 4, raised by the forward pass already), ``finding``
-    (anything else: wrong values, a refused valid case, an accepted invalid one, a non-mshard exception)."""
+def set_context(case: dict[str, Any], **extra) -> None:
     ms.reset_auto_parallel_context()
-    kw = {"parallel_mode": case["mode"], "device_num": 8, "dataset_strategy": case["dataset"]}
+    kw = {"parallel_mode": case["mode"], "device_num": case.get("devices", 8), "dataset_strategy": case["dataset"], **extra}
     if case["search_mode"]:
         kw["search_mode"] = case["search_mode"]
     ms.set_auto_parallel_context(**kw)
+
+
+def refusal(case: dict[str, Any], e: MshardError, forward_ran: bool) -> tuple[str, str]:
+    """The outcome of an mshard error: ``refused`` for an invalid case, ``meeting`` where two user splits meet in one
+    op and cannot take disjoint axes of the region's mesh, else a ``finding`` (a valid case refused)."""
+    if case["invalid"]:
+        return "refused", f"{type(e).__name__}: {e}"
+    meet = getattr(e, "meeting", None)
+    if meet and not forward_ran and not _fit(region_mesh(case), meet["splits"]):
+        return "meeting", f"{type(e).__name__}: {e}"
+    return "finding", f"valid case refused{' under grad only' if forward_ran else ''}: {type(e).__name__}: {e}"
+
+
+def compare(names, got, exact, tols) -> str | None:
+    """The first value of ``got`` off its float64 value by more than its tolerance (rtol = atol), or None."""
+    if len(got) != len(exact):
+        return f"{len(got)} outputs and gradients, the reference has {len(exact)}"
+    for what, a, t, tol in zip(names, got, exact, tols, strict=True):
+        a = np.asarray(a, np.float64)
+        if a.shape != t.shape:
+            return f"{what} has shape {a.shape}, the reference {t.shape}"
+        err = np.abs(a - t)
+        if not np.all(err <= tol * (1 + np.abs(t))):
+            return (f"{what} differs from the float64 reference: max |diff| {float(np.max(err)):.3g} (tol "
+                    f"{tol:.2g}, {int(np.sum(~(err <= tol * (1 + np.abs(t)))))} of {t.size} values)")
+    return None
+
+
+def check_case(case: dict[str, Any]) -> tuple[str, str]:
+    """-> (outcome, detail). Outcomes: ``equal`` (a valid case equals the float64 reference), ``refused`` (an invalid strategy
+    raised an mshard error), ``meeting`` (valid per op, but two user splits meet in one op and cannot take disjoint
+    axes of the region's mesh: the LayoutError of DESIGN invariant 4, raised by the forward pass already), ``finding``
+    (anything else: wrong values, a refused valid case, an accepted invalid one, a non-mshard exception). A training
+    case (``case["train"]``) is checked by tests/fuzz_training.py."""
+    if case.get("train"):
+        from fuzz_training import check_training
+        return check_training(case)
+    set_context(case)
     x = jnp.asarray(np.random.default_rng(case["seed"] + 1).standard_normal(case["input"]), jnp.float32)
     y = None
     try:
@@ -490,12 +707,7 @@ def check_case(case: dict[str, Any]) -> tuple[str, str]:
                 return jnp.sum(m(x) * out_w)
             gm, gx = ms.jit(lambda m, x: nnx.grad(loss, argnums=(0, 1))(m, x))(net, x)
     except MshardError as e:
-        if case["invalid"]:
-            return "refused", f"{type(e).__name__}: {e}"
-        meet = getattr(e, "meeting", None)
-        if meet and y is None and meet["device_num"] % math.prod(meet["splits"]):
-            return "meeting", f"{type(e).__name__}: {e}"
-        return "finding", f"valid case refused{' under grad only' if y is not None else ''}: {type(e).__name__}: {e}"
+        return refusal(case, e, y is not None)
     except Exception as e:   # every other exception is a finding
         return "finding", f"{type(e).__module__}.{type(e).__name__}: {str(e)[:300]}"
     if case["invalid"]:
@@ -503,71 +715,76 @@ def check_case(case: dict[str, Any]) -> tuple[str, str]:
     # the exact value: the same chain in float64 by tests/references.py (no mshard primitive), every value compared
     exact = _float64_reference(case, x, out_w)
     got = [y, gx, *jax.tree.leaves(gm)]
-    if len(got) != len(exact):
-        return "finding", f"{len(got)} outputs and gradients, the reference has {len(exact)}"
     names = ["output", "grad x"] + [f"grad param {i}" for i in range(len(got) - 2)]
-    for what, a, t, tol in zip(names, got, exact, tolerances(case), strict=True):
-        a = np.asarray(a, np.float64)
-        if a.shape != t.shape:
-            return "finding", f"{what} has shape {a.shape}, the reference {t.shape}"
-        err = np.abs(a - t)
-        if not np.all(err <= tol * (1 + np.abs(t))):
-            return "finding", (f"{what} differs from the float64 reference: max |diff| {float(np.max(err)):.3g} (tol "
-                               f"{tol:.2g}, {int(np.sum(~(err <= tol * (1 + np.abs(t)))))} of {t.size} values)")
-    return "equal", ""
+    bad = compare(names, got, exact, tolerances(case))
+    return ("finding", bad) if bad else ("equal", "")
 
 
 def _reference_prim(step: dict[str, Any]) -> ops.Primitive:
     """The step's primitive object, read by the references for its attributes only (never called)."""
-    prim = make_prim(step)
-    if step["kind"] == "BiasAdd" and len(step["shapes"][0]) > 2:
-        # mshard's BiasAdd adds over the last dim (its docstring; MindSpore's NCHW BiasAdd would add over dim 1,
-        # tests/test_primitive_references.py XFAILS): beyond 2-D the fuzzer's step is MindSpore's channel-last one
-        prim.data_format = "NHWC"
-    return prim
+    return make_prim(step)
 
 
-def reference_chain(case: dict[str, Any], params: list, x):
+def dropout_masks(case: dict[str, Any], call: int) -> list[np.ndarray]:
+    """The keep-masks of the case's Dropouts on the program's ``call``-th call (from 0): each Dropout's key is the
+    ``call``-th of its own nnx stream (``nnx.Rngs(dropout=seed)``, forked as the Dropout forks it), the mask that key's
+    ``jax.random.bernoulli`` draws for the whole activation (mshard draws it so under any partitioning: the
+    partitionable threefry makes the bits independent of the sharding). Drawn in float32 as the Dropout draws it."""
+    out = []
+    for j, st in enumerate(case["steps"]):
+        if st.get("dropout"):
+            stream = nnx.Rngs(dropout=_dropout_seed(case, j))["dropout"].fork()
+            for _ in range(call):
+                stream()
+            out.append(np.asarray(jax.random.bernoulli(stream(), 1.0 - st["dropout"], st["out"])))
+    return out
+
+
+def cond_predicate(x) -> bool:
+    """The branch a ``jax.lax.cond`` step takes for input ``x``: an exact comparison of one input value."""
+    return bool(np.asarray(x).reshape(-1)[0] > 0)
+
+
+def reference_chain(case: dict[str, Any], params: list, x, masks=(), pred: bool | None = None):
     """The case's chain evaluated by tests/references.py: the same parameters, constants, steps, attributes and
     pre/post-processing as :meth:`Program.chain`, in the dtype of ``x`` (a ``Cast`` to float32 rounds there, as the
-    program does, and the chain carries on in that dtype)."""
+    program does, and the chain carries on in that dtype). A scanned step is applied its count of times in a loop,
+    a cond step where ``pred`` (:func:`cond_predicate` of the input), a Dropout multiplies by its mask in ``masks``
+    and 1 / (1 - p)."""
     h, kp = x, 0
     rng = np.random.default_rng(case["seed"] + 3)       # the constants, drawn in Program.chain's order
+    masks = iter(masks)
     for step in case["steps"]:
-        h = _PRE[step.get("pre")](h)
-        args = []
-        for role, shp in zip(step["roles"], step["shapes"], strict=True):
-            if role == "x":
-                args.append(h)
-            elif role in ("param", "pos_param"):
-                args.append(params[kp])
-                kp += 1
-            else:
-                args.append(_const(role, shp, rng))
-        attrs = [jnp.float32 if a == "float32" else a for a in step["attrs"]]
-        out = REFERENCES[step["kind"]](_reference_prim(step), *args, *attrs)
-        post = step.get("post")
-        if post == "first":
-            out = out[0]
-        elif post == "sce":
-            out = out[0][:, None] + out[1]
-        elif post == "mul_x":
-            out = h * out
-        h = out.astype(x.dtype)
+        roles = step["roles"]
+        mine = [params[kp + i] for i in range(sum(r in ("param", "pos_param") for r in roles))]
+        kp += len(mine)
+        consts = [_const(r, shp, rng) for r, shp in zip(roles, step["shapes"], strict=True) if r not in NOT_CONST]
+        fn = functools.partial(REFERENCES[step["kind"]], _reference_prim(step))
+        wrap = step.get("wrap")
+        reps = wrap[1] if wrap and wrap[0] == "scan" else 0 if wrap and not pred else 1
+        for _ in range(reps):
+            h = _apply_step(None, roles, step["attrs"], step.get("pre"), step.get("post"), mine, consts, h,
+                            fn=fn).astype(x.dtype)
+        if step.get("dropout"):
+            h = h * jnp.asarray(next(masks), x.dtype) / (1.0 - step["dropout"])
     return h
 
 
 def _float64_reference(case: dict[str, Any], x, out_w) -> list[np.ndarray]:
     """Output, input gradient and parameter gradients (of sum(out * out_w)) of the case in float64, by
-    :func:`reference_chain` (one compiled program)."""
+    :func:`reference_chain`: the output with the Dropout masks of the program's first call, the gradients with its
+    second's (the forward and the gradient are two calls)."""
+    pred, m0, m1 = cond_predicate(x), dropout_masks(case, 0), dropout_masks(case, 1)
     with jax.enable_x64(True):
         params = [jnp.asarray(p, jnp.float64) for p in param_values(case)]
         x64, w64 = jnp.asarray(x, jnp.float64), jnp.asarray(out_w, jnp.float64)
 
-        def loss(params, v):
-            y = reference_chain(case, params, v)
+        def loss(params, v, masks):
+            y = reference_chain(case, params, v, masks, pred)
             return jnp.sum(y * w64), y
-        (gp, gx), y = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(params, x64)
+        (gp, gx), y = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(params, x64, m1)
+        if m0:                              # the forward's own masks
+            y = jax.jit(lambda p, v: reference_chain(case, p, v, m0, pred))(params, x64)
         return [np.asarray(v, np.float64) for v in [y, gx, *gp]]
 
 
@@ -579,14 +796,46 @@ def run_case(case: dict[str, Any]) -> str | None:
 
 
 def describe(case: dict[str, Any]) -> str:
-    return (f"seed {case['seed']} {case['mode']}/{case['search_mode']} {case['dataset']} input {case['input']}"
-            f"{' remat' if case['remat'] else ''}{' ms.shard' + str(case['shard_in']) if case.get('shard_in') else ''}: " +
-            " -> ".join(f"{s['kind']}{s['strategy'] or ''}{_form_note(s)}"
-                        f"{' out ' + str(s['out_strategy']) if s.get('out_strategy') else ''}" for s in case["steps"]))
+    train = case.get("train")
+    return (f"seed {case['seed']} {case['mode']}/{case['search_mode']} {case.get('devices', 8)} devices {case['dataset']} "
+            f"input {case['input']}{' remat' if case['remat'] else ''}"
+            f"{' ms.shard' + str(case['shard_in']) if case.get('shard_in') else ''}"
+            f"{' train ' + variant(case) if train else ''}: " +
+            " -> ".join(f"{_wrap_note(s)}{s['kind']}{s['strategy'] or ''}{_form_note(s, case)}"
+                        f"{' out ' + str(s['out_strategy']) if s.get('out_strategy') else ''}"
+                        f"{' dropout ' + str(s['dropout']) if s.get('dropout') else ''}" for s in case["steps"]))
 
 
-def _form_note(step: dict[str, Any]) -> str:
-    return "" if step.get("form", "tuple") == "tuple" else f"[{step['form']} {step['axes']}]"
+def variant(case: dict[str, Any]) -> str:
+    """A training case's variant: plain, or the accumulation / parallel optimizer / recompute it adds."""
+    t = case.get("train")
+    if not t:
+        return "none"
+    return "+".join(k for k in ("accum", "zero", "recompute") if t[k]) or "plain"
+
+
+def features(case: dict[str, Any]) -> list[str]:
+    """The case's generators beyond the primitives and the mode, as names (bench/fuzz.py counts outcomes by them)."""
+    out = [f"devices {case.get('devices', 8)}", f"train {variant(case)}"]
+    if case.get("train") and case["train"]["pure_dp"]:
+        out.append("train pure_dp")
+    if any(st.get("form") == "layout" for st in case["steps"]):
+        out.append(f"layout {region_mesh(case)}")
+    out += sorted({f"wrap {st['wrap'][0]}" for st in case["steps"] if st.get("wrap")})
+    if any(st.get("dropout") for st in case["steps"]):
+        out.append("dropout")
+    if any(max(st["out"] + st["shapes"][0]) >= 64 for st in case["steps"]):
+        out.append("dims >= 64")
+    return out
+
+
+def _wrap_note(step: dict[str, Any]) -> str:
+    w = step.get("wrap")
+    return "" if not w else f"scan{w[1]} " if w[0] == "scan" else "cond "
+
+
+def _form_note(step: dict[str, Any], case: dict[str, Any]) -> str:
+    return "" if step.get("form", "tuple") == "tuple" else f"[{step['form']} {region_mesh(case)} {step['axes']}]"
 
 
 def script(case: dict[str, Any], finding: str) -> str:

@@ -215,7 +215,10 @@ def _strided_slice(prim, x, begin, end, strides):
 
 def _one_hot_of(indices, depth: int, dtype):
     """[..., depth] with 1 where the last index equals the position (indices out of range: all 0)."""
-    return (indices[..., None] == jnp.arange(depth, dtype=indices.dtype)).astype(dtype)
+    # compared as float64 (exact for any index below 2**53): LLVM's x86 backend (jax 0.10.2, every optimisation level
+    # above 0) aborts compiling the float64 gradient of h * (1 + OneHot) when the compare is of int32 vectors
+    # ("Cannot select: X86ISD::SUBV_BROADCAST_LOAD", fuzz seed 62)
+    return (indices[..., None].astype(jnp.float64) == jnp.arange(depth, dtype=jnp.float64)).astype(dtype)
 
 
 def _gather(prim, params, indices, axis=0):

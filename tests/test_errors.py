@@ -52,6 +52,17 @@ def test_strategy_type_errors():
         run(ops.ReLU().shard(((2, 1), (2, 1))), jnp.ones((8, 8)))
 
 
+@pytest.mark.parametrize("make, op", [
+    (lambda: ops.Conv2D(4, 3, data_format="NHWC"), "Conv2D"), (lambda: ops.MaxPool(2, 2, data_format="NHWC"), "MaxPool"),
+    (lambda: ops.BatchNorm(data_format="NHWC"), "BatchNorm"), (lambda: ops.BiasAdd("NWC"), "BiasAdd"),
+])
+def test_a_data_format_the_op_does_not_compute_is_refused_when_it_is_made(make, op):
+    """mshard's convolution, pooling and batch norm compute NCHW: an "NHWC" they would silently read as NCHW is
+    refused, naming the op, the value and the fix."""
+    with pytest.raises(StrategyError, match=f"{op}: data_format='N[HW]*C'.*not supported.*transpose the input to NCHW"):
+        make()
+
+
 def test_unsplittable_and_broadcast_dims():
     ms.set_auto_parallel_context(**SEMI)
     with pytest.raises(StrategyError, match="Softmax cannot split dim 1"):

@@ -227,10 +227,12 @@ def compare(make: Callable[[], Any], tensors: Sequence[np.ndarray], attrs: Seque
 # What the references found: a known disagreement (a strict xfail: an AssertionError of the comparison, a value or a
 # shape off), or a case that was wrong until mshard was fixed
 FOUND = [
-    pytest.param(lambda: ops.BiasAdd(), [r(0, 2, 4, 3, 4), r(1, 4)], [], ((2, 1, 1, 1), (1,)), id="BiasAdd-nchw",
-                 marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-                     "mshard's BiasAdd adds the bias over the last dim (its docstring); MindSpore's BiasAdd adds it "
-                     "over the channel dim 1 (NCHW) for 3- to 5-D inputs: with W == C the values are silently wrong"))),
+    # mshard's BiasAdd added over the last dim; MindSpore's adds over channel dim 1 (NCHW): with W == C it was silently
+    # wrong. Now MindSpore's, and data_format="NHWC" adds over the last dim
+    pytest.param(lambda: ops.BiasAdd(), [r(0, 2, 4, 3, 4), r(1, 4)], [], ((2, 1, 1, 1), (1,)), id="BiasAdd-nchw"),
+    pytest.param(lambda: ops.BiasAdd(), [r(0, 2, 4, 3, 4), r(1, 4)], [], ((1, 4, 1, 1), (4,)), id="BiasAdd-nchw-c-split"),
+    pytest.param(lambda: ops.BiasAdd("NHWC"), [r(0, 2, 3, 4, 4), r(1, 4)], [], ((1, 1, 2, 4), (4,)), id="BiasAdd-nhwc"),
+    pytest.param(lambda: ops.BiasAdd(), [r(0, 2, 4, 2, 2, 2), r(1, 4)], [], ((2, 2, 1, 1, 1), (2,)), id="BiasAdd-ncdhw"),
     pytest.param(lambda: ops.Conv2D(4, 3, pad_mode="pad", pad=(1, 0, 2, 1)), [r(0, 2, 4, 6, 6),
                                                                             r(1, 4, 4, 3, 3, scale=0.2)], [],
                  ((2, 1, 1, 1), (1, 1, 1, 1)), id="Conv2D-pad-4-tuple"),      # MindSpore's (top, bottom, left, right)

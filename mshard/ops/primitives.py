@@ -51,7 +51,41 @@ Exp = _elementwise("Exp", jnp.exp, "exp.")
 Log = _elementwise("Log", jnp.log, "natural log.")
 Sqrt = _elementwise("Sqrt", jnp.sqrt, "square root.")
 Square = _elementwise("Square", jnp.square, "x * x.")
-BiasAdd = _elementwise("BiasAdd", jnp.add, "x + bias over the last dim (NC layout as MindSpore's 2-D case).")
+
+
+def _layout_format(op: str, data_format: str, allowed: tuple[str, ...] = ("NCHW",)) -> str:
+    """``data_format`` as MindSpore's op takes it, refused (not ignored) where mshard computes another layout."""
+    if data_format not in allowed:
+        raise StrategyError(f"{op}: data_format={data_format!r} is not supported; mshard's {op} takes "
+                            f"{' or '.join(map(repr, allowed))} (transpose the input to NCHW, or leave data_format out).")
+    return data_format
+
+
+class BiasAdd(Primitive):
+    """``BiasAdd(data_format="NCHW")``: x + bias, bias ``(C,)`` added along x's channel dim, as MindSpore's BiasAdd:
+    dim 1 for "NCHW" / "NCDHW" (for a 2-D ``[N, C]`` input that is the last dim), the last dim for "NHWC".
+    Strategy ((n, c, ...), (c,)): the bias splits as the channel dim.
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.BiasAdd()(jnp.zeros((1, 2, 3)), jnp.array([1.0, 2.0]))[0, :, 0].tolist()
+    [1.0, 2.0]
+    """
+
+    def __init__(self, data_format: str = "NCHW", name: str | None = None):
+        super().__init__(name)
+        self.data_format = _layout_format("BiasAdd", data_format, ("NCHW", "NHWC", "NCDHW"))
+
+    def _channel(self, rank: int) -> int:
+        return rank - 1 if self.data_format == "NHWC" else min(1, rank - 1)
+
+    def compute(self, x, bias):
+        c = self._channel(x.ndim)
+        return x + bias.reshape((1,) * c + (-1,) + (1,) * (x.ndim - c - 1))
+
+    def spec(self, shapes, attrs):
+        xs = tuple(LETTERS[:len(shapes[0])])
+        return (xs, (xs[self._channel(len(xs))],)), (xs,), _NONE
 
 
 class Cast(Primitive):
@@ -412,6 +446,7 @@ class Conv2D(Primitive):
     def __init__(self, out_channel: int, kernel_size, mode: int = 1, pad_mode: str = "valid", pad=0, stride=1,
                  dilation=1, group: int = 1, data_format: str = "NCHW", name: str | None = None):
         super().__init__(name)
+        _layout_format("Conv2D", data_format)
         self.out_channel, self.kernel_size = out_channel, _pair(kernel_size)
         self.pad_mode, self.pad, self.stride, self.dilation, self.group = pad_mode, pad, _pair(stride), _pair(dilation), group
         if pad_mode == "pad":
@@ -519,6 +554,7 @@ class _Pool(Primitive):
     def __init__(self, kernel_size=1, strides=1, pad_mode: str = "valid", data_format: str = "NCHW",
                  name: str | None = None):
         super().__init__(name)
+        _layout_format(type(self).__name__, data_format)
         self.kernel_size, self.strides, self.pad_mode = _pair(kernel_size), _pair(strides), pad_mode.upper()
 
     def compute(self, x):
@@ -549,6 +585,7 @@ class BatchNorm(Primitive):
     def __init__(self, is_training: bool = False, epsilon: float = 1e-5, momentum: float = 0.1,
                  data_format: str = "NCHW", name: str | None = None):
         super().__init__(name)
+        _layout_format("BatchNorm", data_format)
         self.is_training, self.epsilon = is_training, epsilon
 
     def compute(self, x, scale, bias, mean, variance):
