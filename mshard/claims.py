@@ -5,8 +5,8 @@ A *claim* is one tensor dim that the user split: a data input with a dataset_str
 object's strategy, a shard-wrapped function's in/out strategy). A claim reaches every op its dim flows
 into through the traced graph (:func:`mshard.trace.jaxpr_to_graph`): from op to op along each op's
 iteration space (the same loop dim on an operand and a result), in both directions, through embedding
-gathers, convs, reshapes, layer norms, remat and custom_vjp bodies (inlined), scans over layers (from a
-carry to the same-shaped results: :data:`OPAQUE`), and stops at an op with a
+gathers, convs, reshapes, layer norms, remat and custom_vjp bodies (inlined), scans over layers (along a
+carry: :data:`OPAQUE`), and stops at an op with a
 user strategy of its own (another mark with a strategy, a ``with_sharding_constraint``, a ``shard_map``
 boundary), which decides that tensor's layout itself.
 
@@ -40,8 +40,12 @@ from searchers import Graph
 ClaimKey = Hashable          # ("input", i) or a mark key (note uid, "in"/"out", index)
 ClaimDim = tuple[ClaimKey, int]
 
-# ops traced as one opaque op (mshard.rules: scan/while/cond bodies are not inlined): a claim passes from an
-# operand to every operand and result of the same shape, on the same dim (a scan's carry, a cond's branches)
+# ops traced as one opaque op (mshard.rules: scan/while/cond bodies are not inlined). A claim passes through a
+# scan along its carries (the rule's loop dims: carry k's input and result), not from its constants or scanned
+# inputs (what the body makes of them is the body's ops'); through a while or a cond from an operand to every
+# operand and result of the same shape, on the same dim. Claims never meet in an opaque op: its body's ops compute
+# (with their own strategies; the partitioner reshards a carry at the loop's boundary). Under jax.grad a strategy
+# on a loop-invariant operand of a scan body is hoisted out of the scan: it must not meet the carry's split there
 OPAQUE = frozenset({"scan", "while", "cond"})
 
 
@@ -74,6 +78,8 @@ class Meetings:
                     for y in claims:
                         if x[0] != y[0]:
                             self._joins[x].setdefault(y, graph.ops[oid].name)
+            if graph.ops[oid].kind in OPAQUE:          # no meeting in an opaque op (see OPAQUE)
+                continue
             for a, (la, ca) in enumerate(loops):
                 for lb, cb in loops[a + 1:]:
                     if la == lb:
@@ -107,8 +113,8 @@ class Meetings:
                     continue
                 op = g.ops[oid]
                 loop = dims[d]
-                if loop is None and op.kind in OPAQUE:
-                    loop = f"~{d}"           # an opaque loop: its same-shaped carries keep their dims
+                if loop is None and op.kind in OPAQUE and op.kind != "scan":
+                    loop = f"~{d}"           # a while's or cond's same-shaped carries and branches keep their dims
                     shape = g.tensors[tid].shape
                     nxt = [(t2, d) for t2 in [*op.inputs, *op.outputs] if g.tensors[t2].shape == shape]
                 elif loop is None:

@@ -56,12 +56,7 @@ CI_CASES = 72
 # seeds of the campaign (seeds 0-1599 under the suite's XLA flags) whose case is a finding, kept out of CI (none is
 # below CI_CASES today; the list keeps them out if it grows); each finding has its own strict xfail on a minimal
 # program below
-SCAN_MEETING = ("a scan whose body has a strategy, after a split of the same dim (or a Layout on the same axis) "
-                "outside: the forward is accepted, its gradient or training step refused with a LayoutError, the splits "
-                "said to meet in op 'jvp()/scan' (or 'const'): test_a_scan_with_a_strategy_inside_differentiates")
 KNOWN_FINDINGS = {
-    117: SCAN_MEETING, 220: SCAN_MEETING, 444: SCAN_MEETING, 635: SCAN_MEETING, 691: SCAN_MEETING, 936: SCAN_MEETING,
-    1349: SCAN_MEETING,
     744: "XLA's HLO verifier rejects the searched gradient: "
          "test_a_searched_strided_slice_of_a_split_softmax_axis_differentiates",
 }
@@ -190,10 +185,11 @@ def test_a_dropout_with_another_mask_is_a_finding(monkeypatch):
     assert outcome == "finding" and "differs from the float64 reference" in detail, (describe(case), detail)
 
 
-@pytest.mark.xfail(strict=True, raises=LayoutError, reason="fuzzer finding (seeds in KNOWN_FINDINGS): under jax.grad a "
-                   "scan's carry split as the body's strategy splits it is said to meet that split in op 'jvp()/scan'")
 def test_a_scan_with_a_strategy_inside_differentiates():
-    """The forward is accepted; its gradient must be too (and equal the exact values of these all-ones inputs)."""
+    """The forward is accepted; its gradient must be too (and equal the exact values of these all-ones inputs).
+    Fuzzer finding (seeds 117, 220, 444, 635, 691, 936, 1349): under jax.grad the Add's strategy on the loop-invariant
+    b is hoisted out of the scan body, and was said to meet the carry's split in op 'jvp()/scan' (mshard.claims.OPAQUE);
+    in other seeds claims passed from a scan's constants to every same-shaped tensor and met in an op after it."""
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
     mm, add = ops.MatMul().shard(((1, 1), (1, 4))), ops.Add().shard(((1, 4), (1, 4)))
 
