@@ -14,10 +14,11 @@ is marked: primitive objects and Cells run as plain JAX (PyNative style).
 
 from __future__ import annotations
 
+import enum
 import functools
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from . import context
 from .layout import TensorStrategy
 
 mark_p = Primitive("mshard_mark")
@@ -155,8 +157,7 @@ class module_scopes:
                 scope = trace.scope_of(path)
                 body = functools.partial(_orig, self_)
                 if not k:
-                    from .shard import module_strategies
-                    body = module_strategies(self_, body, path)
+                    body = _module_strategies[0](self_, body, path)
                 trace.scope_stack.append(path)
                 try:
                     if scope:
@@ -212,12 +213,21 @@ class replica_axes:
         _state.replica_axes = self.saved
 
 
+# wraps a module's call in the strategies Cell.shard / ms.shard(module, ...) recorded on it; installed by
+# mshard.shard (the front end, a layer above this one) when it is imported: the identity until then
+_module_strategies: list[Callable[[Any, Callable, str], Callable]] = [lambda module, body, path: body]
+
+
+def use_module_strategies(wrap: Callable[[Any, Callable, str], Callable]) -> None:
+    """Install ``wrap(module, body, path) -> body`` (:func:`mshard.shard.module_strategies`) for module calls."""
+    _module_strategies[0] = wrap
+
+
 # bumped by every .shard()/recompute(): a region's cache key includes it, so a changed strategy re-traces
 _epoch = [0]
 
 
 def bump_epoch() -> None:
-    from . import context
     _epoch[0] += 1
     context._touch()
 
@@ -229,7 +239,6 @@ def epoch() -> int:
 def traced(args: Any) -> bool:
     """Whether any array in ``args`` is a JAX tracer: the call is inside someone else's ``jax.jit``/``grad``
     (not an mshard region), where a sharded function or Cell runs as plain JAX instead of as its own region."""
-    import jax
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
 
 
@@ -239,9 +248,35 @@ def in_user_trace(args: Any) -> bool:
     return _state.region is None and not _state.plain and traced(args)
 
 
+class CallSite(enum.Enum):
+    """Where a call of a shard-wrapped function, a Cell or a primitive object runs: the one decision the three share
+    (:func:`call_site`); each then does its own thing for each site."""
+
+    REGION = "inside an mshard region being traced"            # mark the call's inputs and outputs
+    USER_TRACE = "traced by the user's own jax.jit / grad / vmap"   # constrain the object's region into that trace
+    PLAIN = "traced by mshard as plain JAX"                     # a data-parallel replica: run as plain JAX
+    EAGER = "eager: concrete arrays, no region"                 # the object's own region runs (PyNative)
+
+
+def call_site(args: Any) -> CallSite:
+    """Where a call with arguments ``args`` runs now.
+
+    >>> import jax.numpy as jnp
+    >>> call_site((jnp.ones(2),))
+    <CallSite.EAGER: 'eager: concrete arrays, no region'>
+    >>> jax.jit(lambda x: print(call_site((x,))) or x)(jnp.ones(2)).shape
+    CallSite.USER_TRACE
+    (2,)
+    """
+    if _state.region is not None:
+        return CallSite.REGION
+    if not traced(args):
+        return CallSite.EAGER
+    return CallSite.PLAIN if _state.plain else CallSite.USER_TRACE
+
+
 def annotate_call(fn, args: Sequence[Any], note: OpNote, n_out: int | None = None):
     """Run ``fn(*args)`` with every input and output marked by ``note`` (inside a region)."""
-    import jax
     marked = [mark(a, note, "in", i) if st is not None or note.in_dims is not None else a
               for i, (a, st) in enumerate(zip(args, note.in_strategy))]
     out = fn(*marked)

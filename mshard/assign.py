@@ -25,12 +25,16 @@ from typing import Any
 
 from jax.extend import core as jcore
 
+from searchers import DeviceMesh
+
 from .annotate import OpNote, mark_p
 from .claims import Meetings
+from .context import did_you_mean
 from .errors import DatasetStrategyError, LayoutError, ParameterPlanError, StrategyError, StrategyIgnoredWarning
 from .jaxpr_util import as_jaxpr as _as_jaxpr
 from .jaxpr_util import call_jaxpr, iter_marks, sub_jaxprs
 from .layout import DimAxes, RegionMesh, TensorStrategy, check_fits, choose_axes, to_tensor_strategy
+from .trace import jaxpr_to_graph
 
 
 def notes_in(jaxpr: jcore.Jaxpr) -> list[OpNote]:
@@ -418,7 +422,7 @@ class Assigner:
 
 
 def op_names(jaxpr: jcore.Jaxpr) -> dict[int, str]:
-    """DESIGN's op names for annotated ops: ``scope/Kind`` with ``_1``, ``_2`` for repeats, in program order."""
+    """The op names of docs/design.md §2 for annotated ops: ``scope/Kind`` with ``_1``, ``_2`` for repeats, in program order."""
     names: dict[int, str] = {}
     count: dict[str, int] = {}
     for eqn in iter_marks(jaxpr):
@@ -512,7 +516,7 @@ def resolve_param_name(path: str, params: dict, key: str) -> str:
 
 def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode: str, device_num: int,
                 dataset_strategy: Any, param_plans: Sequence[tuple[str, str, Any]] = ()) -> RegionLayouts:
-    """Layouts for a traced region under ``mode`` (see DESIGN §3)."""
+    """Layouts for a traced region under ``mode`` (see docs/design.md §3)."""
     jaxpr = closed.jaxpr
     notes = notes_in(jaxpr)
     names = op_names(jaxpr)
@@ -523,7 +527,6 @@ def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode:
             path = resolve_param_name(f"{cell}.{key}" if cell else key, params, key)
             if path not in params:
                 near = [p for p in params if p.endswith(key.split(".")[-1])][:5] or list(params)[:5]
-                from .context import did_you_mean
                 raise ParameterPlanError(f"parameter_plan{' of Cell ' + repr(cell) if cell else ''}: key {key!r} "
                                          f"matches no parameter.{did_you_mean(path, params)} Parameters include "
                                          f"{near}. Use a parameter path like 'dense1.weight'.")
@@ -590,9 +593,6 @@ def user_meetings(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], mesh: 
                   fixed: dict[int, TensorStrategy], names: dict[int, str]) -> tuple[Meetings, dict]:
     """Where the region's user splits meet, on its whole traced graph (:mod:`mshard.claims`), and a name for
     each claim (what the user wrote) for messages."""
-    from searchers import DeviceMesh
-
-    from .trace import jaxpr_to_graph
     jaxpr = closed.jaxpr
     tr = jaxpr_to_graph(closed, DeviceMesh(mesh.shape, mesh.names), [i.kind for i in inputs],
                         [i.name for i in inputs])

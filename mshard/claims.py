@@ -1,4 +1,4 @@
-"""Where user splits meet: the whole-graph relation that axis assignment keeps disjoint (DESIGN invariant 4).
+"""Where user splits meet: the whole-graph relation that axis assignment keeps disjoint (docs/design.md invariant 4).
 
 A *claim* is one tensor dim that the user split: a data input with a dataset_strategy tuple or a shard
 ``in_strategy``, a parameter with a ``parameter_plan``, or an operand/result of a mark (a primitive

@@ -38,6 +38,8 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+
 from .errors import ContextError
 
 __all__ = ["detect", "get_group_size", "get_local_rank", "get_rank", "init", "release"]
@@ -90,7 +92,7 @@ def _jax_clusters() -> list[str]:
     """The clusters JAX's own detection finds in this process's environment (Kubernetes JobSets, TPU pods, mpi4py,
     ...), by class name; [] when none (or when this JAX has no such registry)."""
     try:
-        from jax._src import clusters
+        from jax._src import clusters  # private: imported where used, so its absence means "not detected"
         return [c.__name__ for c in clusters.ClusterEnv._cluster_types if c.is_env_present()]
     except Exception:            # a private registry: its absence only means "not detected"
         return []
@@ -129,7 +131,7 @@ def _fail_fast_hooks(rank: int) -> None:
 
 def _collective_timeout(seconds: int) -> None:
     """Put the CPU collective timeout into XLA_FLAGS (read when JAX creates its CPU client)."""
-    import jax._src.xla_bridge as xb
+    import jax._src.xla_bridge as xb  # private: JAX 0.10 has no public way to ask whether the CPU client exists
     if getattr(xb, "_backends", None):
         return                               # too late for this process: the client exists
     flag = "--xla_cpu_collective_timeout_seconds"
@@ -148,7 +150,6 @@ def init(backend_name: str | None = None, *, heartbeat_timeout_seconds: int = 10
     Differences from MindSpore: a rank is a *process*, which may drive several devices
     (``jax.local_device_count()``); ``get_group_size()`` counts processes.
     """
-    import jax
     source, args = detect()
     if _STATE["source"] is not None:
         return _STATE["source"]
@@ -177,13 +178,11 @@ def init(backend_name: str | None = None, *, heartbeat_timeout_seconds: int = 10
 
 def get_rank() -> int:
     """This process's rank (``jax.process_index()``)."""
-    import jax
     return jax.process_index()
 
 
 def get_group_size() -> int:
     """The number of processes (``jax.process_count()``)."""
-    import jax
     return jax.process_count()
 
 
@@ -194,7 +193,6 @@ def get_local_rank() -> int:
 
 def release() -> None:
     """Leave the job (``jax.distributed.shutdown``) after a clean finish."""
-    import jax
     if _STATE["source"] not in (None, "single process"):
         jax.distributed.shutdown()
     _STATE.update(source=None, local_rank=0)

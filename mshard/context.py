@@ -59,7 +59,7 @@ def _default_comm_fusion() -> dict:
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """One immutable snapshot of every ``set_auto_parallel_context`` key (DESIGN §2)."""
+    """One immutable snapshot of every ``set_auto_parallel_context`` key (docs/design.md §2)."""
 
     parallel_mode: str = ParallelMode.STAND_ALONE
     device_num: int | None = None               # None: jax.device_count()
@@ -364,7 +364,7 @@ def _check_device_count(ctx: ParallelContext, n: int) -> None:
 
 
 def set_auto_parallel_context(**kwargs: Any) -> None:
-    """Set parallel keys (DESIGN §2); each is validated now, and nothing changes if one is bad.
+    """Set parallel keys (docs/design.md §2); each is validated now, and nothing changes if one is bad.
 
     >>> import mshard as ms
     >>> ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)

@@ -65,7 +65,7 @@ def _unflatten(arrays: list, how) -> Any:
 
 
 def _layouts(shapes: list[tuple[int, ...]], ctx) -> tuple[RegionMesh, list[DimAxes]]:
-    """The data layouts a region plans for inputs of these shapes (DESIGN §2, mshard.assign.data_layout)."""
+    """The data layouts a region plans for inputs of these shapes (docs/design.md §2, mshard.assign.data_layout)."""
     if ctx.parallel_mode == "stand_alone":
         return RegionMesh(("d0",), (1,)), [((),) * len(s) for s in shapes]
     n = ctx.devices

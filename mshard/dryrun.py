@@ -26,6 +26,7 @@ import sys
 import jax
 
 from .errors import ContextError
+from .hlo import CommReport
 
 __all__ = ["DryRunComplete", "active", "dry_run"]
 
@@ -65,7 +66,6 @@ def dry_run(quiet: bool = False):
 
 def stop_after(region, comp, args: tuple, flat: list) -> None:
     """Compile ``comp`` for abstract arguments laid out as planned, print the report, raise DryRunComplete."""
-    from .comm_report import CommReport
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) for x, sh in zip(flat, comp.in_shardings)]
     try:
         compiled = comp.jitted.lower(*abstract).compile()

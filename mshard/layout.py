@@ -9,7 +9,7 @@ A strategy for one tensor comes in four forms, all normalised here to a :class:`
 * a ``jax.sharding.PartitionSpec`` (axis names of the region mesh);
 * a ``jax.sharding.NamedSharding`` (its mesh becomes the region mesh).
 
-Mesh rule (DESIGN §2): one mesh per region. With a Layout or a NamedSharding the mesh is its
+Mesh rule (docs/design.md §2): one mesh per region. With a Layout or a NamedSharding the mesh is its
 device matrix; with plain split tuples the mesh has one axis per prime factor of device_num
 (8 devices -> axes ``d0, d1, d2`` of size 2) so any split count that divides device_num maps to
 a set of axes, and ``((2,1),(1,4))`` and ``((4,1),(1,2))`` coexist in one region.
@@ -294,3 +294,40 @@ def replica_layout(lay, bdim: int, axes: tuple[str, ...]):
     """
     rest = [tuple(a for a in d if a not in axes) for d in lay]
     return tuple(rest[:bdim]) + (tuple(axes),) + tuple(rest[bdim:])
+
+
+def check_strategy(where: str, kind: str, shapes: Sequence[tuple[int, ...]],
+                   in_dims: Sequence[tuple[str | None, ...]], fixed: frozenset[str],
+                   strategy: Sequence[TensorStrategy | None], device_num: int) -> None:
+    """The one legality of a primitive object's strategy, for what a user asks (``.shard``) and for what a plan
+    reports (:func:`mshard.planner.build_plan`): one split tuple per input that fits its shape, broadcast dims
+    and the dims the op cannot split whole, shared dims split alike, the op's splits dividing device_num."""
+    if len(strategy) != len(shapes):
+        raise StrategyError(f"{where}: strategy has {len(strategy)} entries but the op takes {len(shapes)} "
+                            f"tensor input(s); give one split tuple per input.")
+    counts: dict[str, tuple[int, int, int]] = {}
+    for i, (st, shape, dims) in enumerate(zip(strategy, shapes, in_dims)):
+        if st is None:
+            continue
+        check_fits(st, shape, device_num, f"{where} input {i}")
+        for d, (letter, c) in enumerate(zip(dims, st.counts)):
+            if c < 0:          # PartitionSpec: counts known once the mesh is
+                continue
+            if letter is None and c != 1:
+                raise StrategyError(f"{where} input {i}: dim {d} (size {shape[d]}) is broadcast, so its split "
+                                    f"must be 1, got {c} in {st.counts}.")
+            if letter in fixed and c != 1:
+                raise StrategyError(f"{where} input {i}: {kind} cannot split dim {d} (split {c} in "
+                                    f"{st.counts}); MindSpore's {kind} needs 1 there.")
+            if letter is not None:
+                if letter in counts and counts[letter][0] != c:
+                    c0, i0, d0 = counts[letter]
+                    raise StrategyError(f"{where}: inputs disagree on a shared dim: input {i0} dim {d0} is split "
+                                        f"{c0} but input {i} dim {d} is split {c} in {st.counts}; the shared "
+                                        f"dim needs the same split in both.")
+                counts.setdefault(letter, (c, i, d))
+    total = math.prod(c for c, _, _ in counts.values())
+    if all(st is None or st.mesh is None for st in strategy) and device_num % total:
+        raise StrategyError(f"{where}: strategy {tuple(s.counts if s else None for s in strategy)} uses "
+                            f"{total} devices in all, which {'exceeds' if total > device_num else 'does not divide'}"
+                            f" device_num={device_num}; the product of the op's splits must divide it.")

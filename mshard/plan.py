@@ -20,9 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jax.sharding import PartitionSpec
+from rich.console import Console, Group
+from rich.table import Table
 
 from .errors import PlanError
 from .layout import RegionMesh, spec_of
+from .plan_graph import plan_graph
 
 FORMAT = "mshard.strategy"
 VERSION = 1
@@ -86,7 +89,6 @@ class PlanSummary(str):
     _renderables: tuple = ()
 
     def __rich__(self):
-        from rich.console import Group
         return Group(*self._renderables)
 
     def _repr_html_(self) -> str:
@@ -158,7 +160,6 @@ class Plan:
         return list(rows.values())
 
     def table(self, max_rows: int = 60, group_by: str | None = None):
-        from rich.table import Table
         t = Table(title=f"mshard plan ({self.algorithm}) on mesh {dict(zip(self.mesh.names, self.mesh.shape))}")
         if group_by == "module":
             t.add_column("module", overflow="fold")
@@ -194,7 +195,6 @@ class Plan:
         >>> "mshard plan (user)" in Plan(ms.layout.RegionMesh.prime(8), (), {}, PlanCost(), "user").summary()
         True
         """
-        from rich.console import Console
         lines = [f"params: { {k: str(v) for k, v in list(self.param_specs.items())[:12]} }",
                  f"predicted: compute {self.cost.compute:.3e} s, communication "
                  f"{ {k: f'{v:,.0f}' for k, v in self.cost.communication.items()} } B/device, "
@@ -249,7 +249,6 @@ class Plan:
         ('tanh', True)
         >>> ms.reset_auto_parallel_context()
         """
-        from .plan_graph import plan_graph
         return plan_graph(self)
 
     def explain(self, pattern: str, alternatives: int = 3) -> str:

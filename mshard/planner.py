@@ -1,5 +1,5 @@
 """Plan a region: jaxpr -> searchers.Graph -> user strategies fixed -> searcher or default -> Plan + the layouts
-to emit. The one planning path (DESIGN's invariant 1) of every mode: semi_auto_parallel, auto_parallel, a loaded
+to emit. The one planning path (docs/design.md invariant 1) of every mode: semi_auto_parallel, auto_parallel, a loaded
 strategy file, and data_parallel / stand_alone (MindSpore's data-parallel plan, :func:`searchers.baselines.
 data_parallel`: the batch split over every device, or over one, flowing through every op; parameters whole).
 
@@ -37,6 +37,7 @@ from jax.extend import core as jcore
 
 from searchers import DeviceMesh, Graph
 from searchers.cost import (
+    Cost,
     CostParams,
     graph_cost,
     op_cost,
@@ -58,8 +59,8 @@ from searchers.strategies import enumerate_strategies
 from . import context as ctxmod
 from .annotate import OpNote, mark_p
 from .assign import InputInfo, RegionLayouts, exact_mark_key, mark_key, plan_region
-from .errors import PlanError
-from .layout import DimAxes, RegionMesh, dims_of, replica_layout, spec_of
+from .errors import ContextError, PlanError, StrategyError
+from .layout import DimAxes, RegionMesh, TensorStrategy, check_strategy, dims_of, replica_layout, spec_of
 from .plan import Plan, PlanCost, PlanOp, Redistribution, load_plan
 from .trace import REPLICA, TraceResult, jaxpr_to_graph
 
@@ -245,7 +246,6 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     algo = ctxmod.get_algo_parameters()
     bw = cm.axis_bandwidth
     if bw is not None and len(bw) != len(mesh.shape):
-        from .errors import ContextError
         raise ContextError(f"set_cost_model_context: axis_bandwidth has {len(bw)} entries but the region mesh "
                            f"{dict(zip(mesh.names, mesh.shape))} has {len(mesh.shape)} axes; give one per axis.")
     dmesh = DeviceMesh(mesh.shape, mesh.names, tuple(bw) if bw else ())
@@ -371,7 +371,6 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
 
 def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh: RegionMesh,
                inputs: Sequence[InputInfo], base: RegionLayouts, notes: list[str], algorithm: str) -> Plan:
-    from searchers.cost import Cost
     graph = trace.graph
     groups = _groups(trace)
     costs = {op.id: op_cost(op, strategies[op.id], graph, params) for op in graph.ops}
@@ -450,11 +449,8 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
 
 def _check_reported(trace: TraceResult, plan_ops, mesh: RegionMesh) -> None:
     """Invariant 3: every reported strategy passes the check a user's strategy passes
-    (:func:`mshard.ops.primitive.check_strategy`): a primitive object's over its own dims, any other op's over its
+    (:func:`mshard.layout.check_strategy`): a primitive object's over its own dims, any other op's over its
     iteration space. A failure is a planner bug, raised, never a silent report."""
-    from .errors import StrategyError
-    from .layout import TensorStrategy
-    from .ops.primitive import check_strategy
     graph = trace.graph
     entry_of = {i: p for p in plan_ops for i in p.op_ids}
     groups = _groups(trace)

@@ -26,8 +26,10 @@ from .assign import InputInfo, RegionLayouts
 from .errors import ContextError, DatasetStrategyError, RegionTypeError
 from .execute import emit
 from .fastcall import MISS, InputsChanged, fast_call, follow_plan, graph_structure, module_variables, same_structure
+from .flax_meta import annotated_plans
 from .guards import apply_guards
 from .layout import TensorStrategy, normalize_in_strategy, spec_of
+from .planner import search_region
 
 
 def _is_array(x: Any) -> bool:
@@ -216,8 +218,6 @@ class Region:
                         f"entry per data argument (modules not counted), or use 'data_parallel' / 'full_batch'.")
                 st = TensorStrategy(ctx.dataset_strategy[k])
             infos.append(InputInfo("data", tuple(x.shape), nm, st))
-        from .flax_meta import annotated_plans
-        from .planner import search_region
         # one planning path for every mode: data_parallel and stand_alone plan as the data-parallel default
         # flax's own annotations (nnx.with_partitioning) first: a parameter_plan entry for the same parameter wins
         honour = ctx.parallel_mode in ("semi_auto_parallel", "auto_parallel")
@@ -481,7 +481,7 @@ def _check_training_settings(name: str, ctx, written: list[str]) -> None:
 
 
 def search_algorithm(ctx) -> str | None:
-    """The searcher a region uses under ``ctx``, or None for the user-strategy path (DESIGN §3)."""
+    """The searcher a region uses under ``ctx``, or None for the user-strategy path (docs/design.md §3)."""
     if ctx.parallel_mode == "auto_parallel":
         return ctx.search_mode
     if ctx.parallel_mode == "semi_auto_parallel":

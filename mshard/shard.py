@@ -25,7 +25,7 @@ import jax
 from flax import nnx
 
 from . import annotate
-from .annotate import OpNote, annotate_call
+from .annotate import CallSite, OpNote, annotate_call
 from .errors import StrategyError
 from .fastcall import MISS
 from .layout import check_fits, normalize_in_strategy
@@ -71,14 +71,15 @@ class ShardedFunction:
         return OpNote("shard", self.name, self.in_strategy, self.out_strategy, tuple(shapes))
 
     def __call__(self, *args):
-        trace = annotate.current_region()
-        if trace is None:
-            if annotate.in_user_trace(args):       # inside the user's own jax.jit / grad / vmap
-                return call_in_user_trace(self, f"shard({self.name})", lambda: self.region()(*args),
-                                          lambda: self.fn(*args))
-            if annotate.traced(args):              # mshard's own plain tracing (a data-parallel replica)
-                return self.fn(*args)
+        site = annotate.call_site(args)
+        if site is CallSite.USER_TRACE:
+            return call_in_user_trace(self, f"shard({self.name})", lambda: self.region()(*args),
+                                      lambda: self.fn(*args))
+        if site is CallSite.PLAIN:
+            return self.fn(*args)
+        if site is CallSite.EAGER:
             return self.region()(*args)
+        trace = annotate.current_region()
         note = self._note(args, trace.device_num)
         trace.param_plans.extend((self.cell_path, k, v) for k, v in self.parameter_plan.items())
         out = annotate_call(self.fn, args, note)
@@ -136,12 +137,14 @@ class ShardedModule:
         out = self._bound.call_fast(args)
         if out is not MISS:
             return out
-        if annotate.in_user_trace(args) or annotate.in_user_trace(nnx.state(self.module)):
-            # inside the user's own jax.jit / grad / vmap
+        site = annotate.call_site(args)
+        if site is CallSite.EAGER and annotate.in_user_trace(nnx.state(self.module)):
+            site = CallSite.USER_TRACE            # the module's Variables are traced by the user's own jax.jit
+        if site is CallSite.USER_TRACE:
             return call_in_user_trace(self, f"shard({self.name})", lambda: self._region(self.module, *args),
                                       lambda: self.module(*args))
-        if annotate.traced(args) and annotate.current_region() is None:
-            return self.module(*args)             # mshard's own plain tracing
+        if site is CallSite.PLAIN:
+            return self.module(*args)
         return self._bound(*args)
 
     def region(self) -> Region:
@@ -166,6 +169,9 @@ def module_strategies(module: Any, body: Callable, path: str) -> Callable:
         return body
     in_s, out_s, plan = cfg
     return ShardedFunction(body, in_s, out_s, dict(plan), name=path or type(module).__name__, cell_path=path)
+
+
+annotate.use_module_strategies(module_strategies)
 
 
 def shard(fn: Callable | None = None, in_strategy: Any = None, out_strategy: Any = None,

@@ -18,7 +18,7 @@
   source ``<name>/out<j>`` (its ``out_specs``), so a search prices the redistribution around it
   and never asks for another layout of its results.
 
-Op names follow DESIGN's rule, ``scope/primitive`` where scope is the equation's name stack
+Op names follow docs/design.md §2, ``scope/primitive`` where scope is the equation's name stack
 (for an inlined equation the enclosing equation's name stack, then its own); a name already
 taken gets ``_1``, ``_2``, ... in program order. Literal sources are named
 ``<consumer op name>/literal<operand index>``.

@@ -22,6 +22,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import jax
+from jax.sharding import AxisType
+
+from . import context as ctxmod
 from .errors import MshardError, StrategyIgnoredWarning
 
 _warned: set[int] = set()      # ids of the sharded objects that warned (once each)
@@ -29,8 +33,6 @@ _warned: set[int] = set()      # ids of the sharded objects that warned (once ea
 
 def _manual_axes() -> tuple[str, ...]:
     """The manual mesh axes of the program being traced (a ``shard_map`` body), if any."""
-    import jax
-    from jax.sharding import AxisType
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return ()
@@ -41,7 +43,6 @@ def call_in_user_trace(owner: Any, where: str, region_call: Callable[[], Any], p
     """``region_call()`` (the object's region, constrained into the caller's trace) where the mode honours
     strategies and the layouts can be constrained; else ``plain_call()``, warning once per ``owner`` when
     strategies are dropped."""
-    from . import context as ctxmod
     if ctxmod.current().parallel_mode not in ("semi_auto_parallel", "auto_parallel"):
         return plain_call()
     manual = _manual_axes()

@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+from rich.console import Console
+from rich.table import Table
 
 from .errors import LayoutError, StrategyTypeError
 
@@ -58,7 +60,6 @@ class ShardingView:
             self.title += f"; spec {sharding.spec} on mesh {dict(zip(mesh.axis_names, mesh.devices.shape))}"
 
     def __rich__(self):
-        from rich.table import Table
         t = Table(title=self.title)
         for col in ("shard", "index ranges", "devices", "mesh coordinates"):
             t.add_column(col)
@@ -67,7 +68,6 @@ class ShardingView:
         return t
 
     def __str__(self) -> str:
-        from rich.console import Console
         console = Console(width=140, record=True, force_terminal=False, force_jupyter=False, color_system=None)
         with console.capture() as cap:
             console.print(self.__rich__())

@@ -1,4 +1,4 @@
-"""Simulate 8 CPU devices before JAX is imported (DESIGN §6) and reset mshard's global state per test."""
+"""Simulate 8 CPU devices before JAX is imported (docs/design.md §6) and reset mshard's global state per test."""
 
 import os
 

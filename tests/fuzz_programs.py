@@ -687,7 +687,7 @@ def compare(names, got, exact, tols) -> str | None:
 def check_case(case: dict[str, Any]) -> tuple[str, str]:
     """-> (outcome, detail). Outcomes: ``equal`` (a valid case equals the float64 reference), ``refused`` (an invalid strategy
     raised an mshard error), ``meeting`` (valid per op, but two user splits meet in one op and cannot take disjoint
-    axes of the region's mesh: the LayoutError of DESIGN invariant 4, raised by the forward pass already), ``finding``
+    axes of the region's mesh: the LayoutError of docs/design.md invariant 4, raised by the forward pass already), ``finding``
     (anything else: wrong values, a refused valid case, an accepted invalid one, a non-mshard exception). A training
     case (``case["train"]``) is checked by tests/fuzz_training.py."""
     if case.get("train"):

@@ -1,4 +1,4 @@
-"""DESIGN §4 errors touched by the foundation: raised early, as mshard.errors subclasses, naming op, value and fix."""
+"""docs/design.md §4 errors touched by the foundation: raised early, as mshard.errors subclasses, naming op, value and fix."""
 
 import jax.numpy as jnp
 import pytest

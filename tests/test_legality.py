@@ -1,4 +1,4 @@
-"""One legality (DESIGN invariant 5): the same rule decides what a searcher may choose for a primitive object and
+"""One legality (docs/design.md invariant 5): the same rule decides what a searcher may choose for a primitive object and
 what a user may ask of it, swept in both directions; and every strategy a plan reports is one the user could type
 back in (invariant 3)."""
 

@@ -49,7 +49,7 @@ def test_propagated_plans_match_one_device_forward_and_grad(name):
 
 def test_one_annotation_propagates_and_the_cheaper_obvious_plan_wins():
     """Annotating only the first MatMul, propagation alone gives the row-parallel second MatMul (one all-reduce,
-    tests/searchers/test_sharding_propagation.py); the search then ends with the obvious plans (DESIGN invariant 6)
+    tests/searchers/test_sharding_propagation.py); the search then ends with the obvious plans (docs/design.md invariant 6)
     and here MindSpore's per-op data-parallel default for the rest costs less: relu's output goes batch-split by
     one all-to-all. The compiled program agrees: it moves fewer bytes than the Megatron replay's all-reduce."""
     ms.set_auto_parallel_context(**PROP)

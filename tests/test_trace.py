@@ -2,7 +2,7 @@
 
 Every model is checked by :func:`check_trace`: every (non-inlined) equation became exactly one op
 of its primitive's kind, operand and result shapes fit the op's iteration space, every loop-dim
-split the mesh allows is legal on every tensor dim mapped to it, op names follow DESIGN's rule
+split the mesh allows is legal on every tensor dim mapped to it, op names follow docs/design.md §2
 (``scope/primitive``, repeats ``_1``, ``_2``, ... in program order), the Var map and
 ``Graph.outputs`` point at the right tensors. Warnings are errors (pyproject), so these models
 also prove that no primitive of theirs lacks a rule.

@@ -1,4 +1,4 @@
-"""User splits land as asked (DESIGN invariant 4): splits that meet in one op get disjoint mesh axes, decided on
+"""User splits land as asked (docs/design.md invariant 4): splits that meet in one op get disjoint mesh axes, decided on
 the whole traced graph, whatever lies between them; where none can, a LayoutError names both.
 
 The yardstick is the program an expert writes by hand: plain ``jax.jit`` with ``NamedSharding`` on a (2, 4)

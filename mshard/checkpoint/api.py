@@ -33,6 +33,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import CheckpointError, CheckpointTypeError
+from ..nn.cell import cell_region
+from ..nn.train import TrainOneStepCell
+from ..plan import load_plan
+from ..region import Region
 from . import store
 from .checksum import block_sums, grid_of, total
 from .leaves import Leaf, assign, leaves_of
@@ -64,17 +68,14 @@ def _spec_json(x: jax.Array) -> dict:
 
 def _plan_json(obj: nnx.Module) -> dict | None:
     """The strategy file of the region that last ran ``obj`` (a TrainOneStepCell's step, a sharded Cell)."""
-    from ..nn.cell import _cell_region
-    from ..nn.train import TrainOneStepCell
     region = obj._rt.region if isinstance(obj, TrainOneStepCell) else (
-        _cell_region(obj) if getattr(obj, "_mshard_shard", None) is not None else None)
+        cell_region(obj) if getattr(obj, "_mshard_shard", None) is not None else None)
     comps = list(getattr(region, "_cache", {}).values())
     plan = comps[-1].plan if comps else None
     return plan.to_json() if plan is not None else None
 
 
 def _default_step(obj: nnx.Module, directory: str) -> int:
-    from ..nn.train import TrainOneStepCell
     if isinstance(obj, TrainOneStepCell):
         return int(np.asarray(jax.device_get(obj.optimizer.step[...])))
     found = store.steps(directory)
@@ -221,13 +222,10 @@ def _verify(restored: dict[str, jax.Array], saved: dict, directory: str, step: i
 
 def _place(obj: nnx.Module, inputs: tuple) -> None:
     """Put ``obj``'s variables on the layouts its plan gives for ``inputs`` (plans, does not run)."""
-    from ..nn.cell import _cell_region
-    from ..nn.train import TrainOneStepCell
-    from ..region import Region
     if isinstance(obj, TrainOneStepCell):
         obj.place(*inputs)
     elif getattr(obj, "_mshard_shard", None) is not None:
-        _cell_region(obj).place(obj, *inputs)
+        cell_region(obj).place(obj, *inputs)
     else:
         Region(lambda m, *a: m(*a), name=type(obj).__name__).place(obj, *inputs)
 
@@ -359,7 +357,6 @@ def transform_checkpoints(src_checkpoints_dir: str | os.PathLike, dst_checkpoint
     Leaves the destination strategy does not name (optimizer state follows its parameter) are replicated.
     Differences from MindSpore: directories of this module's format, not per-rank ``.ckpt`` files.
     """
-    from ..plan import load_plan
     what = "transform_checkpoints"
     src = os.path.abspath(os.fspath(src_checkpoints_dir))
     step = store.resolve_step(src, step, what)

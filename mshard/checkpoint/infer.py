@@ -16,6 +16,8 @@ import jax
 from flax import nnx
 
 from ..errors import CheckpointTypeError
+from ..nn.cell import cell_region
+from ..region import Region
 
 
 def infer_predict_layout(net: nnx.Module, *inputs: Any) -> dict[str, jax.sharding.NamedSharding]:
@@ -26,10 +28,8 @@ def infer_predict_layout(net: nnx.Module, *inputs: Any) -> dict[str, jax.shardin
     as ``ms.jit(lambda m, *x: m(*x))``. Differences from MindSpore: the values are ``NamedSharding``s, not
     device-matrix/tensor-map lists.
     """
-    from ..nn.cell import _cell_region
-    from ..region import Region
     if not isinstance(net, nnx.Module):
         raise CheckpointTypeError(f"infer_predict_layout: net must be an nnx Module or Cell, got {type(net).__name__}.")
     if getattr(net, "_mshard_shard", None) is not None:
-        return _cell_region(net).param_shardings(net, *inputs)
+        return cell_region(net).param_shardings(net, *inputs)
     return Region(lambda m, *a: m(*a), name=type(net).__name__).param_shardings(net, *inputs)

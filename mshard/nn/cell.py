@@ -28,23 +28,29 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .. import annotate
-from ..errors import CellError, CellTypeError, ParameterPlanError, StrategyTypeError
+from ..annotate import CallSite
+from ..errors import CellError, CellTypeError, ParameterPlanError, PipelineError, StrategyTypeError
+from ..fusion import after
 from ..layout import normalize_in_strategy
+from ..region import Region
+from ..shard import module_strategies
+from ..traced import call_in_user_trace
 
 
 def _wrap_call(call: Callable) -> Callable:
     @functools.wraps(call)
     def __call__(self, *args, **kwargs):
         cfg = getattr(self, "_mshard_shard", None)
-        trace = annotate.current_region()
-        if trace is None:
-            if cfg is not None and not kwargs and not annotate.traced(args):
-                return _cell_region(self)(self, *args)
-            if cfg is not None and not kwargs and annotate.in_user_trace(args):
-                from ..traced import call_in_user_trace  # the user's own jax.jit / grad / vmap
-                return call_in_user_trace(self, f"Cell {type(self).__name__}", lambda: _cell_region(self)(self, *args),
+        site = annotate.call_site(args)
+        if site is not CallSite.REGION:
+            sharded = cfg is not None and not kwargs
+            if sharded and site is CallSite.EAGER:
+                return cell_region(self)(self, *args)
+            if sharded and site is CallSite.USER_TRACE:
+                return call_in_user_trace(self, f"Cell {type(self).__name__}", lambda: cell_region(self)(self, *args),
                                           lambda: _plain(self, call, args, kwargs))
             return _plain(self, call, args, kwargs)
+        trace = annotate.current_region()
         path = trace.module_paths.get(id(self), "")
         scope = trace.scope_of(path) if path else None
         body = functools.partial(call, self)
@@ -55,7 +61,6 @@ def _wrap_call(call: Callable) -> Callable:
             with jax.named_scope(scope) if scope else _null():
                 if cfg is None:
                     return body(*args, **kwargs)
-                from ..shard import module_strategies
                 return module_strategies(self, lambda *a: body(*a, **kwargs), path)(*args)
         finally:
             trace.scope_stack.pop()
@@ -129,7 +134,6 @@ def _ordered_checkpoint(fn: Callable, policy) -> Callable:
     values the policy saves) pass through :func:`mshard.fusion.after` with a cotangent element first, which
     keeps each recomputation after its layer's cotangent on every backend.
     """
-    from ..fusion import after
     ck = jax.checkpoint(fn, policy=policy)
     keep: list[bool] = []
 
@@ -168,8 +172,9 @@ _MS_RECOMPUTE_KWARGS = ("mp_comm_recompute", "parallel_optimizer_comm_recompute"
 _regions: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-def _cell_region(cell: Cell):
-    from ..region import Region
+def cell_region(cell: Cell) -> Region:
+    """The region a Cell with a shard configuration (``cell.shard(...)``) runs as when called outside one: made
+    once per configuration and kept while the Cell lives."""
     cfg = cell._mshard_shard
     key = cfg
     entry = _regions.get(cell)
@@ -238,7 +243,6 @@ class Cell(nnx.Module):
     @pipeline_stage.setter
     def pipeline_stage(self, stage: int) -> None:
         if not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
-            from ..errors import PipelineError
             raise PipelineError(f"{type(self).__name__}.pipeline_stage = {stage!r}: a stage is an int >= 0.")
         self._mshard_stage = stage
 
@@ -250,7 +254,6 @@ class Cell(nnx.Module):
     @pipeline_segment.setter
     def pipeline_segment(self, segment: int) -> None:
         if not isinstance(segment, int) or isinstance(segment, bool) or segment < 0:
-            from ..errors import PipelineError
             raise PipelineError(f"{type(self).__name__}.pipeline_segment = {segment!r}: a segment is an int >= 0.")
         self._mshard_segment = segment
 

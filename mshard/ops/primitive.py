@@ -12,7 +12,6 @@ own region, MindSpore's PyNative ``shard``, and its result keeps the planned lay
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -21,10 +20,13 @@ import jax
 from flax import nnx
 
 from .. import annotate
-from ..annotate import OpNote
+from .. import context as ctxmod
+from ..annotate import CallSite, OpNote
 from ..errors import StrategyError, StrategyIgnoredWarning
 from ..fastcall import MISS
-from ..layout import TensorStrategy, check_fits, normalize_in_strategy
+from ..layout import TensorStrategy, check_fits, check_strategy, normalize_in_strategy
+from ..region import Region
+from ..traced import call_in_user_trace
 from . import direct
 
 Dims = tuple[str | None, ...]
@@ -33,7 +35,6 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 def _eager_sharded() -> bool:
     """Whether eager calls of primitives with strategies run sharded (the modes that honour strategies)."""
-    from .. import context as ctxmod
     return ctxmod.current().parallel_mode in ("semi_auto_parallel", "auto_parallel")
 
 
@@ -92,21 +93,21 @@ class Primitive:
                 return out
         k = len(args) if self.n_tensors is None else self.n_tensors
         tensors, attrs = list(args[:k]), args[k:]
-        trace = annotate.current_region()
         fn = (lambda *t: self.compute(*t, *attrs))
-        if trace is None:
-            if self.in_strategy is not None and _eager_sharded() and not annotate.traced(tuple(tensors)):
+        site = annotate.call_site(tuple(tensors))
+        if site is not CallSite.REGION:
+            if self.in_strategy is not None and site is CallSite.EAGER and _eager_sharded():
                 if self._self_contained():
                     return self._eager(*args)          # PyNative: the op runs as its own sharded region
                 self._warn_unresolved()
-            elif self.in_strategy is not None and annotate.in_user_trace(tuple(tensors)):
+            elif self.in_strategy is not None and site is CallSite.USER_TRACE:
                 if self._self_contained():
-                    from ..traced import call_in_user_trace  # the user's own jax.jit / grad / vmap
                     return call_in_user_trace(self, self._where(), lambda: self._region()(*args),
                                               lambda: fn(*tensors))
                 if _eager_sharded():
                     self._warn_unresolved()
             return fn(*tensors)
+        trace = annotate.current_region()
         shapes = [tuple(jax.numpy.shape(t)) for t in tensors]
         in_dims, out_dims, fixed = self.spec(shapes, attrs)
         note = self._note(shapes, in_dims, out_dims, fixed, trace.device_num)
@@ -152,7 +153,6 @@ class Primitive:
 
     def _region(self):
         """The op alone as a region (its eager calls, and its calls traced by the user's own jax.jit)."""
-        from ..region import Region
         if self.__dict__.get("_eager_region") is None:
             self._eager_region = Region(lambda *a: self(*a), name=self.name or self.kind)
         return self._eager_region
@@ -183,42 +183,6 @@ class Primitive:
         """A windowed primitive's halo: (loop dim -> rows of its input beyond a device's block that it reads, the
         loop dims a search never splits together with a halo dim); none by default."""
         return {}, frozenset()
-
-
-def check_strategy(where: str, kind: str, shapes: Sequence[tuple[int, ...]], in_dims: Sequence[Dims],
-                   fixed: frozenset[str], strategy: Sequence[TensorStrategy | None], device_num: int) -> None:
-    """The one legality of a primitive object's strategy, for what a user asks (``.shard``) and for what a plan
-    reports (:func:`mshard.planner.build_plan`): one split tuple per input that fits its shape, broadcast dims
-    and the dims the op cannot split whole, shared dims split alike, the op's splits dividing device_num."""
-    if len(strategy) != len(shapes):
-        raise StrategyError(f"{where}: strategy has {len(strategy)} entries but the op takes {len(shapes)} "
-                            f"tensor input(s); give one split tuple per input.")
-    counts: dict[str, tuple[int, int, int]] = {}
-    for i, (st, shape, dims) in enumerate(zip(strategy, shapes, in_dims)):
-        if st is None:
-            continue
-        check_fits(st, shape, device_num, f"{where} input {i}")
-        for d, (letter, c) in enumerate(zip(dims, st.counts)):
-            if c < 0:          # PartitionSpec: counts known once the mesh is
-                continue
-            if letter is None and c != 1:
-                raise StrategyError(f"{where} input {i}: dim {d} (size {shape[d]}) is broadcast, so its split "
-                                    f"must be 1, got {c} in {st.counts}.")
-            if letter in fixed and c != 1:
-                raise StrategyError(f"{where} input {i}: {kind} cannot split dim {d} (split {c} in "
-                                    f"{st.counts}); MindSpore's {kind} needs 1 there.")
-            if letter is not None:
-                if letter in counts and counts[letter][0] != c:
-                    c0, i0, d0 = counts[letter]
-                    raise StrategyError(f"{where}: inputs disagree on a shared dim: input {i0} dim {d0} is split "
-                                        f"{c0} but input {i} dim {d} is split {c} in {st.counts}; the shared "
-                                        f"dim needs the same split in both.")
-                counts.setdefault(letter, (c, i, d))
-    total = math.prod(c for c, _, _ in counts.values())
-    if all(st is None or st.mesh is None for st in strategy) and device_num % total:
-        raise StrategyError(f"{where}: strategy {tuple(s.counts if s else None for s in strategy)} uses "
-                            f"{total} devices in all, which {'exceeds' if total > device_num else 'does not divide'}"
-                            f" device_num={device_num}; the product of the op's splits must divide it.")
 
 
 class _null:

@@ -1,4 +1,4 @@
-"""MindSpore's primitive objects (DESIGN §2), each with MindSpore's constructor arguments.
+"""MindSpore's primitive objects (docs/design.md §2), each with MindSpore's constructor arguments.
 
 >>> import jax.numpy as jnp
 >>> from mshard import ops

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .schedule import make_schedule
+from .stages import cell_of, eqn_flops
+
 _SCOPE = re.compile(r"mshard_pp_stage_\d+_c\d+/?")
 
 
@@ -56,7 +59,6 @@ class PipelineReport:
     def schedule_table(self):
         """The schedule this step runs (:class:`~mshard.pipeline.schedule.Schedule`: ``.timeline()``, and a
         picture in a notebook)."""
-        from .schedule import make_schedule
         return make_schedule(self.schedule, stages=self.stages, micro=self.micro_size, chunks=self.chunks)
 
     def _repr_html_(self) -> str:
@@ -127,7 +129,6 @@ def with_layouts(rep: PipelineReport, slot_of: list[list[int]], carry_specs, axi
 
 def build_report(prog, sched, stage_axes, ring_slots: int, cells: dict[str, int]) -> PipelineReport:
     """From a :class:`~mshard.pipeline.stages.StageProgram`, its schedule and the cell -> stage map."""
-    from .stages import _flops, cell_of
     names = list(cells)
     jaxpr = prog.closed.jaxpr
     op_stage = {}
@@ -147,7 +148,7 @@ def build_report(prog, sched, stage_axes, ring_slots: int, cells: dict[str, int]
             if st < 0 and j not in prog.needs[k]:
                 continue
             ops[k] += 1
-            flops[k] += _flops(eqn)
+            flops[k] += eqn_flops(eqn)
             reads[k].update(params[v] for v in eqn.invars if not hasattr(v, "val") and v in params)
     sizes = [int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in jaxpr.invars[:n_p]]
     info = tuple(StageInfo(k, tuple(c for c, s in cells.items() if s == k), ops[k], flops[k],

@@ -29,7 +29,10 @@ from jax.sharding import PartitionSpec as P
 
 from .. import annotate
 from .. import context as ctxmod
+from ..annotate import mark_p
+from ..assign import InputInfo, exact_mark_key, mark_key, plan_region
 from ..errors import PipelineError
+from .balance import balance
 
 _SCOPE = "mshard_pp_stage_"
 _RE = re.compile(_SCOPE + r"(\d+)_c(\d+)")
@@ -132,8 +135,6 @@ def _trace(net: nnx.Module, loss_of: Any, data_avals: Sequence[Any], by_path: di
 def _stage_marks(closed: jcore.ClosedJaxpr, n_state: int, data_avals: Sequence[Any], stage_mesh, dataset_strategy):
     """Plan the annotated ops of one micro-batch's forward on one stage's devices; -> {mark outvar: PartitionSpec
     over the real mesh's stage-local axes, "params": the parameters' and other state's specs}."""
-    from ..annotate import mark_p
-    from ..assign import InputInfo, exact_mark_key, mark_key, plan_region
     if stage_mesh is None:
         raise PipelineError("pipeline: operator strategies inside stages need the step's mesh")
     mesh, axes = stage_mesh
@@ -172,7 +173,6 @@ def _stage_marks(closed: jcore.ClosedJaxpr, n_state: int, data_avals: Sequence[A
 
 def _annotated(jaxpr) -> list[str]:
     """The ops with a user strategy (their marks) anywhere in ``jaxpr``."""
-    from ..annotate import mark_p
     out: list[str] = []
     for eqn in jaxpr.eqns:
         if eqn.primitive is mark_p:
@@ -200,7 +200,7 @@ def cell_of(eqn) -> int | None:
     return int(marks[-1][1]) if marks else None
 
 
-def _flops(eqn) -> float:
+def eqn_flops(eqn) -> float:
     """Forward cost of one equation: 2 * output * contraction for a dot_general, else its output size."""
     out = sum(_prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
     if eqn.primitive.name == "dot_general":
@@ -210,7 +210,7 @@ def _flops(eqn) -> float:
     inner = [v for v in eqn.params.values() if isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr))]
     if inner:
         j = inner[0].jaxpr if isinstance(inner[0], jcore.ClosedJaxpr) else inner[0]
-        return sum(_flops(e) for e in j.eqns) * float(eqn.params.get("length", 1))
+        return sum(eqn_flops(e) for e in j.eqns) * float(eqn.params.get("length", 1))
     return float(out)
 
 
@@ -241,7 +241,6 @@ def _callable(m: nnx.Module) -> bool:
 def auto_stages(net: nnx.Module, loss_of: Any, data_avals: Sequence[Any], stages: int) -> tuple[dict[str, int], list[float]]:
     """The stage helper: ``(cell path -> stage, forward FLOPs per stage)`` from :func:`balance` over the cells of
     :func:`_units` priced by their ops' forward FLOPs, in the order the forward calls them."""
-    from .balance import balance
     units = _units(net)
     if len(units) < stages:
         raise PipelineError(f"pipeline_stages={stages}: the network has {len(units)} cells to place ({units}); give "
@@ -252,7 +251,7 @@ def auto_stages(net: nnx.Module, loss_of: Any, data_avals: Sequence[Any], stages
     for j, eqn in enumerate(closed.jaxpr.eqns):
         u = _label(eqn)
         if u is not None:
-            cost[u] += _flops(eqn)
+            cost[u] += eqn_flops(eqn)
             first.setdefault(u, j)
     order = sorted(first, key=first.get)
     st = balance([cost[u] for u in order], stages)

@@ -230,7 +230,7 @@ def _obvious_plans(g):
 @pytest.mark.parametrize("shape", [(2, 2), (2, 2, 2)])
 @pytest.mark.parametrize("graph", ["mlp", "mlp_training", "block", "conv", "random", "random_b"])
 def test_no_search_returns_a_plan_worse_than_the_obvious_ones(name, fully, shape, graph):
-    """DESIGN invariant 6: on its own cost model a search's plan costs no more than the data-parallel plan and
+    """docs/design.md invariant 6: on its own cost model a search's plan costs no more than the data-parallel plan and
     the replicated one, wherever that plan is one the search may return (under fully_use_devices: every unfixed
     op a candidate)."""
     mesh = DeviceMesh(shape)
@@ -266,7 +266,7 @@ def test_no_search_returns_a_plan_worse_than_the_obvious_ones(name, fully, shape
 def test_ops_no_data_reaches_do_not_keep_the_data_parallel_plan_out_under_fully_use_devices(name):
     """x (data) @ exp(w) on a (2, 2, 2) mesh. The data-parallel plan splits x's rows over all 8 devices and
     computes exp(w), which no data reaches, whole: nothing moves. fully_use_devices makes the search split exp(w)
-    and gather it again; the data-parallel plan still bounds it (DESIGN invariant 6), so no bytes move."""
+    and gather it again; the data-parallel plan still bounds it (docs/design.md invariant 6), so no bytes move."""
     g = Graph(DeviceMesh((2, 2, 2)))
     x = g.source("x", (64, 32))
     w = g.source("w", (32, 16), kind="param")
