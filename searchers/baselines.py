@@ -1,4 +1,4 @@
-"""The obvious plans no search may lose to (DESIGN invariant 6; issue 14).
+"""The obvious plans no search may lose to (docs/design.md invariant 6; issue 14).
 
 Every searcher ends with :func:`no_worse_than_baselines`: it prices, on the searcher's own cost model, the plans a
 user gets without searching, and returns the cheapest of them instead of the search's plan where that is cheaper

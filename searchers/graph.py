@@ -74,7 +74,7 @@ class DeviceMesh:
 
     @staticmethod
     def prime(n: int) -> DeviceMesh:
-        """One axis per prime factor of ``n`` (DESIGN's mesh rule): 8 -> (2, 2, 2), 12 -> (2, 2, 3)."""
+        """One axis per prime factor of ``n`` (docs/design.md §2, mesh rule): 8 -> (2, 2, 2), 12 -> (2, 2, 3)."""
         return DeviceMesh(tuple(prime_factors(n)))
 
 
