@@ -130,19 +130,18 @@ class Region:
         if kwargs:
             raise RegionTypeError(f"ms.jit region {self.name!r}: pass arguments positionally (got keywords "
                             f"{sorted(kwargs)}); keyword arguments are not supported yet.")
-        self._mod_pos = mod_pos
-        return modules, flat_data, data_names, data_pos, treedef_args
+        return modules, mod_pos, flat_data, data_names, data_pos, treedef_args
 
-    def _param_name(self, gi: int, graphdefs, path: str) -> str:
+    @staticmethod
+    def _param_name(gi: int, path: str, mod_pos: list[int], holders: list[bool]) -> str:
         """Parameter path: plain for the first module argument (``dense1.weight``), ``argI.path`` for later
-        ones, ``argI`` for a lone nnx.Variable argument."""
-        pos = self._mod_pos[gi]
-        if path == "v" and self._holder[gi]:
+        ones, ``argI`` for a lone nnx.Variable argument (module ``gi`` is argument ``mod_pos[gi]``)."""
+        pos = mod_pos[gi]
+        if path == "v" and holders[gi]:
             return f"arg{pos}"
         return path if gi == 0 else f"arg{pos}.{path}"
 
     def _key(self, modules, flat_data, treedef_args):
-        self._holder = [isinstance(m, _VarHolder) for m in modules]
         graphdefs, states = [], []
         for m in modules:
             g, s = nnx.split(m)
@@ -158,14 +157,17 @@ class Region:
         return key, graphdefs, states
 
     # -- tracing and planning ---------------------------------------------------------------------
-    def _build(self, graphdefs, states, flat_data, data_names, data_pos, treedef_args) -> _Compiled:
+    def _build(self, graphdefs, states, flat_data, data_names, data_pos, treedef_args, mod_pos: list[int],
+               holders: list[bool]) -> _Compiled:
+        """Trace, plan and jit the region for one call's arguments (everything per call is an argument here, so a
+        region can be re-entered: called again while it traces or from another thread)."""
         ctx = ctxmod.current()
         state_leaves, state_trees, param_names = [], [], []
         for gi, s in enumerate(states):
             leaves, tree = jax.tree.flatten_with_path(s)
             state_trees.append(tree)
             for path, leaf in leaves:
-                param_names.append(self._param_name(gi, graphdefs, _path_str(path)))
+                param_names.append(self._param_name(gi, _path_str(path), mod_pos, holders))
                 state_leaves.append(leaf)
         n_state = len(state_leaves)
         counts = [len(jax.tree.leaves(s)) for s in states]
@@ -210,7 +212,7 @@ class Region:
             elif isinstance(ctx.dataset_strategy, tuple):
                 # MindSpore's dataset_strategy has one entry per dataset column: the region's data arguments,
                 # counted without the Cells and modules passed beside them
-                k = pos - sum(m < pos for m in self._mod_pos)
+                k = pos - sum(m < pos for m in mod_pos)
                 if k >= len(ctx.dataset_strategy):
                     raise DatasetStrategyError(
                         f"ms.jit region {self.name!r}: dataset_strategy {ctx.dataset_strategy} has "
@@ -268,11 +270,12 @@ class Region:
                          planned.plan, infos, param_plans)
 
     def _prepare(self, args, kwargs):
-        modules, flat_data, data_names, data_pos, treedef_args = self._split_args(args, kwargs)
+        modules, mod_pos, flat_data, data_names, data_pos, treedef_args = self._split_args(args, kwargs)
         key, graphdefs, states = self._key(modules, flat_data, treedef_args)
         comp = self._cache.get(key)
         if comp is None:
-            comp = self._build(graphdefs, states, flat_data, data_names, data_pos, treedef_args)
+            comp = self._build(graphdefs, states, flat_data, data_names, data_pos, treedef_args, mod_pos,
+                               [isinstance(m, _VarHolder) for m in modules])
             self._cache[key] = comp
         return comp, modules, states, flat_data
 

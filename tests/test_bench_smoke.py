@@ -28,6 +28,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "launch": ("first_step_s", "faults", "dry_run"),
     "mutate": ("rev", "results", "caught", "total"),
     "pipeline": ("bubble", "memory", "time"),
+    "plans_snapshot": ("models", "plans"),
     "plans_vs_baselines": ("rows", "summary"),
     "plans_vs_expert": ("model", "plan", "bytes", "ratio", "max_err_vs_one_device"),            # rows
     "predicted_vs_hlo": ("mode", "model", "step", "predicted_moved", "hlo_moved", "within_10pct"),  # rows

@@ -66,3 +66,22 @@ def test_bound_region_under_a_trace_goes_through_the_region():
     g = jax.grad(lambda x: jnp.sum(bound(x)))(x)
     # d sum(x W + b) / dx = row sums of W for every row; float32 sums of 8 terms
     np.testing.assert_allclose(np.asarray(g), np.tile(np.asarray(m.kernel[...]).sum(1), (8, 1)), rtol=1e-6)
+
+
+def test_a_region_can_be_re_entered_while_it_traces():
+    """Per-call data (which arguments are modules) is passed along, not kept on the Region (issue 38): a region that
+    calls itself while it traces, with its module at another position, plans both calls right. With the positions
+    kept on the Region, the inner call overwrote the outer call's, and the outer call counted its data argument as
+    argument 1 of a 1-entry dataset_strategy (DatasetStrategyError)."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, dataset_strategy=((8, 1),))
+    lin = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+
+    @ms.jit
+    def f(a, b):
+        if isinstance(a, nnx.Module):
+            return a(b) + f(b, a)        # the same region, re-entered with the module second
+        return b(a) * 2
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 4)), jnp.float32)
+    # float32: each product is a 4-term dot in any order, a few ulps of O(1) values; 3y vs y + 2y adds one rounding
+    np.testing.assert_allclose(np.asarray(f(lin, x)), 3 * np.asarray(lin(x)), rtol=1e-6, atol=1e-6)
