@@ -75,6 +75,8 @@ class RegionLayouts:
     # an out mark whose op must first compute in another layout (a guard's safe layout): the op's result is
     # constrained to this one, then to the mark's
     staged: dict[tuple[int, str, int], DimAxes] = field(default_factory=dict)
+    # storage layouts that share mesh axes with a split they meet: redistributed before the op, said in the plan
+    notes: list[str] = field(default_factory=list)
 
 
 # -- mesh ------------------------------------------------------------------------------------------
@@ -118,12 +120,19 @@ class Assigner:
     """Walks a jaxpr in program order and fixes the axes of every annotated split.
 
     With ``meetings`` (:class:`mshard.claims.Meetings`, built on the whole traced graph) a user split never
-    takes a mesh axis of another user split it meets in some op, whatever lies between them; where no free
-    axes are left it raises ``LayoutError`` naming both.
+    takes a mesh axis of another user split it meets in some op, whatever lies between them, where it can.
+    Where no free axes are left for two op strategies it raises ``LayoutError`` naming both; where one of the two is
+    a storage layout (``storage``) it shares the axes, and :attr:`notes` says so for the plan.
     """
 
-    def __init__(self, mesh: RegionMesh, meetings: Meetings | None = None, claim_names: dict | None = None):
+    def __init__(self, mesh: RegionMesh, meetings: Meetings | None = None, claim_names: dict | None = None,
+                 storage: set | frozenset = frozenset()):
         self.mesh = mesh
+        # claim keys that are storage layouts (a parameter_plan, a data input's strategy, a Cell's or shard-wrapped
+        # function's in/out strategy), not an op's compute strategy (docs/design.md invariant 4): one that cannot
+        # take axes apart from a split it meets shares them, and the tensor is redistributed before the op
+        self.storage = set(storage)
+        self.notes: list[str] = []
         self.known: dict[Any, DimAxes] = {}             # jaxpr var -> layout
         self.pending: dict[Any, tuple[TensorStrategy, str, Any]] = {}   # var -> counts-only strategy, name, claim
         self.marks: dict[tuple[int, str, int], DimAxes | None] = {}
@@ -150,7 +159,12 @@ class Assigner:
             return
         for other, (ax, op) in self._met(claims).items():
             shared = set(ax) & set(axes)
-            if shared:
+            if shared and (claims[0][0] in self.storage or other[0] in self.storage):
+                self.notes.append(
+                    f"{self._who(claims[0])} (over mesh axes {axes}) and {self._who(other)} (over {ax}) meet in op "
+                    f"{op!r} on the shared axes {sorted(shared)}: a storage layout, so the tensor is stored as asked "
+                    f"and redistributed where the op computes")
+            elif shared:
                 mine = claims[0]
                 sizes = dict(zip(self.mesh.names, self.mesh.shape))
                 err = LayoutError(
@@ -549,8 +563,10 @@ def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode:
         mesh = RegionMesh.prime(device_num)
     meetings, claim_names = None, {}
     if mode in ("semi_auto_parallel", "auto_parallel"):
-        meetings, claim_names = user_meetings(closed, inputs, mesh, fixed, names)
-    assigner = Assigner(mesh, meetings, claim_names)
+        meetings, claim_names, storage = user_meetings(closed, inputs, mesh, fixed, names)
+    else:
+        storage = set()
+    assigner = Assigner(mesh, meetings, claim_names, storage)
     if meetings is not None:
         assigner.seed_explicit(notes_in(jaxpr))
     in_layouts: list[DimAxes | None] = [None] * len(inputs)
@@ -582,7 +598,8 @@ def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode:
         elif in_layouts[i] is None:
             in_layouts[i] = assigner.layout_of(jaxpr.invars[i])
     user = {i for i, info in enumerate(inputs) if info.kind == "data" or i in fixed}
-    return RegionLayouts(mesh, in_layouts, assigner.marks, names, honour_marks=honour, user_inputs=user)
+    return RegionLayouts(mesh, in_layouts, assigner.marks, names, honour_marks=honour, user_inputs=user,
+                         notes=assigner.notes)
 
 
 def _split_dims(st: TensorStrategy | None) -> list[int]:
@@ -590,9 +607,9 @@ def _split_dims(st: TensorStrategy | None) -> list[int]:
 
 
 def user_meetings(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], mesh: RegionMesh,
-                  fixed: dict[int, TensorStrategy], names: dict[int, str]) -> tuple[Meetings, dict]:
-    """Where the region's user splits meet, on its whole traced graph (:mod:`mshard.claims`), and a name for
-    each claim (what the user wrote) for messages."""
+                  fixed: dict[int, TensorStrategy], names: dict[int, str]) -> tuple[Meetings, dict, set]:
+    """Where the region's user splits meet, on its whole traced graph (:mod:`mshard.claims`), a name for each claim
+    (what the user wrote) for messages, and the claims that are storage layouts (:class:`Assigner`)."""
     jaxpr = closed.jaxpr
     tr = jaxpr_to_graph(closed, DeviceMesh(mesh.shape, mesh.names), [i.kind for i in inputs],
                         [i.name for i in inputs])
@@ -607,6 +624,7 @@ def user_meetings(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], mesh: 
                                  else f"data input {info.name}")
     del jaxpr
     stops = {op.id for op in g.ops if op.fixed is not None}
+    shard_marks = set()              # a shard-wrapped function's or Cell's in/out strategies: storage layouts
     for te in tr.eqns:
         e = te.eqn
         if e.primitive is not mark_p:
@@ -640,4 +658,7 @@ def user_meetings(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], mesh: 
             (g.ops[te.op].outputs[0], {d: d + (bdim is not None and d >= bdim) for d in split}))
         side = "input" if key[1] == "in" else "output"
         who[key] = f"{names.get(note.uid, note.kind)} {side} {idx}"
-    return Meetings(g, sources, stops), who
+        if note.in_dims is None:
+            shard_marks.add(key)
+    storage = {k for k in who if k[0] == "input"} | shard_marks
+    return Meetings(g, sources, stops), who, storage

@@ -275,7 +275,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
                 op = graph.ops[te.op]
                 op.fixed = _strategy_from_layout(op, _batched(lay, te.eqn, len(op.out_dims[0])), mesh)
     load = ctx.strategy_ckpt_config.get("load_file")
-    notes: list[str] = []
+    notes: list[str] = list(base.notes)
     if load:
         loaded = load_plan(load)
         if loaded.mesh != mesh:

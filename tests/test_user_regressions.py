@@ -41,8 +41,6 @@ class _OneDense(nn.Cell):
         return self.dense1(x)
 
 
-@pytest.mark.xfail(strict=True, raises=LayoutError, reason="issue 39: a parameter_plan is a storage layout, not the "
-                                                           "consumer's compute strategy; MindSpore redistributes")
 def test_regression_2_a_cell_parameter_plan_is_a_storage_layout():
     """Issue 39: net.shard(in_strategy=((8, 1),), parameter_plan={'dense1.weight': (1, 8)}) on a one-Dense Cell
     raises LayoutError ('... meet in op dense1/mshard_mark and need disjoint mesh axes'). It ran before."""
