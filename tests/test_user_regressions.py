@@ -1,9 +1,9 @@
 """The five behaviours users relied on that regressed with every test green (issue 37; reproductions from issue 36,
-39 and 40). Each has a test here. Two are fixed (the MatMul strategy, recompute); the other three wait for issues
-39 and 40 and are strict xfails that expect the regression's own signal (``raises=``): a LayoutError of the
-refused parameter_plan, or :class:`StillRegressed` raised by the check of exactly what regressed. Anything else (an
-import error, a crash, another assert) fails the test, and a fix turns the xfail into a failure that says to drop
-the mark."""
+39 and 40). Each has a test here. Three are fixed (the MatMul strategy, recompute, the Cell parameter_plan as a
+storage layout); the other two wait for issue 40 and are strict xfails that expect the regression's own signal
+(``raises=``): :class:`StillRegressed`, raised by the check of exactly what regressed. Anything else (an import
+error, a crash, another assert) fails the test, and a fix turns the xfail into a failure that says to drop the
+mark."""
 
 import jax
 import jax.numpy as jnp
