@@ -81,6 +81,8 @@ class BiasAdd(Primitive):
 
     def compute(self, x, bias):
         c = self._channel(x.ndim)
+        if c == x.ndim - 1:              # the channel is the last dim ([N, C], NHWC): a plain broadcast
+            return x + bias
         return x + bias.reshape((1,) * c + (-1,) + (1,) * (x.ndim - c - 1))
 
     def spec(self, shapes, attrs):
