@@ -45,3 +45,20 @@ def test_fsdp_by_parameter_plan_trains_as_one_device_and_stores_an_eighth(tx):
     notes = [n for n in step.plan(*data[0]).notes if "storage layout" in n]
     assert any("parameter_plan['network.backbone.fc1.weight']" in n for n in notes), notes
 
+
+
+def test_accumulation_over_a_megatron_parameter_plan_trains_as_one_step_on_the_whole_batch():
+    """Issue 39: GradAccumulationCell over a Megatron parameter_plan raised LayoutError ('... meet in op scan'): the
+    differentiated scan of the micro-batches carried claims from its constants to every same-shaped tensor
+    (mshard.claims.OPAQUE). Plain SGD: an accumulated gradient summed instead of averaged would move 2x as far."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True)
+    data = batches(STEPS, [(32, 16), (32, 8)], seed=5)
+    net = MLP(nnx.Rngs(0))
+    ref, _, ref_losses = reference_train(net, optax.sgd(1e-1), data, mse)
+    net.shard(in_strategy=((2, 1),), parameter_plan={"fc1.weight": (4, 1), "fc2.weight": (1, 4)})
+    step = nn.TrainOneStepCell(nn.GradAccumulationCell(nn.WithLossCell(net, mse), 2), optax.sgd(1e-1))
+    losses = [float(step(*b)) for b in data]
+    # float32, PARAM_RTOL's reasoning (tests/train_helpers.py); the loss is the mean of the two micro-batch means
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+    assert split_counts(net.fc1.weight[...]) == (4, 1) and split_counts(net.fc2.weight[...]) == (1, 4)
