@@ -48,6 +48,9 @@ class ParallelMode:
     MODE_LIST = (STAND_ALONE, DATA_PARALLEL, SEMI_AUTO_PARALLEL, AUTO_PARALLEL, HYBRID_PARALLEL)
 
 
+# MindSpore's optimizer parallel levels: level1 shards the optimizer state and the update, level2 the gradients too
+# (mshard's level1 already reduce-scatters them: the same program), level3 the stored weights too (FSDP)
+OPTIMIZER_LEVELS = ("level1", "level2", "level3")
 SEARCH_MODES = ("recursive_programming", "sharding_propagation", "dynamic_programming", "ilp")
 FUSION_KINDS = ("allreduce", "allgather", "reducescatter")
 FUSION_MODES = ("auto", "size", "index")
@@ -71,7 +74,7 @@ class ParallelContext:
                                                            "pipeline_scheduler": "1f1b"})
     enable_parallel_optimizer: bool = False
     parallel_optimizer_config: dict = field(default_factory=lambda: {
-        "optimizer_weight_shard_size": -1, "parallel_optimizer_threshold": 64})
+        "optimizer_weight_shard_size": -1, "parallel_optimizer_threshold": 64, "optimizer_level": "level1"})
     comm_fusion: dict = field(default_factory=_default_comm_fusion)
     all_reduce_fusion_config: tuple[int, ...] | None = None
     strategy_ckpt_config: dict = field(default_factory=lambda: {
@@ -221,6 +224,11 @@ def _v_pconfig(v, ctx):
 def _v_popt(v, ctx):
     out, items = _config_items("parallel_optimizer_config", v, ParallelContext().parallel_optimizer_config)
     for k, x in items:
+        if k == "optimizer_level":
+            _type(f"parallel_optimizer_config[{k!r}]", x, (str,), "'level1', 'level2' or 'level3'")
+            _one_of(f"parallel_optimizer_config[{k!r}]", x, OPTIMIZER_LEVELS)
+            out[k] = x
+            continue
         _type(f"parallel_optimizer_config[{k!r}]", x, (int,), "an int")
         if k == "optimizer_weight_shard_size" and x != -1 and x < 1:
             raise ContextError(f"set_auto_parallel_context: optimizer_weight_shard_size={x}; use -1 (the "

@@ -29,7 +29,7 @@ def test_defaults_and_set_get_reset():
     assert ms.get_auto_parallel_context("device_num") == 4
     assert ms.get_auto_parallel_context("dataset_strategy") == ((2, 1), (4,))
     assert ms.get_auto_parallel_context("parallel_optimizer_config") == {
-        "optimizer_weight_shard_size": -1, "parallel_optimizer_threshold": 32}
+        "optimizer_weight_shard_size": -1, "parallel_optimizer_threshold": 32, "optimizer_level": "level1"}
     assert ms.get_auto_parallel_context("all_reduce_fusion_config") == [20, 35]
     assert ms.get_auto_parallel_context("strategy_ckpt_config")["save_file"] == "/tmp/s.json"
     # returned values are copies
@@ -59,6 +59,8 @@ def test_defaults_and_set_get_reset():
     ({"all_reduce_fusion_config": [35, 20]}, ContextError, ["strictly increasing"]),
     ({"parallel_optimizer_config": {"weight_shard": 2}}, ContextError, ["'weight_shard'"]),
     ({"parallel_optimizer_config": {"optimizer_weight_shard_size": 3}}, ContextError, ["does not divide"]),
+    ({"parallel_optimizer_config": {"optimizer_level": "level4"}}, ContextError, ["optimizer_level", "'level4'"]),
+    ({"parallel_optimizer_config": {"optimizer_level": 3}}, ContextTypeError, ["'level1', 'level2' or 'level3'"]),
     ({"strategy_ckpt_config": {"save": "x"}}, ContextError, ["'save'"]),
 ])
 def test_bad_values_raise_early_and_change_nothing(kwargs, err, words):

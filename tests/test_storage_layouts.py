@@ -62,3 +62,63 @@ def test_accumulation_over_a_megatron_parameter_plan_trains_as_one_step_on_the_w
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params_close(net, ref)
     assert split_counts(net.fc1.weight[...]) == (4, 1) and split_counts(net.fc2.weight[...]) == (1, 4)
+
+
+# the MLP's parameters: fc1 64x16 + 64, fc2 64x64 + 64, fc3 8x64 + 8 float32 values
+PARAM_BYTES = 4 * (64 * 16 + 64 + 64 * 64 + 64 + 8 * 64 + 8)
+
+
+def _zero_step(mode: str, level: str, tx):
+    ms.reset_auto_parallel_context()
+    ms.set_auto_parallel_context(parallel_mode=mode, device_num=8, gradients_mean=True, enable_parallel_optimizer=True,
+                                 parallel_optimizer_config={"parallel_optimizer_threshold": 0, "optimizer_level": level})
+    net = MLP(nnx.Rngs(0))
+    return net, nn.TrainOneStepCell(nn.WithLossCell(net, mse), tx)
+
+
+@pytest.mark.parametrize("mode", ["data_parallel", "semi_auto_parallel"])
+@pytest.mark.parametrize("tx", [optax.sgd(1e-1), optax.adam(1e-2)], ids=["sgd", "adam"])
+def test_optimizer_level3_stores_the_weights_sharded_and_trains_as_one_device(mode, tx):
+    """MindSpore's optimizer_level "level3" (FSDP): the weights are stored sharded over the data-parallel devices as
+    their optimizer state is (every dim 0 here divides by 8), gathered where they compute."""
+    data = batches(STEPS, [(32, 16), (32, 8)], seed=6)
+    net, step = _zero_step(mode, "level3", tx)
+    ref, ref_opt, ref_losses = reference_train(net, tx, data, mse)
+    losses = [float(step(*b)) for b in data]
+    # float32, PARAM_RTOL's reasoning (tests/train_helpers.py); plain SGD shows a gradient's scale
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+    assert_trees_close(step.opt_state, ref_opt)
+    for leaf in jax.tree.leaves(nnx.state(net, nnx.Param)) + [x for x in jax.tree.leaves(step.opt_state) if x.ndim]:
+        assert split_counts(leaf)[0] == 8, leaf.shape
+
+
+def test_optimizer_level3_holds_an_eighth_of_the_weights_and_gathers_each_once_per_step():
+    """Data parallel, plain SGD (no optimizer state): level1 holds every weight whole on every device, level3 an
+    eighth of each, so the step's arguments shrink by exactly 7/8 of the parameters' bytes (memory_analysis). The
+    level3 step gathers every weight whole once (the backward reuses the forward's gather) and reduce-scatters its
+    gradient: all-gathers of the parameters' bytes, one reduce-scatter of an eighth of them (per device, from the
+    compiled HLO)."""
+    (x, y), = batches(1, [(32, 16), (32, 8)], seed=7)
+    args = {}
+    for level in ("level1", "level3"):
+        _, step = _zero_step("data_parallel", level, optax.sgd(1e-1))
+        args[level] = step.lower(x, y).compile().memory_analysis().argument_size_in_bytes
+        if level == "level3":
+            report = ms.comm_report(step, x, y)
+    assert args["level1"] - args["level3"] == PARAM_BYTES * 7 // 8, args
+    assert report.bytes("all-gather") == PARAM_BYTES
+    assert report.count("reduce-scatter") == 1 and report.bytes("reduce-scatter") == PARAM_BYTES // 8
+
+
+def test_optimizer_level2_is_level1s_program():
+    """mshard's level1 already reduce-scatters the gradients of the parameters it shards (MindSpore's level2 adds
+    exactly that): "level2" is accepted and compiles to level1's program."""
+    (x, y), = batches(1, [(32, 16), (32, 8)], seed=8)
+    text, comm = {}, {}
+    for level in ("level1", "level2"):
+        _, step = _zero_step("data_parallel", level, optax.adam(1e-2))
+        text[level] = step.lower(x, y).as_text()         # the program mshard emits (no source locations)
+        comm[level] = ms.comm_report(step, x, y).as_dict()
+    assert text["level1"] == text["level2"]
+    assert comm["level1"] == comm["level2"] and comm["level2"]["by_kind"]["reduce-scatter"]["count"] == 1, comm

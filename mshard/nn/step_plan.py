@@ -24,6 +24,8 @@ class _StepPlan:
     pure_dp: bool
     strategy_layouts: dict[str, DimAxes] = field(default_factory=dict)    # as the user's strategies lay them out
     zero: dict[str, DimAxes] = field(default_factory=dict)      # ZeRO layouts of sharded parameters
+    # optimizer_level "level3": the ZeRO parameters are also stored in their ZeRO layout (FSDP), not gathered back
+    store_sharded: bool = False
     replicas: tuple[str, ...] = ()      # set when a model-parallel step computes per-replica gradients (fusion)
     info: dict[str, dict] = field(default_factory=dict)
     pipeline: Any = None                # a PipelineCell's mshard.nn.pipeline.PipelinePlan
@@ -42,7 +44,7 @@ class _StepPlan:
                                           pp.stage_axes, pp.parts, tuple(map(str, pp.specs or ())))
         return (f"_StepPlan(mesh={self.mesh!r}, dp_axes={self.dp_axes}, pure_dp={self.pure_dp}, "
                 f"param_layouts={sorted(self.param_layouts.items())}, zero={sorted(self.zero.items())}, "
-                f"pipeline={stages})")
+                f"store_sharded={self.store_sharded}, pipeline={stages})")
 
 
 def _plan_step(probe: Region, data: tuple, net: nnx.Module, ctx) -> _StepPlan:

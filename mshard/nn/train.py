@@ -292,7 +292,10 @@ class _Runtime:
         nnx.update(opt.opt_state, nnx.state(new_opt, graph=opt.graph))
         opt.step[...] += 1
         zero = [i for i, nm in enumerate(names) if nm in plan.zero]
-        if zero and plan.pure_dp:
+        if zero and plan.store_sharded:         # level3: the weights stay stored in their ZeRO layout
+            for i in zero:
+                new[i] = jax.lax.with_sharding_constraint(new[i], NamedSharding(mesh, spec_of(plan.zero[names[i]])))
+        elif zero and plan.pure_dp:
             ctx = ctxmod.current()
             nb = [int(np.prod(new[i].shape)) * new[i].dtype.itemsize for i in zero]
             groups = _by_key(zero, [(new[i].dtype, plan.info[names[i]]["shard_axes"]) for i in zero],
@@ -334,6 +337,10 @@ class _Runtime:
         idx = {info.name: i for i, info in enumerate(infos) if info.kind == "param"}
         if plan.pipeline_layouts:
             for nm, lay in plan.param_layouts.items():
+                if nm in idx:
+                    inputs[idx[nm]] = lay
+        if plan.store_sharded:                  # level3: a ZeRO parameter is stored in its ZeRO layout (FSDP)
+            for nm, lay in plan.zero.items():
                 if nm in idx:
                     inputs[idx[nm]] = lay
         params = {nm[len("network."):]: idx[nm] for nm in plan.param_layouts if nm in idx}

@@ -15,6 +15,7 @@ from .step_plan import _StepPlan
 def _zero_layouts(plan: _StepPlan, params: list[tuple[str, Any]], ctx) -> None:
     """Fill ``plan.zero``/``plan.info``: which parameters get optimizer-parallel (ZeRO-1) layouts."""
     cfg = ctx.parallel_optimizer_config
+    plan.store_sharded = cfg.get("optimizer_level", "level1") == "level3"
     size, threshold = cfg["optimizer_weight_shard_size"], cfg["parallel_optimizer_threshold"]
     mesh = plan.mesh
     if size != -1 and size > plan.dp:

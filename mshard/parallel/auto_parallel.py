@@ -13,7 +13,9 @@ The settings live in the wrapper (a context value), not in the global context: e
 under them (``ms.parallel_context``), so two AutoParallel networks with different settings coexist and the
 global context is untouched.
 
-Differences from MindSpore: ``hsdp`` is optimizer parallel (ZeRO-1 of the optimizer state) as MindSpore's level1;
+Differences from MindSpore: ``hsdp`` is optimizer parallel at MindSpore's levels: level1 shards the optimizer state and
+the update, level2 is the same program (mshard's level1 already reduce-scatters the gradients), level3 also stores
+the weights sharded (FSDP);
 ``no_init_parameters_in_compile`` does nothing (flax creates parameters when the model is built);
 ``pipeline`` records the stage count, which needs pipeline support (not built yet).
 """
@@ -83,12 +85,11 @@ class AutoParallel:
 
     def hsdp(self, shard_size: int = -1, threshold: int = 64, optimizer_level: str = "level1") -> None:
         """Optimizer parallel: each data-parallel replica keeps 1/shard_size of the optimizer state
-        (``shard_size=-1``: all replicas); parameters under ``threshold`` KB stay whole."""
-        if optimizer_level != "level1":
-            raise ContextError(f"AutoParallel.hsdp: optimizer_level={optimizer_level!r} is not supported; mshard "
-                               f"shards the optimizer state (MindSpore's 'level1').")
+        (``shard_size=-1``: all replicas); parameters under ``threshold`` KB stay whole. ``optimizer_level="level3"``
+        stores the weights sharded too (FSDP: gathered where they compute)."""
         self._set(enable_parallel_optimizer=True, parallel_optimizer_config={
-            "optimizer_weight_shard_size": shard_size, "parallel_optimizer_threshold": threshold})
+            "optimizer_weight_shard_size": shard_size, "parallel_optimizer_threshold": threshold,
+            "optimizer_level": optimizer_level})
 
     def pipeline(self, stages: int = 1, output_broadcast: bool = False, interleave: bool = False,
                  scheduler: str = "1f1b") -> None:
