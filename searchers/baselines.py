@@ -1,8 +1,9 @@
 """The obvious plans no search may lose to (docs/design.md invariant 6; issue 14).
 
-Every searcher ends with :func:`no_worse_than_baselines`: it prices, on the searcher's own cost model, the plans a
-user gets without searching, and returns the cheapest of them instead of the search's plan where that is cheaper
-(a note says so):
+Every cost-model searcher (recursive_programming, dynamic_programming, ilp) ends with :func:`no_worse_than_baselines`:
+it prices, on the searcher's own cost model, the plans a user gets without searching, and returns the cheapest of
+them instead of the search's plan where that is cheaper (a note says so). sharding_propagation, MindSpore's
+algorithm, keeps what it propagates and only notes a cheaper baseline, with both figures (issue 40):
 
 - ``data parallel`` (a): the data inputs not fixed by the dataset strategy split on their batch dim
   (:func:`~searchers.strategies.data_parallel_strategy`), every other op computing in the layout its operands
@@ -139,9 +140,11 @@ def admissible(graph: Graph, strategies: Sequence[Strategy] | Mapping[int, Strat
 
 
 def no_worse_than_baselines(graph: Graph, params: CostParams, result: SearchResult, *,
-                            fully_use_devices: bool, index: PlanIndex | None = None) -> SearchResult:
+                            fully_use_devices: bool, index: PlanIndex | None = None, swap: bool = True) -> SearchResult:
     """``result``, or the cheapest baseline where it costs less on the same cost model (noted); its ``seconds``
-    include the check. ``index``: the graph's :class:`~searchers.plan_cost.PlanIndex`, if the searcher has one."""
+    include the check. ``index``: the graph's :class:`~searchers.plan_cost.PlanIndex`, if the searcher has one.
+    ``swap=False`` (sharding_propagation, MindSpore's algorithm): ``result`` itself, with a note giving both figures
+    where a baseline is cheaper."""
     t0 = time.perf_counter()
     best: tuple[float, str, list[Strategy], Cost] | None = None
     ix = PlanIndex(graph) if index is None else index
@@ -171,6 +174,11 @@ def no_worse_than_baselines(graph: Graph, params: CostParams, result: SearchResu
     if best is None:
         return dataclasses.replace(result, seconds=seconds)
     total, name, plan, cost = best
+    if not swap:
+        return dataclasses.replace(result, seconds=seconds, notes=list(result.notes) + [
+            f"the {name} plan costs {total:.4g} on this cost model, below the propagated plan's "
+            f"{result.cost.total:.4g}: kept the propagation (MindSpore's sharding_propagation returns what it "
+            f"propagates; search_mode 'dynamic_programming', 'recursive_programming' or 'ilp' returns the cheaper)"])
     return dataclasses.replace(result, strategies=dict(enumerate(plan)), cost=cost, seconds=seconds, notes=list(result.notes) + [
         f"the {name} plan costs {total:.4g} on this cost model, below the search's {result.cost.total:.4g}: "
         f"returned it (no search returns a plan worse than the obvious ones)"])

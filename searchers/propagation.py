@@ -108,11 +108,12 @@ class _Tables(Tables):
 @cached_search
 def sharding_propagation(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
                          max_candidates: int | None = None, baselines: bool = True) -> SearchResult:
-    """Propagate the fixed strategies of ``graph`` to every op it can reach (see module doc), then return the
-    cheaper of that plan and the obvious ones (:mod:`searchers.baselines`; ``baselines=False``: the propagated
-    plan as it is). ``fully_use_devices`` does not restrict the propagation (a neighbour takes the layout that
-    needs no redistribution even where that idles devices, as MindSpore's propagation does: the option is the
-    cost-model searchers'); it only keeps the replicated plan out of the baselines."""
+    """Propagate the fixed strategies of ``graph`` to every op it can reach (see module doc) and return that plan,
+    as MindSpore's sharding_propagation does: where an obvious plan (:mod:`searchers.baselines`) costs less on the
+    cost model, a note says so with both figures, and the plan is kept (``baselines=False``: no such check).
+    ``fully_use_devices`` does not restrict the propagation (a neighbour takes the layout that needs no
+    redistribution even where that idles devices, as MindSpore's propagation does: the option is the cost-model
+    searchers'); it only keeps the replicated plan out of the baselines that are compared."""
     # the search allocates only acyclic tuples and lists: pausing the cyclic garbage collector
     # saves its repeated scans of the (large) live graph, about a third of the time at 100k ops
     enabled = gc.isenabled()
@@ -122,7 +123,7 @@ def sharding_propagation(graph: Graph, params: CostParams, *, fully_use_devices:
         ix = PlanIndex(graph)
         res = _propagate(graph, params, max_candidates, ix)
         res = dataclasses.replace(res, seconds=time.perf_counter() - t0)        # the index's time included
-        return (no_worse_than_baselines(graph, params, res, fully_use_devices=fully_use_devices, index=ix)
+        return (no_worse_than_baselines(graph, params, res, fully_use_devices=fully_use_devices, index=ix, swap=False)
                 if baselines else res)
     finally:
         if enabled:

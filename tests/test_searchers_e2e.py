@@ -334,7 +334,7 @@ def test_a_searched_conv_step_moves_no_more_than_the_data_parallel_that_equals_o
 
 
 def _bench_step(name, **ctx):
-    """(comm report, loss) of one SGD step of examples/models.py's ``name`` (the nets bench/plans_vs_baselines.py
+    """(comm report, loss, plan notes) of one SGD step of examples/models.py's ``name`` (the nets bench/plans_vs_baselines.py
     measures) on 8 devices under ``ctx``."""
     import optax
     from models import EmbedClassifier
@@ -350,7 +350,7 @@ def _bench_step(name, **ctx):
             data = (data[0], jnp.zeros_like(net(data[0])))
             cell = nn.WithLossCell(net, nn.MSELoss())
         step = nn.TrainOneStepCell(cell, optax.sgd(0.01))
-        return ms.comm_report(step, *data), float(step(*data))
+        return ms.comm_report(step, *data), float(step(*data)), step.plan(*data).notes
 
 
 @pytest.mark.parametrize("mode", ["dynamic_programming", "sharding_propagation"])
@@ -359,11 +359,15 @@ def test_a_searched_bench_net_step_moves_no_more_than_data_parallel(name, mode):
     """Issue 37: the compiled HLO is the witness, not the cost model. A searched training step of each bench net
     (bench/plans_vs_baselines.py's MLP, transformer block and embedding classifier; the GPT and conv net have their
     own tests above) over a data-parallel batch moves no more bytes per device than data_parallel's program, and
-    computes the same loss."""
-    base, base_loss = _bench_step(name, parallel_mode="data_parallel")
-    auto, auto_loss = _bench_step(name, parallel_mode="auto_parallel", search_mode=mode,
-                                  dataset_strategy="data_parallel")
+    computes the same loss. sharding_propagation, MindSpore's algorithm, keeps its propagation (issue 40): where it
+    moves more, its plan says which obvious plan costs less, with both figures."""
+    base, base_loss, _ = _bench_step(name, parallel_mode="data_parallel")
+    auto, auto_loss, notes = _bench_step(name, parallel_mode="auto_parallel", search_mode=mode,
+                                         dataset_strategy="data_parallel")
     moved = lambda r: sum(v["moved"] for v in r.by_kind.values())
-    assert moved(auto) <= moved(base), (auto.by_kind, base.by_kind)
+    if mode == "sharding_propagation" and moved(auto) > moved(base):
+        assert any("kept the propagation" in n for n in notes), (auto.by_kind, base.by_kind, notes)
+    else:
+        assert moved(auto) <= moved(base), (auto.by_kind, base.by_kind)
     # float32: the same loss summed in another order over the split batch (n * 2**-24 relative, n <= 2048)
     assert auto_loss == pytest.approx(base_loss, rel=1e-4, abs=1e-6)

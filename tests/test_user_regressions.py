@@ -1,9 +1,9 @@
 """The five behaviours users relied on that regressed with every test green (issue 37; reproductions from issue 36,
-39 and 40). Each has a test here. Three are fixed (the MatMul strategy, recompute, the Cell parameter_plan as a
-storage layout); the other two wait for issue 40 and are strict xfails that expect the regression's own signal
-(``raises=``): :class:`StillRegressed`, raised by the check of exactly what regressed. Anything else (an import
-error, a crash, another assert) fails the test, and a fix turns the xfail into a failure that says to drop the
-mark."""
+39 and 40). Each has a test here. Four are fixed (the MatMul strategy, recompute, the Cell parameter_plan as a
+storage layout, sharding propagation completing the tutorial's FFN). The last waits for issue 40 and is a strict
+xfail that expects the regression's own signal (``raises=``): :class:`StillRegressed`, raised by the check of
+exactly what regressed. Anything else (an import error, a crash, another assert) fails the test, and a fix turns
+the xfail into a failure that says to drop the mark."""
 
 import jax
 import jax.numpy as jnp
@@ -84,22 +84,29 @@ def _ffn(mm1):
     return lambda x, w1, w2: mm2(jax.nn.relu(mm1(x, w1)), w2), mm2
 
 
-@pytest.mark.xfail(strict=True, raises=StillRegressed, reason="issue 40: sharding propagation must complete the "
-                                                              "tutorial's FFN row-parallel")
 def test_regression_3_propagation_completes_the_tutorials_megatron_ffn():
     """MindSpore's sharding-propagation tutorial configures only the first MatMul of an FFN, ((2, 1), (1, 4));
-    propagation must make the second row-parallel, ((2, 4), (4, 1)), with one all-reduce. Today every searcher
-    picks ((8, 1), (1, 1)) for it (issue 40)."""
+    propagation must make the second row-parallel, ((2, 4), (4, 1)), with one all-reduce. On the main of issue 40
+    every searcher picked ((8, 1), (1, 1)): sharding_propagation propagated the completion, then swapped in the
+    data-parallel plan the cost model priced lower. It now keeps its propagation and notes the cheaper baseline."""
     ms.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode="sharding_propagation", device_num=8,
                                  dataset_strategy="full_batch")
     rng = np.random.default_rng(0)
     x, w1, w2 = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((256, 1024), (1024, 4096), (4096, 1024)))
     f, mm2 = _ffn(ops.MatMul().shard(((2, 1), (1, 4))))
-    plan = ms.jit(f).plan(x, w1, w2)
+    region = ms.jit(f)
+    plan = region.plan(x, w1, w2)
     second = [op for op in plan.ops if op.kind == "MatMul" and not op.fixed]
     assert len(second) == 1, [(op.name, op.kind, op.fixed) for op in plan.ops]
     if second[0].strategy != ((2, 4), (4, 1)):
         raise StillRegressed(f"the second MatMul got {second[0].strategy}, not the completion ((2, 4), (4, 1))")
+    # the compiled program: the row-parallel partial sums all-reduced once ([128, 1024] float32 per device: the
+    # output's rows split 2 ways), nothing gathered
+    rep = CommReport.from_hlo(region.lower(x, w1, w2).compile().as_text())
+    assert [(c.kind, c.nbytes) for c in rep.collectives] == [("all-reduce", 128 * 1024 * 4)], rep.by_kind
+    want = np.maximum(np.asarray(x, np.float64) @ np.asarray(w1, np.float64), 0) @ np.asarray(w2, np.float64)
+    # float32 against float64: 1024- and 4096-term dot products of O(1) values, sums of magnitude ~sqrt(n) * 30
+    np.testing.assert_allclose(np.asarray(region(x, w1, w2)), want, rtol=1e-4, atol=2e-2)
 
 
 class _MLP(nn.Cell):
