@@ -36,6 +36,7 @@ from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from searchers import Graph
+from searchers.graph import OPAQUE_KINDS
 
 ClaimKey = Hashable          # ("input", i) or a mark key (note uid, "in"/"out", index)
 ClaimDim = tuple[ClaimKey, int]
@@ -46,7 +47,7 @@ ClaimDim = tuple[ClaimKey, int]
 # operand and result of the same shape, on the same dim. Claims never meet in an opaque op: its body's ops compute
 # (with their own strategies; the partitioner reshards a carry at the loop's boundary). Under jax.grad a strategy
 # on a loop-invariant operand of a scan body is hoisted out of the scan: it must not meet the carry's split there
-OPAQUE = frozenset({"scan", "while", "cond"})
+OPAQUE = OPAQUE_KINDS
 
 
 class Meetings:

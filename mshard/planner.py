@@ -174,7 +174,8 @@ def _free_derived(graph: Graph, n_user: int) -> None:
     """Mark ``free_devices`` every op no user output depends on: in a training step, the backward and the
     update, which only feed the new state. MindSpore applies ``fully_use_devices`` to the operators it searches
     (the forward); their backward is derived from the forward strategies and the optimizer follows the
-    parameters' layouts. Here they are searched too, but without that restriction."""
+    parameters' layouts. Here they are searched too, but without that restriction; they are also marked
+    ``derived``, which sharding_propagation derives rather than propagates into (searchers.propagation)."""
     if n_user < 0 or n_user >= len(graph.outputs):
         return
     live: set[int] = set()
@@ -186,8 +187,7 @@ def _free_derived(graph: Graph, n_user: int) -> None:
             todo.extend(op.inputs)
     for op in graph.ops:
         if op.id not in live and not op.is_source:
-            op.free_devices = True
-
+            op.free_devices = op.derived = True
 
 
 def _free_data_free(graph: Graph) -> None:

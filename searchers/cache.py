@@ -37,7 +37,7 @@ def graph_key(graph: Graph) -> bytes:
     """A 32-byte digest of the graph's structure (see the module doc)."""
     ops = [(op.name, op.kind, tuple(op.dims.items()), tuple(op.inputs), tuple(op.in_dims), tuple(op.outputs),
             tuple(op.out_dims), op.reduce, tuple(sorted(op.unsplittable)), op.flops, op.fixed,
-            tuple(sorted(op.split_limit.items())) if op.split_limit else None, op.free_devices, op.follow_operand,
+            tuple(sorted(op.split_limit.items())) if op.split_limit else None, op.free_devices, op.derived, op.follow_operand,
             op.latency_share)
            for op in graph.ops]
     tensors = [(t.shape, t.itemsize) for t in graph.tensors]

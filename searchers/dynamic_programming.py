@@ -68,8 +68,11 @@ from .factor import Problem
 from .graph import Graph, Strategy
 from .memory import peak_memory
 from .pairwise import solve_pairwise
+from .plan_cost import PlanIndex
 from .progress import Progress
 from .result import SearchResult
+from .spread import propagate
+from .strategies import data_parallel_strategy
 
 ALGORITHM = "dynamic_programming"
 
@@ -317,9 +320,8 @@ def _polish(prob: Problem, nodes: list[int], choice: dict[int, int], sweeps: int
 def _seeds(graph: Graph, params: CostParams, prob: Problem, live: list[int], fully: bool,
            max_candidates: int | None) -> Iterator[tuple[str, dict[int, int]]]:
     """Starting plans for the passes after a star elimination: every op replicated (or its first
-    candidate), MindSpore's data-parallel default, and sharding_propagation's plan."""
-    from .propagation import sharding_propagation
-    from .strategies import data_parallel_strategy
+    candidate), MindSpore's data-parallel default, and the propagation's plan (:func:`searchers.spread.propagate`
+    through every op: sharding_propagation's walk without its derived ops' search, which is this one)."""
 
     index: dict[int, dict[Strategy, int]] = {}
 
@@ -332,7 +334,7 @@ def _seeds(graph: Graph, params: CostParams, prob: Problem, live: list[int], ful
 
     yield "replicated", {v: 0 for v in live}
     yield "data parallel", {v: pick(v, data_parallel_strategy(graph.ops[v], graph.mesh)) for v in live}
-    sp = sharding_propagation(graph, params, fully_use_devices=fully, max_candidates=max_candidates).strategies
+    sp = propagate(graph, params, max_candidates, PlanIndex(graph)).strategies
     yield "sharding_propagation", {v: pick(v, sp[v]) for v in live}
 
 

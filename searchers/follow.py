@@ -87,7 +87,7 @@ def follow_strategies(graph: Graph, ix: PlanIndex, *, first_operand_first: bool 
         key = (si, tuple([out_l[p][j] for p, j in srcs]))
         got = memo.get(key)
         if got is None:
-            s = _follow(specs[si], tuple(layouts[i] for i in key[1]), shape, first_operand_first)
+            s = follow_layouts(specs[si], tuple(layouts[i] for i in key[1]), shape, first_operand_first)
             got = memo[key] = (s, ids(si, s))
         st[v] = got[0]
         out_l.append(got[1])
@@ -103,7 +103,7 @@ def follow_strategies(graph: Graph, ix: PlanIndex, *, first_operand_first: bool 
     return cast(list[Strategy], st)        # every op is decided by now
 
 
-def _follow(spec: OpSpec, lays: tuple[TensorLayout, ...], shape: tuple[int, ...],
+def follow_layouts(spec: OpSpec, lays: tuple[TensorLayout, ...], shape: tuple[int, ...],
             first_operand_first: bool = False) -> Strategy:
     """The strategy of an op of ``spec`` whose operands arrive in ``lays`` (module doc)."""
     arriving: list[tuple[int, int, int, TensorLayout]] = []

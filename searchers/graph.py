@@ -38,6 +38,9 @@ Strategy = tuple[Axes, ...]          # one entry per loop dim, in op.dims order
 TensorLayout = tuple[Axes, ...]      # one entry per tensor dim
 
 SOURCE_KINDS = frozenset({"data", "param", "const"})
+# ops a traced program shows as one op over a body it does not inline (a loop or a branch: mshard.rules): their own
+# cost does not model the body, so a split of a carry is no cheaper for them than the cost model says
+OPAQUE_KINDS = frozenset({"scan", "while", "cond"})
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,9 @@ class Op:
     split_limit: dict[str, int] | None = None   # loop dim -> a split of it must also divide this (reshape)
     free_devices: bool = False                  # fully_use_devices does not apply (a training step's backward and
                                                 # update, which MindSpore derives from the forward, not searches)
+    derived: bool = False                       # computed from the forward: a training step's backward and update,
+                                                # which MindSpore derives from the forward strategies and the
+                                                # parameters' layouts (sharding_propagation does not spread into them)
     follow_operand: int | None = None           # this operand keeps its producer's layout: the op's strategy is
                                                 # tied to the producer's (mshard's writeback: state stored in place)
     latency_share: float = 1.0                  # the part of a latency its partial-sum all-reduces pay: 1/k for the k

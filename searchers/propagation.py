@@ -15,8 +15,25 @@ keeps the layout of the first decision; later consumers pay the redistribution. 
 reached get :func:`~searchers.strategies.data_parallel_strategy`; with no fixed op at all every
 op does, and a note says so.
 
-Work is linear in edges x candidates; cost vectors and decisions are memoised per
-(:class:`~searchers.spec.OpSpec`, neighbour layouts), so repeated layers cost one evaluation.
+A training step's backward and update (``Op.derived``) are not propagated into: MindSpore propagates over the
+forward operators and derives the backward from their strategies, and the optimizer from the parameters' layouts.
+Here they are decided after the forward: with the forward's strategies held, the cost model's exact search
+(:func:`~searchers.dynamic_programming.dynamic_programming`) chooses them and the layouts of the state only they
+read (an optimizer moment), every updated state stored in its input's layout. The layout MindSpore derives is among
+the candidates, so by the cost model this backward costs no more. Propagated into, a gradient's free local slice
+ties with keeping it whole, the lesser compute picks the slice, and every updated weight is gathered back after the
+step (a data-parallel MLP step: 2.5 times data parallel's cost, an all-gather per weight). Deciding each derived op
+in the layout its operands arrive in (semi_auto's default) was tried too: a weight gradient of a Megatron step then
+took both operands' splits and all-reduced over the batch axis what the optimizer-parallel step reduce-scatters.
+
+An opaque op (``OPAQUE_KINDS``: a scan, while or cond the graph shows as one op over its body) is decided the same
+way, in the layout its decided operands arrive in: MindSpore's graph has no such op (it inlines the body), and its
+own cost does not model the body, so the lesser estimated compute would pick a split of a carry that the body then
+pays for (a GradAccumulationCell step: an extra all-reduce and an all-gather per accumulated gradient).
+
+The walk itself is :func:`searchers.spread.propagate`. Work is linear in edges x candidates; cost vectors and
+decisions are memoised per (:class:`~searchers.spec.OpSpec`, neighbour layouts), so repeated layers cost one
+evaluation.
 
 >>> from searchers.graph import DeviceMesh, Graph
 >>> from searchers.cost import CostParams
@@ -33,76 +50,15 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections import deque
-
-import numpy as np
 
 from .baselines import no_worse_than_baselines
 from .cache import cached_search
 from .cost import CostParams
-from .graph import DeviceMesh, Graph, Strategy, tied_strategy
+from .dynamic_programming import dynamic_programming
+from .graph import DeviceMesh, Graph
 from .plan_cost import PlanIndex
 from .result import SearchResult
-from .spec import layout_of
-from .strategies import data_parallel_strategy
-from .tables import Tables
-
-ALGORITHM = "sharding_propagation"
-_REL_TIE = 1e-9
-
-
-def _first_min(own: list[float], red: list[float]) -> int:
-    """First candidate with the least ``red`` and, among those, the least ``own`` (both
-    compared with a relative tolerance, so float rounding never decides a tie). Plain floats: a
-    decision weighs a few dozen candidates, where numpy's per-call overhead is most of the time.
-
-    >>> _first_min([3.0, 1.0, 2.0], [1.0, 2.0, 1.0 + 1e-12])    # 0 and 2 tie; the lesser own cost wins
-    2
-    """
-    best = min(red)
-    lim = best + _REL_TIE * abs(best)
-    tied = [i for i, x in enumerate(red) if x <= lim]
-    if len(tied) == 1:
-        return tied[0]
-    lo = min([own[i] for i in tied])
-    lim = lo + _REL_TIE * abs(lo)
-    return next(i for i in tied if own[i] <= lim)
-
-
-class _Tables(Tables):
-    """The search's :class:`~searchers.tables.Tables` and propagation's memoised side lists and decisions (per op
-    shape and decided sides)."""
-
-    def __init__(self, graph: Graph, params: CostParams, max_candidates: int | None):
-        super().__init__(graph, params, max_candidates)
-        self.decision: dict[tuple, int] = {}
-        self.own_list: dict[int, list[float]] = {}
-        self.side_list: dict[tuple, list[float]] = {}
-
-    def decide(self, sid: int, sides: tuple) -> int:
-        key = (sid, sides)
-        c = self.decision.get(key)
-        if c is None:
-            own = self.own_list.get(sid)
-            if own is None:
-                own = self.own_list[sid] = self.own[sid].tolist()        # type: ignore[union-attr]
-            if len(sides) == 1:
-                red = self.vector_list(sid, *sides[0])
-            else:
-                total = self.vector(sid, *sides[0])
-                for out, idx, other in sides[1:]:
-                    total = total + self.vector(sid, out, idx, other)
-                red = total.tolist()
-            c = self.decision[key] = _first_min(own, red)
-        return c
-
-    def vector_list(self, sid: int, out: int, idx: int, other: int) -> list[float]:
-        """:meth:`vector` as a list."""
-        key = (sid, out, idx, other)
-        v = self.side_list.get(key)
-        if v is None:
-            v = self.side_list[key] = self.vector(sid, out, idx, other).tolist()
-        return v
+from .spread import State, propagate
 
 
 @cached_search
@@ -121,7 +77,7 @@ def sharding_propagation(graph: Graph, params: CostParams, *, fully_use_devices:
     try:
         t0 = time.perf_counter()
         ix = PlanIndex(graph)
-        res = _propagate(graph, params, max_candidates, ix)
+        res = propagate(graph, params, max_candidates, ix, derive=_derive)
         res = dataclasses.replace(res, seconds=time.perf_counter() - t0)        # the index's time included
         return (no_worse_than_baselines(graph, params, res, fully_use_devices=fully_use_devices, index=ix, swap=False)
                 if baselines else res)
@@ -130,93 +86,22 @@ def sharding_propagation(graph: Graph, params: CostParams, *, fully_use_devices:
             gc.enable()
 
 
-def _propagate(graph: Graph, params: CostParams, max_candidates: int | None, ix: PlanIndex) -> SearchResult:
-    t0 = time.perf_counter()
-    mesh, ops = graph.mesh, graph.ops
-    n = len(ops)
-    tab = _Tables(graph, params, max_candidates)
-    keys, index = ix.spec_keys
-    sids = np.asarray([tab.spec_id(k) for k in keys], dtype=np.intp)[index].tolist()
-    in_src = ix.in_src
-    out_edges = ix.out_edges()
-    st = _State(n)
-
-    def set_strategy(i: int, s: Strategy) -> None:
-        spec = tab.specs[sids[i]]
-        st.chosen[i] = s
-        st.in_l[i] = tuple(tab.lid(layout_of(m, s)) for m in spec.in_maps)
-        st.out_l[i] = tuple(tab.lid(layout_of(m, s)) for m in spec.out_maps)
-
-    # seeds: operators with user strategies spread first; fixed inputs (the dataset layout, a
-    # parameter_plan) only then, so an annotation reaches its neighbours before the batch split does
-    queue: deque[int] = deque()
-    later: deque[int] = deque()
-    for op in ops:
-        if op.fixed is not None:
-            set_strategy(op.id, tuple(tuple(a) for a in op.fixed))
-            (later if op.is_source else queue).append(op.id)
-    notes: list[str] = []
-    if not queue and not later:
-        notes.append("no op has a fixed strategy: every op gets the data-parallel strategy "
-                     "(MindSpore requires at least one configured op)")
-    nbrs = ix.neighbours()
-    _bfs(queue, tab, sids, in_src, out_edges, nbrs, st)
-    _bfs(later, tab, sids, in_src, out_edges, nbrs, st)
-    unreached = [op for op in ops if st.chosen[op.id] is None]
-    for op in unreached:
-        set_strategy(op.id, data_parallel_strategy(op, mesh))
-    if unreached and len(unreached) < n:
-        names = ", ".join(op.name for op in unreached[:5]) + (", ..." if len(unreached) > 5 else "")
-        notes.append(f"{len(unreached)} op(s) not reached from a fixed op got the data-parallel strategy: {names}")
-    for op in (o for o in ops if o.follow_operand is not None):   # the tied op takes its operand's layout
-        s = tied_strategy(graph, op, st.chosen)
-        if s is not None and s != st.chosen[op.id] and op.fixed is None and s in tab.ensure(sids[op.id]).cands:
-            set_strategy(op.id, s)
-    chosen = {i: s for i, s in enumerate(st.chosen) if s is not None}     # every op is decided by now
-    cost = ix.cost(chosen, params)
-    return SearchResult(chosen, cost, ALGORITHM, time.perf_counter() - t0, notes)
-
-
-class _State:
-    """Decisions so far: strategy, and layout id of every operand / result, per op id."""
-
-    def __init__(self, n: int):
-        self.chosen: list[Strategy | None] = [None] * n
-        self.in_l: list[tuple[int, ...] | None] = [None] * n
-        self.out_l: list[tuple[int, ...] | None] = [None] * n
-
-
-def _bfs(queue: deque[int], tab: _Tables, sids: list[int], in_src: list[list[tuple[int, int]]],
-         out_edges: list[list[tuple[int, int, int]]], nbrs: list[list[int]], st: _State) -> None:
-    """Breadth-first from the decided ops in ``queue``: decide each op when first reached."""
-    chosen, in_l, out_l = st.chosen, st.in_l, st.out_l
-    structs, decision = tab.structs, tab.decision
-    while queue:
-        u = queue.popleft()
-        for v in nbrs[u]:
-            if chosen[v] is not None:
-                continue
-            sid = sids[v]
-            s = structs[sid]
-            if s is None:
-                s = tab.ensure(sid)
-            sides = []
-            for k, (p, j) in enumerate(in_src[v]):
-                src = out_l[p]
-                if src is not None:
-                    sides.append((0, k, src[j]))
-            for j, c, k in out_edges[v]:
-                dst = in_l[c]
-                if dst is not None:
-                    sides.append((1, j, dst[k]))
-            key = (sid, tuple(sides))
-            ci = decision.get(key)
-            if ci is None:
-                ci = tab.decide(sid, key[1])
-            chosen[v] = s.cands[ci]
-            in_l[v] = s.in_rows[ci]
-            out_l[v] = s.out_rows[ci]
-            queue.append(v)
+def _derive(graph: Graph, params: CostParams, st: State, derived: list[bool], set_strategy) -> None:
+    """Decide the derived ops given the forward (module doc): the forward's strategies and the layouts of the state it
+    reads are held, and :func:`~searchers.dynamic_programming.dynamic_programming` chooses the derived ops' strategies
+    and the layouts of the state only they read (an optimizer moment), with every write-back tied to its state."""
+    held = [op.fixed for op in graph.ops]
+    try:
+        for op in graph.ops:
+            if not derived[op.id] and st.chosen[op.id] is not None:
+                op.fixed = st.chosen[op.id]
+        res = dynamic_programming(graph, params, cache=False)
+    finally:
+        for op, f in zip(graph.ops, held):
+            op.fixed = f
+    for op in graph.ops:
+        if st.chosen[op.id] is None:
+            set_strategy(op.id, res.strategies[op.id])
 
 
 def _main() -> None:  # pragma: no cover - a benchmark, run by hand

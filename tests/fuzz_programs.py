@@ -34,11 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from references import REFERENCES, gradient_length, reduction_length
 
 import mshard as ms
 from mshard import nn, ops
 from mshard.errors import MshardError
-from references import REFERENCES, gradient_length, reduction_length
 
 MODES = (("semi_auto_parallel", None), ("auto_parallel", "sharding_propagation"),
          ("auto_parallel", "recursive_programming"), ("auto_parallel", "dynamic_programming"),

@@ -6,12 +6,12 @@ tests use SGD with momentum: the attention key bias has an exactly-zero gradient
 whose float noise (~1e-9, different for every partitioning) Adam would scale up to full-size updates.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import warnings
-
 import pytest
 from flax import nnx
 from helpers import split_counts

@@ -43,7 +43,6 @@ from jax.sharding import PartitionSpec as P
 from .schedule import BWD, FWD, IDLE, Schedule
 from .storage import StageStorage
 
-
 _TICKS: list | None = None
 
 

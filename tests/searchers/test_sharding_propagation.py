@@ -173,3 +173,55 @@ def test_100k_ops_propagate_to_every_op():
     assert not any("not reached" in n for n in res.notes)     # the data source reaches every op
     # float64 sums over ~1e5 ops in another order: <= 1e5 * 2**-53 = 1.1e-11 relative, 1e-9 leaves 100x
     assert res.cost.total == pytest.approx(graph_cost(g, res.strategies, P).total, rel=1e-9)
+
+
+def _sgd_step(fixed_mm):
+    """A training step's graph as mshard traces it: x[64,32] @ w[32,16] -> sum (forward), a weight gradient
+    x^T @ y (derived; y stands for the cotangent, which arrives in the forward result's layout), the update w - lr*g and Adam-like moment m' = m + g (derived), and a write-back per
+    updated state (follow_operand=1). ``fixed_mm``: the forward MatMul's strategy (the user's)."""
+    g = Graph(DeviceMesh((2, 4)))
+    x = g.source("x", (64, 32), kind="data", fixed=((0, 1), ()))
+    w = g.source("w", (32, 16), kind="param")
+    m = g.source("m", (32, 16), kind="param")           # an optimizer moment: only the update reads it
+    (y,) = g.add_op("mm", "dot_general", {"m": 64, "k": 32, "n": 16}, [x, w], [("m", "k"), ("k", "n")],
+                    [("m", "n")], fixed=fixed_mm)
+    g.add_op("sum", "reduce_sum", {"i": 64, "j": 16}, [y], [("i", "j")], [()])
+    (gw,) = g.add_op("grad", "dot_general", {"b": 64, "k": 32, "n": 16}, [x, y], [("b", "k"), ("b", "n")],
+                     [("k", "n")])
+    (nw,) = g.add_op("upd", "sub", {"i": 32, "j": 16}, [w, gw], [("i", "j")] * 2, [("i", "j")])
+    (nm,) = g.add_op("mom", "add", {"i": 32, "j": 16}, [m, gw], [("i", "j")] * 2, [("i", "j")])
+    for new, old, name in ((nw, w, "w"), (nm, m, "m")):
+        g.add_op(f"writeback/{name}", "writeback", {"i": 32, "j": 16}, [new, old], [("i", "j")] * 2, [("i", "j")],
+                 follow_operand=1)
+    for op in g.ops[5:]:                     # what no user output (the sum) depends on: mshard.planner._free_derived
+        op.derived = op.free_devices = True
+    return g
+
+
+def test_a_training_steps_backward_and_update_are_derived_not_propagated_into():
+    """MindSpore propagates over the forward and derives the backward and the optimizer from it (module doc of
+    searchers.propagation). Data parallel (the forward MatMul fixed ((0, 1), (), ())): the gradient's partial sums are
+    reduced and the weight's update computes whole, where the weight is stored; nothing is gathered back after the
+    step (propagated into, a free slice of the gradient split the update and each new weight was all-gathered)."""
+    g = _sgd_step(((0, 1), (), ()))
+    res = sharding_propagation(g, P, cache=False)
+    s = res.strategies
+    _x, w, m, mm, _sm, _grad, upd, _mom, wbw, wbm = range(10)
+    assert s[mm] == ((0, 1), (), ())                    # the forward: as fixed
+    assert s[w] == ((), ()) and s[upd] == ((), ()) and s[wbw] == ((), ())
+    assert s[wbm] == s[m]                               # every state stored where it is read
+    assert res.cost.comm_bytes["all-gather"] == 0.0 and res.cost.comm_bytes["all-to-all"] == 0.0
+
+
+def test_a_moment_only_the_update_reads_is_stored_where_the_update_computes():
+    """Column parallel (mm fixed ((0,), (), (1,)): w stored split on its columns over the 4-way axis). The update
+    subtracts the gradient from w where w is stored ((), (1,)); the moment m, which only the update reads, is stored
+    in the layout its update computes in (its write-back tied to it), so neither is gathered after the step."""
+    g = _sgd_step(((0,), (), (1,)))
+    g.ops[0].fixed = ((0,), ())
+    res = sharding_propagation(g, P, cache=False)
+    s = res.strategies
+    _x, w, m, _mm, _sm, _grad, upd, mom, wbw, wbm = range(10)
+    assert s[w] == ((), (1,)) and s[upd] == ((), (1,)) and s[wbw] == ((), (1,))
+    assert s[m] == s[mom] == s[wbm] and s[m][1] == (1,)       # split at least like w, never gathered back
+    assert res.cost.comm_bytes["all-gather"] == 0.0 and res.cost.comm_bytes["all-to-all"] == 0.0
