@@ -368,16 +368,17 @@ def dynamic_programming(graph: Graph, params: CostParams, *, fully_use_devices: 
 def solve_problem(graph: Graph, params: CostParams, prob: Problem, notes: list[str], t0: float, *,
                   fully_use_devices: bool = False, max_candidates: int | None = None, exact_limit: int = 200_000,
                   core_ilp_limit: int = 200_000, core_time_limit: float = 1.0, improve_passes: int = 12,
-                  improve_seconds: float = 10.0, polish: bool = True) -> SearchResult:
+                  improve_seconds: float = 10.0, polish: bool = True, label: str = ALGORITHM) -> SearchResult:
     """:func:`dynamic_programming` on ``prob``, the graph's :meth:`~searchers.factor.Problem.prepared` problem under
     ``params`` and the same options (not modified: every pass works on a copy). ilp hands over the problem it has
-    already built, one representation for both exact searchers. ``notes`` and ``t0``: the search's so far."""
+    already built, one representation for both exact searchers. ``notes`` and ``t0``: the search's so far; ``label``:
+    the searcher its progress lines name (ilp's fallback says so)."""
     live = prob.live()
     memo: dict[int, tuple] = {}
     kw: dict[str, Any] = {"exact_limit": exact_limit, "core_ilp_limit": core_ilp_limit,
                           "core_time_limit": core_time_limit}
     later = dict(kw, core_time_limit=0.0)         # the integer program is tried in the first pass only
-    with Progress(f"dynamic_programming: {len(graph)} ops", len(live)) as bar:
+    with Progress(f"{label}: {len(graph)} ops", len(live)) as bar:
         first = _one_pass(prob, memo, bar, values=None, taboo=frozenset(), **kw)
         notes.extend(first.notes)
         choice, hits, misses = first.choice, first.hits, first.misses
@@ -392,7 +393,7 @@ def solve_problem(graph: Graph, params: CostParams, prob: Problem, notes: list[s
             for name, seed in _seeds(graph, params, prob, live, fully_use_devices, max_candidates):
                 if time.perf_counter() - start > improve_seconds:
                     break
-                bar.update(completed=0, description=f"dynamic_programming: pass from {name}")
+                bar.update(completed=0, description=f"{label}: pass from {name}")
                 nxt = _one_pass(prob, memo, bar, values=seed, taboo=frozenset(), **later)
                 passes += 1
                 hits, misses = hits + nxt.hits, misses + nxt.misses
@@ -404,7 +405,7 @@ def solve_problem(graph: Graph, params: CostParams, prob: Problem, notes: list[s
                 if time.perf_counter() - start > improve_seconds:
                     notes.append(f"improvement passes stopped after improve_seconds={improve_seconds:g} s")
                     break
-                bar.update(completed=0, description=f"dynamic_programming: improvement pass {k + 1}")
+                bar.update(completed=0, description=f"{label}: improvement pass {k + 1}")
                 nxt = _one_pass(prob, memo, bar, values=choice, taboo=taboo, **later)
                 passes += 1
                 hits, misses = hits + nxt.hits, misses + nxt.misses

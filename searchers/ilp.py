@@ -15,11 +15,14 @@ gives them, must fit in ``device_memory_capacity`` bytes per device (:mod:`searc
 only steps that could exceed it get a row. A capacity no choice can meet raises ``ValueError``
 before solving.
 
-Solved with ``scipy.optimize.milp`` (HiGHS) under ``time_limit`` seconds. When it stops at the
-limit the best solution found is returned and a note gives the gap to the proven lower bound;
-when no solution was found in time (or the program is too large to build, ``max_variables``),
-a note says so and the dynamic_programming answer is returned instead (``fallback=False``
-raises ``SearchLimitError``).
+Solved with ``scipy.optimize.milp`` (HiGHS). ``time_limit`` seconds bound the whole search: where the exact
+eliminations do not settle it, dynamic_programming's plan (the fallback) is computed first, its improvement passes
+within a quarter of the time left, and HiGHS gets what is left. When HiGHS stops at the limit the better of its best
+solution and dynamic_programming's is returned and a note gives the gap to the proven lower bound; when no solution
+was found in time (or the program is too large to build, ``max_variables``), a note says so and the
+dynamic_programming answer is returned instead (``fallback=False`` raises ``SearchLimitError``). Its progress lines
+name the searcher that runs (``ilp (its fallback, dynamic_programming)``). A plan that exceeds the memory capacity is
+refitted (:func:`~searchers.memory_fit.fit_memory`) outside that bound.
 
 >>> from searchers.graph import DeviceMesh, Graph
 >>> from searchers.cost import CostParams
@@ -157,6 +160,7 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
     """
     t0 = time.perf_counter()
     notes: list[str] = []
+    dp_first: tuple[SearchResult | None, list[str]] | None = None
     with Progress(f"ilp: {len(graph)} ops", None) as bar:
         prob = Problem.prepared(graph, params, notes, fully_use_devices=fully_use_devices,
                                 max_candidates=max_candidates,
@@ -183,11 +187,23 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
                                        time.perf_counter() - t0, {"nodes": len(live), "x": n_x, "e": 0})
                 notes.append("solved exactly by eliminations and an integer program on the core they leave")
             else:
+                # the time limit bounds the whole search: dynamic_programming's plan (what ilp returns, or compares
+                # its answer with, where HiGHS proves nothing) first, its improvement passes within a quarter of the
+                # time left; HiGHS gets the rest
+                left = time_limit - (time.perf_counter() - t0)
+                dp_first = _dp_within_memory(graph, params, prob, max_candidates is None, fully_use_devices,
+                                             elementwise_op_strategy_follow, memory_limit,
+                                             improve_seconds=max(0.0, left / 4))
                 pairs = prob.pair_list(index)
-                left = max(0.01, time_limit - (time.perf_counter() - t0))
-                bar.update(description=f"ilp: {len(live)} ops, {len(pairs)} pairs, time limit {time_limit:g} s")
-                sol = solve_pairwise([prob.unary[v] for v in live], pairs, time_limit=left,
-                                     mip_rel_gap=mip_rel_gap, memory_rows=rows, max_variables=max_variables)
+                left = time_limit - (time.perf_counter() - t0)
+                if left <= 0:
+                    sol = PairwiseSolution(None, False, "time limit", size={"nodes": len(live), "x": n_x,
+                                                                            "e": len(pairs)})
+                else:
+                    bar.update(description=f"ilp: {len(live)} ops, {len(pairs)} pairs, {left:.3g} s of the time "
+                                           f"limit {time_limit:g} s left")
+                    sol = solve_pairwise([prob.unary[v] for v in live], pairs, time_limit=left,
+                                         mip_rel_gap=mip_rel_gap, memory_rows=rows, max_variables=max_variables)
     if sol.status == "infeasible":
         raise SearchLimitError(f"ilp: no choice of strategies fits device_memory_capacity="
                          f"{params.device_memory_capacity:,.0f} bytes per device (the integer program is "
@@ -202,8 +218,8 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
                    f"and {sol.size.get('e', 0)} edge variables); raise time_limit, or use dynamic_programming")
         if not fallback:
             raise SearchLimitError(msg)
-        dp, fit_notes = _dp_within_memory(graph, params, prob, max_candidates is None, fully_use_devices,
-                                          elementwise_op_strategy_follow, memory_limit)
+        dp, fit_notes = dp_first or _dp_within_memory(graph, params, prob, max_candidates is None, fully_use_devices,
+                                                      elementwise_op_strategy_follow, memory_limit)
         if dp is None:
             raise SearchLimitError(f"{msg}; {fit_notes[0]}. Raise device_memory_capacity "
                                    "(set_cost_model_context), use more devices, or recompute activations.")
@@ -219,8 +235,8 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
                      f"{sol.objective:.6g}, the lower bound is {sol.bound:.6g} (gap {100 * sol.gap:.3g}%)")
         # an unproven incumbent may be far from the optimum: never return a plan costlier than dynamic_programming's
         # the incumbent meets the memory rows: dynamic_programming's plan replaces it only where it fits too
-        dp, fit_notes = _dp_within_memory(graph, params, prob, max_candidates is None, fully_use_devices,
-                                          elementwise_op_strategy_follow, memory_limit)
+        dp, fit_notes = dp_first or _dp_within_memory(graph, params, prob, max_candidates is None, fully_use_devices,
+                                                      elementwise_op_strategy_follow, memory_limit)
         if dp is not None and fit_notes:
             dp = dataclasses.replace(dp, notes=fit_notes)
         if dp is not None and dp.cost.total < cost.total:
@@ -234,12 +250,13 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
 
 
 def _dp_within_memory(graph: Graph, params: CostParams, prob: Problem, share: bool, fully_use_devices: bool,
-                      follow: bool, memory_limit: bool) -> tuple[SearchResult | None, list[str]]:
+                      follow: bool, memory_limit: bool, improve_seconds: float = 10.0
+                      ) -> tuple[SearchResult | None, list[str]]:
     """What ilp returns or compares with where HiGHS gives no proven answer: dynamic_programming's plan (on ilp's own
     ``prob`` where ``share``), and where ilp enforces the capacity and that plan exceeds it (dynamic_programming
     ignores the capacity), the memory fit's plan instead; ``(plan or None where no plan fits, the fit's notes)``,
     the notes empty where dynamic_programming's plan is returned as it is."""
-    dp = _dp_plan(graph, params, fully_use_devices, follow, prob if share else None)
+    dp = _dp_plan(graph, params, fully_use_devices, follow, prob if share else None, improve_seconds)
     if not memory_limit or fits_memory(graph, dp.strategies, params.device_memory_capacity, prob.index):
         return dp, []
     return _fit(graph, params, fully_use_devices, follow, dp, prob.index)
@@ -257,11 +274,12 @@ def _fit(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool
 
 
 def _dp_plan(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool,
-             prob: Problem | None = None) -> SearchResult:
+             prob: Problem | None = None, improve_seconds: float = 10.0) -> SearchResult:
     """dynamic_programming's plan, what ilp falls back to or compares with when HiGHS stops at its time limit;
     ``prob``: ilp's own prepared problem under ``params`` (its default candidates), where it has one."""
     if prob is None:
         return dynamic_programming(graph, params, fully_use_devices=fully_use_devices,
-                                   elementwise_op_strategy_follow=follow, cache=False)
+                                   elementwise_op_strategy_follow=follow, improve_seconds=improve_seconds, cache=False)
     # the problem's own note (elementwise_op_strategy_follow) is among ilp's notes already
-    return solve_problem(graph, params, prob, [], time.perf_counter(), fully_use_devices=fully_use_devices)
+    return solve_problem(graph, params, prob, [], time.perf_counter(), fully_use_devices=fully_use_devices,
+                         improve_seconds=improve_seconds, label="ilp (its fallback, dynamic_programming)")
