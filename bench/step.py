@@ -2,7 +2,8 @@
 and per-device memory of each training feature on and off.
 
     python bench/step.py [--steps 10] [--repeats 7] [--size tiny|small|medium] [--modes data_parallel,semi_auto_parallel]
-                         [--features optimizer_parallel,recompute,grad_accumulation]
+                         [--features optimizer_parallel,optimizer_level2,optimizer_level3,recompute,
+                                     grad_accumulation,pipeline]
     python bench/step.py --smoke          # a 1-layer model, 2 steps, 1 repeat: that it runs and writes its JSON
 
 Time: a 4-layer GPT (nn.TransformerBlock) trained with AdamW. The hand-written step is plain JAX: one
@@ -23,11 +24,22 @@ every device, as sequence parallelism does): its ratio is printed too. Megatron 
 feature of ``--features`` is timed in data_parallel against a hand-written step that does the same: optimizer
 parallel (the hand-written jit gets the ZeRO-sharded optimizer state mshard placed, and XLA partitions the update),
 recompute (the same recomputing blocks, ``jax.checkpoint``), gradient accumulation over 2 micro-batches (a
-``lax.scan`` of value_and_grad over the micro-batches, then one update).
+``lax.scan`` of value_and_grad over the micro-batches, then one update), and MindSpore's optimizer levels
+(``parallel_optimizer_config={"optimizer_level": ...}`` with ``enable_parallel_optimizer=True``): level2, which
+mshard compiles to level1's program, and level3 (FSDP, ZeRO-3: the parameters are stored in their ZeRO layout too,
+so the step's inputs and updated weights stay sharded and are gathered where they compute), each against the same
+plain jit of value_and_grad + optax with the shardings mshard placed (for level3 the parameters come in sharded and
+XLA gathers them). The pipeline row (``pipeline_stages=2``, nn.PipelineCell over 4 micro-batches, 1f1b; the
+embeddings on stage 0, the blocks split evenly, the final norm and head on the last stage) is NOT like-for-like: a
+hand-written pipeline is out of scope, so its baseline is the hand-written data-parallel jit step of the same model
+without stages (its JSON row says so in ``baseline``): the ratio is pipeline against data parallel.
 
 Memory: the compiled step's ``memory_analysis()`` per device, for optimizer parallel (argument bytes and
 optimizer-state bytes from shard shapes), recompute of every block (temp bytes) and gradient accumulation
-over 2 micro-batches (temp bytes), each against the same step without the feature; recompute's temp bytes per
+over 2 micro-batches (temp bytes), each against the same step without the feature; optimizer level2 and level3
+(FSDP) against level1 (argument bytes, and for level3 the parameter bytes from shard shapes: level3's arguments
+are smaller by (n-1)/n of the parameter bytes that ZeRO shards, i.e. those of at least
+``parallel_optimizer_threshold`` (64 KB); the smoke model has none); recompute's temp bytes per
 route (TrainOneStepCell in data_parallel and Megatron, ms.jit of nnx.grad, plain flax modules through
 ms.recompute: :func:`recompute_routes`); and the parameter
 bytes per device (shard shapes) with Megatron against data parallel. Everything printed also goes to
@@ -67,8 +79,16 @@ SIZES = {"smoke": dict(vocab=32, hidden=16, heads=4, ffn=32, seq=8, batch=16, la
          "medium": dict(vocab=512, hidden=256, heads=8, ffn=1024, seq=128, batch=32, layers=4)}
 LOSS = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 # training features timed (data_parallel) against a hand-written step doing the same: make_step's keywords
-FEATURES = {"optimizer_parallel": {"zero": True}, "recompute": {"recompute": True},
-            "grad_accumulation": {"micro": 2}}
+FEATURES = {"optimizer_parallel": {"zero": True},
+            "optimizer_level2": {"zero": True, "level": "level2"},
+            "optimizer_level3": {"zero": True, "level": "level3"},        # FSDP
+            "recompute": {"recompute": True},
+            "grad_accumulation": {"micro": 2},
+            "pipeline": {"pipeline": (2, 4)}}                            # (stages, micro-batches)
+# make_step keywords the hand-written step does not do: its model is built without them (then it is not like-for-like)
+HAND_WRITTEN_WITHOUT = ("pipeline",)
+BASELINES = {"pipeline": "hand-written data-parallel jax.jit without stages (pipeline vs data parallel, not "
+                         "like-for-like)"}
 
 
 def batch(cfg, seed=0):
@@ -77,18 +97,42 @@ def batch(cfg, seed=0):
     return t[:, :-1], t[:, 1:]
 
 
-def make_step(cfg, mode, n, *, megatron=False, recompute=False, micro=None, zero=False):
+def make_step(cfg, mode, n, *, megatron=False, recompute=False, micro=None, zero=False, level="level1",
+              pipeline=None):
+    """``zero``: optimizer parallel at ``level`` (MindSpore's optimizer_level; level3 is FSDP); ``micro``: gradient
+    accumulation over that many micro-batches; ``pipeline``: (stages, micro-batches) of an nn.PipelineCell."""
+    stages, micro_size = pipeline or (1, None)
     ms.reset_auto_parallel_context()
-    ms.set_auto_parallel_context(parallel_mode=mode, device_num=n, gradients_mean=True,
-                                 enable_parallel_optimizer=zero)
+    ms.set_auto_parallel_context(parallel_mode=mode, device_num=n, gradients_mean=True, pipeline_stages=stages,
+                                 enable_parallel_optimizer=zero, parallel_optimizer_config={"optimizer_level": level})
     net = GPT(nnx.Rngs(0), **{k: v for k, v in cfg.items() if k != 'batch'})
     for block in net.blocks:
         if megatron:
             block.shard_megatron(2, n // 2)
         if recompute:
             block.recompute()
-    loss = nn.WithLossCell(net, LOSS)
+    loss = nn.WithLossCell(stage_cells(net, stages) if pipeline else net, LOSS)
+    loss = nn.PipelineCell(loss, micro_size) if pipeline else loss
     return nn.TrainOneStepCell(nn.GradAccumulationCell(loss, micro) if micro else loss, optax.adamw(1e-3))
+
+
+def stage_cells(net, stages):
+    """``net``'s cells on ``stages`` pipeline stages: the embeddings on the first, the blocks split evenly, the final
+    norm and the head on the last (as tests/test_pipeline.py's staged GPT)."""
+    net.embedding.pipeline_stage = net.position.pipeline_stage = 0
+    for i, block in enumerate(net.blocks):
+        block.pipeline_stage = i * stages // len(net.blocks)
+    net.final_norm.pipeline_stage = net.head.pipeline_stage = stages - 1
+    return net
+
+
+def placed(cfg, mode, n, **kw):
+    """make_step's step run twice (compiled, its state placed) and the batch placed under its context."""
+    step = make_step(cfg, mode, n, **kw)
+    data = ms.dataset.shard_batch(batch(cfg))
+    for _ in range(2):
+        step(*data)
+    return step, data
 
 
 def hand_written(step, data, micro=None):
@@ -188,24 +232,28 @@ def timed(fn, steps):
 
 
 def bench_time(cfg, mode, n, steps, repeats, megatron=False, **feature):
-    """``feature``: one of make_step's training features (zero=True, recompute=True, micro=k), also in the
-    hand-written step (the same optimizer-state shardings; the same recomputing blocks; a scanned accumulation)."""
-    step = make_step(cfg, mode, n, megatron=megatron, **feature)
-    data = ms.dataset.shard_batch(batch(cfg))
-    for _ in range(2):
-        step(*data)                                  # compile and place
-    jitted, state = (hand_written_megatron(step, data) if megatron else
-                     hand_written(step, data, micro=feature.get("micro")))
+    """``feature``: one of make_step's training features (zero=True at an optimizer level, recompute=True, micro=k),
+    also in the hand-written step (the same optimizer-state and, at level3, parameter shardings; the same
+    recomputing blocks; a scanned accumulation). The keywords of :data:`HAND_WRITTEN_WITHOUT` (a pipeline) are
+    mshard's only: the hand-written step is then that of the same model without them, placed and compiled under
+    its own context before mshard's step is made."""
+    hw_feature = {k: v for k, v in feature.items() if k not in HAND_WRITTEN_WITHOUT}
+    base, data_hw = placed(cfg, mode, n, megatron=megatron, **hw_feature)      # compile and place
+    jitted, state = (hand_written_megatron(base, data_hw) if megatron else
+                     hand_written(base, data_hw, micro=feature.get("micro")))
     box = [state]
     kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-    rep_ms = ms.comm_report(step, *data)
-    rep_hw = ms.comm_report(jitted, state, *data)
-    comm = {k: {"mshard": [rep_ms.count(k), rep_ms.bytes(k)], "hand_written": [rep_hw.count(k), rep_hw.bytes(k)]}
-            for k in kinds if rep_ms.count(k) or rep_hw.count(k)}
+    rep_hw = ms.comm_report(jitted, state, *data_hw)
 
     def hand():
-        box[0], loss = jitted(box[0], *data)
+        box[0], loss = jitted(box[0], *data_hw)
         return loss
+    for _ in range(2):
+        hand()                                        # compiled before a pipeline's context replaces this one
+    step, data = placed(cfg, mode, n, megatron=megatron, **feature) if hw_feature != feature else (base, data_hw)
+    rep_ms = ms.comm_report(step, *data)
+    comm = {k: {"mshard": [rep_ms.count(k), rep_ms.bytes(k)], "hand_written": [rep_hw.count(k), rep_hw.bytes(k)]}
+            for k in kinds if rep_ms.count(k) or rep_hw.count(k)}
 
     free = None
     if megatron:                                      # Megatron with layer norms / residuals left to XLA
@@ -223,8 +271,6 @@ def bench_time(cfg, mode, n, steps, repeats, megatron=False, **feature):
             return loss
         for _ in range(2):
             free()
-    for _ in range(2):
-        hand()
     comp, variables = compiled_step(step, data)      # the compiled step mshard calls (bench only: internals)
 
     def direct():                                     # the same executable with no mshard Python around it
@@ -307,6 +353,13 @@ def bench_memory(cfg, n):
     rows.append(("optimizer parallel: optimizer state B/device", per_device_bytes(off_s.opt_state),
                  per_device_bytes(on_s.opt_state)))
     rows.append(("optimizer parallel: step arguments B/device", off.argument_size_in_bytes, on.argument_size_in_bytes))
+    for level in ("level2", "level3"):
+        lv_s, lv = mem(zero=True, level=level)
+        rows.append((f"optimizer {level} vs level1: step arguments B/device", on.argument_size_in_bytes,
+                     lv.argument_size_in_bytes))
+    # level3 (FSDP) stores the ZeRO-sharded parameters sharded: (n-1)/n of their bytes leave the arguments
+    rows.append(("optimizer level3 vs level1: parameter B/device", per_device_bytes(nnx.state(on_s.network, nnx.Param)),
+                 per_device_bytes(nnx.state(lv_s.network, nnx.Param))))
     _, rc = mem(recompute=True)
     rows.append(("recompute (every block): temp B/device", off.temp_size_in_bytes, rc.temp_size_in_bytes))
     _, acc = mem(micro=2)
@@ -413,7 +466,11 @@ def main(argv=None):
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--modes", default="data_parallel,semi_auto_parallel")
     ap.add_argument("--features", default=",".join(FEATURES),
-                    help="training features timed on data_parallel against the same hand-written step")
+                    help="training features timed on data_parallel against the same hand-written step: "
+                         "optimizer_parallel (ZeRO, optimizer_level level1), optimizer_level2, optimizer_level3 "
+                         "(FSDP), recompute, grad_accumulation (2 micro-batches), pipeline (pipeline_stages=2, "
+                         "4 micro-batches; against the hand-written data-parallel step without stages, not "
+                         "like-for-like)")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "step.json"))
     ap.add_argument("--smoke", action="store_true", help="1-layer model, 2 steps, 1 repeat: checks that it runs")
@@ -446,12 +503,13 @@ def main(argv=None):
         if name not in args.features.split(","):
             continue
         a, b, c, r, rs, ov, comm, _ = bench_time(cfg, "data_parallel", n, args.steps, args.repeats, **feature)
-        print(f"data_parallel + {name}: mshard {a * 1e3:.2f} ms/step, hand-written jax.jit {b * 1e3:.2f} ms/step, "
+        baseline = BASELINES.get(name, "hand-written jax.jit")
+        print(f"data_parallel + {name}: mshard {a * 1e3:.2f} ms/step, {baseline} {b * 1e3:.2f} ms/step, "
               f"ratio (median of {len(rs)}) {r:.3f} [{', '.join(f'{x:.3f}' for x in rs)}]; Python overhead ratio "
               f"{ov:.3f}; collectives mshard vs hand-written: "
               + "; ".join(f"{k} {v['mshard']} vs {v['hand_written']}" for k, v in comm.items()))
         report["time"].append({"mode": "data_parallel", "feature": name, "megatron": False,
-                               "baseline": "hand-written jax.jit", "mshard_s": a, "hand_written_s": b, "direct_s": c,
+                               "baseline": baseline, "mshard_s": a, "hand_written_s": b, "direct_s": c,
                                "ratio_median": r, "ratios": rs, "python_overhead_ratio": ov, "collectives": comm})
     if "semi_auto_parallel" in args.modes and n % 2 == 0 and n > 1:
         fz = bench_fused(cfg, n, args.steps, args.repeats)

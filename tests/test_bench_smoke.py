@@ -40,8 +40,9 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "searched_step": ("config", "rows"),
     "step": ("devices", "platform", "model", "time", "memory", "python_us"),
 }
-# the smoke runs of a loaded 2-core machine take seconds to a minute; bench/step.py's (two modes, three features,
-# the fused Megatron step and every memory route, a 1-layer model) one to two minutes
+# the smoke runs of a loaded 2-core machine take seconds to a minute; bench/step.py's (two modes, six features: three
+# optimizer levels, recompute, accumulation, a 2-stage pipeline; the fused Megatron step and every memory route, a
+# 1-layer model) 3.5-4.5 minutes on a 2-core machine also running the suite's other shard and a benchmark
 TIMEOUT_S = {"step": 600}
 
 
