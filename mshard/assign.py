@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ from .errors import DatasetStrategyError, LayoutError, ParameterPlanError, Strat
 from .jaxpr_util import as_jaxpr as _as_jaxpr
 from .jaxpr_util import call_jaxpr, iter_marks, sub_jaxprs
 from .layout import DimAxes, RegionMesh, TensorStrategy, check_fits, choose_axes, to_tensor_strategy
-from .trace import jaxpr_to_graph
+from .trace import TracedEqn, TraceResult, jaxpr_to_graph
 
 
 def notes_in(jaxpr: jcore.Jaxpr) -> list[OpNote]:
@@ -529,8 +529,13 @@ def resolve_param_name(path: str, params: dict, key: str) -> str:
 
 
 def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode: str, device_num: int,
-                dataset_strategy: Any, param_plans: Sequence[tuple[str, str, Any]] = ()) -> RegionLayouts:
-    """Layouts for a traced region under ``mode`` (see docs/design.md §3)."""
+                dataset_strategy: Any, param_plans: Sequence[tuple[str, str, Any]] = (),
+                trace: Callable[[RegionMesh], TraceResult] | None = None) -> RegionLayouts:
+    """Layouts for a traced region under ``mode`` (see docs/design.md §3).
+
+    ``trace(mesh)``: the region's operator graph on ``mesh`` (:func:`mshard.trace.jaxpr_to_graph` with
+    ``primitives=True``), called once the mesh is known, where user splits may meet; the planner passes the one
+    it searches on, so a region is traced into a graph once. Without it the graph is traced here."""
     jaxpr = closed.jaxpr
     notes = notes_in(jaxpr)
     names = op_names(jaxpr)
@@ -563,7 +568,10 @@ def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode:
         mesh = RegionMesh.prime(device_num)
     meetings, claim_names = None, {}
     if mode in ("semi_auto_parallel", "auto_parallel"):
-        meetings, claim_names, storage = user_meetings(closed, inputs, mesh, fixed, names)
+        tr = (trace(mesh) if trace is not None else
+              jaxpr_to_graph(closed, DeviceMesh(mesh.shape, mesh.names), [i.kind for i in inputs],
+                             [i.name for i in inputs], primitives=True))
+        meetings, claim_names, storage = user_meetings(tr, inputs, fixed, names)
     else:
         storage = set()
     assigner = Assigner(mesh, meetings, claim_names, storage)
@@ -606,13 +614,47 @@ def _split_dims(st: TensorStrategy | None) -> list[int]:
     return [] if st is None else [d for d, c in enumerate(st.counts) if c != 1]
 
 
-def user_meetings(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], mesh: RegionMesh,
-                  fixed: dict[int, TensorStrategy], names: dict[int, str]) -> tuple[Meetings, dict, set]:
-    """Where the region's user splits meet, on its whole traced graph (:mod:`mshard.claims`), a name for each claim
-    (what the user wrote) for messages, and the claims that are storage layouts (:class:`Assigner`)."""
-    jaxpr = closed.jaxpr
-    tr = jaxpr_to_graph(closed, DeviceMesh(mesh.shape, mesh.names), [i.kind for i in inputs],
-                        [i.name for i in inputs])
+def _group_claims(te: TracedEqn, g, names: dict[int, str], sources: dict, who: dict, stops: set,
+                  sinks: dict, at: dict) -> None:
+    """The claims of a primitive object traced as one op (``te.group``): its input strategies on the op's loop
+    dims (``at``) and on the residuals it leaves for the backward, its results as the note lays them out; the op
+    is a sink, entered only through its inputs without a strategy (see :class:`mshard.claims.Meetings`). An
+    object without strategies passes claims through like any op."""
+    note: OpNote = te.eqn.params["note"]
+    if not any(st is not None for st in note.in_strategy):
+        return
+    op = g.ops[te.op]
+    marks = {(e.params["role"], e.params["index"]): e for e in te.group if e.primitive is mark_p}
+    residual = {k: oid for oid, (tied, k) in g.operand_ties.items() if tied == te.op}
+    sinks[te.op] = {k for k, st in enumerate(note.in_strategy) if st is None}
+    label = names.get(note.uid, note.kind)
+    for k, st in enumerate(note.in_strategy):
+        e = marks[("in", k)]
+        if st is None:
+            continue
+        bdim = e.params.get("bdim")
+        tdims = {d: d + (bdim is not None and d >= bdim) for d in _split_dims(st)}
+        key = mark_key(e)
+        at.setdefault(key, []).append((te.op, {d: op.in_dims[k][td] for d, td in tdims.items()}))
+        if k in residual:             # the operand as the backward reads it: laid out by this claim alone
+            stops.add(residual[k])
+            sources.setdefault(key, []).append((g.ops[residual[k]].outputs[0], tdims))
+        who[key] = f"{label} input {k}"
+    for j, dims in enumerate(note.out_dims):
+        e = marks[("out", j)]
+        bdim = e.params.get("bdim")
+        split = [p for p, l in enumerate(dims) if l and note.loop_counts.get(l, 1) > 1]
+        key = mark_key(e)
+        sources.setdefault(key, []).append(
+            (op.outputs[j], {d: d + (bdim is not None and d >= bdim) for d in split}))
+        who[key] = f"{label} output {j}"
+
+
+def user_meetings(tr: TraceResult, inputs: Sequence[InputInfo], fixed: dict[int, TensorStrategy],
+                  names: dict[int, str]) -> tuple[Meetings, dict, set]:
+    """Where the region's user splits meet, on its whole traced graph (:mod:`mshard.claims`; the graph the
+    region's search runs on, its primitive objects one op each), a name for each claim (what the user wrote) for
+    messages, and the claims that are storage layouts (:class:`Assigner`)."""
     g = tr.graph
     sources: dict[Any, list[tuple[int, dict[int, int]]]] = {}
     who: dict[Any, str] = {}
@@ -622,11 +664,16 @@ def user_meetings(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], mesh: 
             sources[("input", i)] = [(g.ops[tr.input_ops[i]].outputs[0], {d: d for d in _split_dims(st)})]
             who[("input", i)] = (f"parameter_plan[{info.name!r}]" if info.kind == "param"
                                  else f"data input {info.name}")
-    del jaxpr
-    stops = {op.id for op in g.ops if op.fixed is not None}
+    # a step's write-backs tie new state to its input for the search; no claim passes them
+    stops = {op.id for op in g.ops if op.fixed is not None or op.kind == "writeback"}
+    sinks: dict[int, set[int]] = {}
+    at: dict[Any, list[tuple[int, dict[int, str]]]] = {}
     shard_marks = set()              # a shard-wrapped function's or Cell's in/out strategies: storage layouts
     for te in tr.eqns:
         e = te.eqn
+        if te.group:
+            _group_claims(te, g, names, sources, who, stops, sinks, at)
+            continue
         if e.primitive is not mark_p:
             continue
         note: OpNote = e.params["note"]
@@ -661,4 +708,4 @@ def user_meetings(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], mesh: 
         if note.in_dims is None:
             shard_marks.add(key)
     storage = {k for k in who if k[0] == "input"} | shard_marks
-    return Meetings(g, sources, stops), who, storage
+    return Meetings(g, sources, stops, sinks, at), who, storage

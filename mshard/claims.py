@@ -57,19 +57,32 @@ class Meetings:
     each a graph tensor and the dims worth following (the split ones) as {claim dim: tensor dim}: they differ
     where a mark was batched over data-parallel replicas, which adds a tensor dim (at a place of its own for
     a transpose). ``stops``: op ids a claim does not pass (ops with a user strategy).
+
+    A primitive object traced as one op (``jaxpr_to_graph(..., primitives=True)``) with a strategy is a *sink*:
+    ``sinks`` maps its op id to the inputs a claim may enter it through (those without a strategy of their own);
+    a claim that enters reaches the op there and goes no further, as it went no further than the object's body
+    when its marks were ops. ``at``: claims placed on an op's loop dims directly ({claim dim: loop dim}), the
+    object's own input strategies.
     """
 
     def __init__(self, graph: Graph, sources: Mapping[ClaimKey, Sequence[tuple[int, Mapping[int, int]]]],
-                 stops: Iterable[int]):
+                 stops: Iterable[int], sinks: Mapping[int, Iterable[int]] | None = None,
+                 at: Mapping[ClaimKey, Sequence[tuple[int, Mapping[int, str]]]] | None = None):
         self.graph = graph
         stop = set(stops)
+        sink = {oid: frozenset(slots) for oid, slots in (sinks or {}).items()}
         # op id -> loop dim -> claimed dims reaching it there
         reach: dict[int, dict[str, set[ClaimDim]]] = defaultdict(lambda: defaultdict(set))
+        for key, places in (at or {}).items():
+            for oid, loops in places:
+                for d, loop in loops.items():
+                    if loop is not None:
+                        reach[oid][loop].add((key, d))
         uses = self._uses(graph)
         for key, places in sources.items():
             for tid, dims in places:
                 for d, td in dims.items():
-                    self._spread(key, d, td, [tid], uses, stop, reach)
+                    self._spread(key, d, td, [tid], uses, stop, reach, sink)
         self._meets: dict[ClaimDim, dict[ClaimDim, str]] = defaultdict(dict)
         self._joins: dict[ClaimDim, dict[ClaimDim, str]] = defaultdict(dict)
         for oid, by_loop in sorted(reach.items()):      # program order: name the first op where they meet
@@ -92,25 +105,31 @@ class Meetings:
                                 self._meets[y].setdefault(x, graph.ops[oid].name)
 
     @staticmethod
-    def _uses(graph: Graph) -> dict[int, list[tuple[int, tuple[str | None, ...]]]]:
-        """tensor id -> (op id, that op's loop dim per tensor dim) for every op reading or writing it."""
-        uses: dict[int, list[tuple[int, tuple[str | None, ...]]]] = defaultdict(list)
+    def _uses(graph: Graph) -> dict[int, list[tuple[int, tuple[str | None, ...], int]]]:
+        """tensor id -> (op id, that op's loop dim per tensor dim, slot) for every op reading or writing it; slot
+        ``k`` for the op's input k, ``-1 - j`` for its result j."""
+        uses: dict[int, list[tuple[int, tuple[str | None, ...], int]]] = defaultdict(list)
         for op in graph.ops:
-            for tid, dims in zip(op.inputs, op.in_dims):
-                uses[tid].append((op.id, dims))
-            for tid, dims in zip(op.outputs, op.out_dims):
-                uses[tid].append((op.id, dims))
+            for k, (tid, dims) in enumerate(zip(op.inputs, op.in_dims)):
+                uses[tid].append((op.id, dims, k))
+            for j, (tid, dims) in enumerate(zip(op.outputs, op.out_dims)):
+                uses[tid].append((op.id, dims, -1 - j))
         return uses
 
-    def _spread(self, key: ClaimKey, dim: int, tdim: int, tids: Sequence[int], uses, stop: set[int], reach) -> None:
+    def _spread(self, key: ClaimKey, dim: int, tdim: int, tids: Sequence[int], uses, stop: set[int], reach,
+                sink: Mapping[int, frozenset[int]]) -> None:
         g = self.graph
         seen: set[tuple[int, int]] = set()
         todo = [(t, tdim) for t in tids if tdim < len(g.tensors[t].shape) and g.tensors[t].shape[tdim] > 1]
         seen.update(todo)
         while todo:
             tid, d = todo.pop()
-            for oid, dims in uses[tid]:
+            for oid, dims, slot in uses[tid]:
                 if oid in stop:
+                    continue
+                if oid in sink:              # reached through an open input: meets there, goes no further
+                    if slot in sink[oid] and dims[d] is not None:
+                        reach[oid][dims[d]].add((key, dim))
                     continue
                 op = g.ops[oid]
                 loop = dims[d]

@@ -223,6 +223,15 @@ def _hold_state(graph: Graph, strategies) -> bool:
     return changed
 
 
+def _device_mesh(mesh: RegionMesh) -> DeviceMesh:
+    """The searchers' mesh of a region mesh, with the cost model's per-axis bandwidths."""
+    bw = ctxmod.get_cost_model_context().axis_bandwidth
+    if bw is not None and len(bw) != len(mesh.shape):
+        raise ContextError(f"set_cost_model_context: axis_bandwidth has {len(bw)} entries but the region mesh "
+                           f"{dict(zip(mesh.names, mesh.shape))} has {len(mesh.shape)} axes; give one per axis.")
+    return DeviceMesh(mesh.shape, mesh.names, tuple(bw) if bw else ())
+
+
 def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx, algorithm: str,
                   param_plans: Sequence[tuple[str, str, Any]] = (), input_layout_hook: Callable | None = None
                   ) -> Planned:
@@ -234,9 +243,22 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     before the plan is made, so the plan prices and pins them."""
     n = ctx.devices
     dp_mode = algorithm in ("data_parallel", "stand_alone")
+    # a region returns its user outputs, then the new value of every state input (the "param" inputs, first)
+    n_state = sum(i.kind == "param" for i in inputs)
+    n_user = len(closed.jaxpr.outvars) - n_state
+    state = [(n_user + j, j) for j in range(n_state)] if n_user >= 0 else []
+    traced: list[TraceResult] = []
+
+    def trace_on(mesh: RegionMesh) -> TraceResult:
+        # the region's one operator graph: axis assignment finds where user splits meet on it, the search runs on it
+        if not traced:
+            traced.append(jaxpr_to_graph(closed, _device_mesh(mesh), [i.kind for i in inputs],
+                                         [i.name for i in inputs], state, primitives=True))
+        return traced[0]
+
     base = plan_region(closed, inputs, mode=algorithm if dp_mode else "semi_auto_parallel",
                        device_num=n if algorithm != "stand_alone" else 1,
-                       dataset_strategy=ctx.dataset_strategy, param_plans=param_plans)
+                       dataset_strategy=ctx.dataset_strategy, param_plans=param_plans, trace=trace_on)
     if (dp_mode or ctx.pipeline_stages > 1) and input_layout_hook is not None:
         hooked = list(input_layout_hook(inputs, base))
         base.user_inputs = set(base.user_inputs) | {i for i, (a, b) in enumerate(zip(hooked, base.inputs)) if a != b}
@@ -244,18 +266,9 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     mesh = base.mesh
     cm = ctxmod.get_cost_model_context()
     algo = ctxmod.get_algo_parameters()
-    bw = cm.axis_bandwidth
-    if bw is not None and len(bw) != len(mesh.shape):
-        raise ContextError(f"set_cost_model_context: axis_bandwidth has {len(bw)} entries but the region mesh "
-                           f"{dict(zip(mesh.names, mesh.shape))} has {len(mesh.shape)} axes; give one per axis.")
-    dmesh = DeviceMesh(mesh.shape, mesh.names, tuple(bw) if bw else ())
     params = CostParams(alpha=cm.costmodel_alpha, beta=cm.costmodel_beta, gamma=cm.costmodel_gamma,
                         device_memory_capacity=cm.device_memory_capacity)
-    # a region returns its user outputs, then the new value of every state input (the "param" inputs, first)
-    n_state = sum(i.kind == "param" for i in inputs)
-    n_user = len(closed.jaxpr.outvars) - n_state
-    state = [(n_user + j, j) for j in range(n_state)] if n_user >= 0 else []
-    trace = jaxpr_to_graph(closed, dmesh, [i.kind for i in inputs], [i.name for i in inputs], state, primitives=True)
+    trace = trace_on(mesh)
     graph = trace.graph
     _free_derived(graph, n_user)
     _free_data_free(graph)
