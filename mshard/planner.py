@@ -259,7 +259,8 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     base = plan_region(closed, inputs, mode=algorithm if dp_mode else "semi_auto_parallel",
                        device_num=n if algorithm != "stand_alone" else 1,
                        dataset_strategy=ctx.dataset_strategy, param_plans=param_plans, trace=trace_on)
-    if (dp_mode or ctx.pipeline_stages > 1) and input_layout_hook is not None:
+    hooked_before = (dp_mode or algorithm == "semi_auto" or ctx.pipeline_stages > 1) and input_layout_hook is not None
+    if hooked_before:
         hooked = list(input_layout_hook(inputs, base))
         base.user_inputs = set(base.user_inputs) | {i for i, (a, b) in enumerate(zip(hooked, base.inputs)) if a != b}
         base.inputs = hooked
@@ -318,6 +319,25 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     opts = {"fully_use_devices": algo.fully_use_devices,
             "elementwise_op_strategy_follow": algo.elementwise_op_strategy_follow}
     result = searcher.search(graph, params, opts)
+    if input_layout_hook is not None and not hooked_before:
+        # a training step stores each optimizer-state leaf that mirrors a parameter in the parameter's layout (the
+        # hook), whatever the search gave the leaf: held there, the search is run again, so the update computes the
+        # leaf where it is stored (else the program gathers it whole to compute and slices it to store)
+        searched = [result_layout(graph.ops[trace.input_ops[i]], result.strategies[trace.input_ops[i]], 0)
+                    for i in range(len(inputs))]
+        want = list(input_layout_hook(inputs, dataclasses.replace(base, inputs=[_names(x, mesh) for x in searched])))
+        held = 0
+        for i, lay in enumerate(want):
+            op = graph.ops[trace.input_ops[i]]
+            if _names(searched[i], mesh) != lay and op.fixed is None:
+                op.fixed = _strategy_from_layout(op, lay, mesh)
+                held += 1
+        if held:
+            first = result.seconds
+            result = searcher.search(graph, params, opts)
+            result = dataclasses.replace(result, seconds=result.seconds + first)
+            notes.append(f"optimizer state is stored in its parameter's layout: searched again with {held} state "
+                         f"leaves held there")
     if searcher.ties_exactly:
         if any(op.kind == "writeback" for op in graph.ops):
             notes.append("updated state is stored in its input's layout: every write-back was tied to its input "

@@ -15,7 +15,8 @@ import optax
 import pytest
 from flax import nnx
 from helpers import split_counts
-from train_helpers import MLP, TinyGPT, assert_params_close, assert_trees_close, batches, mse, reference_train, token_loss
+from train_helpers import (MLP, TinyGPT, assert_params_close, assert_trees_close, batches, mse, params_of, reference_train,
+                           token_loss)
 
 import mshard as ms
 from mshard import nn
@@ -206,6 +207,41 @@ def test_megatron_gpt_semi_auto_matches_one_device(mode, fusion):
         pairs = {frozenset({i, i + 4}) for i in range(4)}
         assert sum(c.kind == "all-reduce" and {frozenset(g) for g in c.groups} == pairs
                    for c in step_rep.collectives) == 3
+
+
+@pytest.mark.parametrize("mode, search", [("semi_auto_parallel", None), ("auto_parallel", "recursive_programming"),
+                                          ("auto_parallel", "dynamic_programming")])
+def test_megatron_adam_step_keeps_the_update_in_the_weights_layout(mode, search):
+    """Issue 39: a Megatron (dp 2 x mp 4) training step under Adam gathered every mp-split weight's moments whole
+    (2 all-gathers per weight: the moments were planned replicated and stored split, so the update computed them
+    whole). The backward and the update stay in the weights' layout: no all-gather in the step has a parameter's
+    whole shape (the batch, 24 x 8 tokens, gives no activation a parameter's shape), and every parameter and Adam
+    leaf equals one device. In a search the Megatron strategies are fixed and the search plans the rest: each
+    moment is held at its parameter's layout and the search run again."""
+    ms.set_auto_parallel_context(parallel_mode=mode, device_num=8, gradients_mean=True,
+                                 **({"search_mode": search} if search else {}))
+    data = batches(2, [(24, 8), (24, 8)], seed=3, ints=[32, 32])
+    net = TinyGPT(nnx.Rngs(3))
+    for blk in net.blocks:
+        blk.shard_megatron(2, 4)
+    # eps 1e-3: attention's key bias has a gradient of exactly zero (a constant on every key's score), so its float
+    # rounding noise (~1e-9) is all Adam sees there; with eps 1e-8 Adam turns that noise into +-lr steps that no two
+    # summation orders share. With eps 1e-3 an update stays linear in a gradient that small (and a gradient-scale
+    # bug still changes every update)
+    tx = optax.adam(1e-2, eps=1e-3)
+    ref, ref_opt, ref_losses = reference_train(net, tx, data, token_loss)
+    step, losses = run(net, tx, data, loss_fn=token_loss)
+    # float32, as test_megatron_gpt_semi_auto_matches_one_device: ~5e-7 relative per op over ~10 ops and 2 steps
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+    assert_trees_close(step.opt_state, ref_opt)
+    whole = {tuple(x.shape) for x in params_of(net)}
+    split = [x for x in params_of(net) if not x.sharding.is_fully_replicated]
+    assert len(split) >= 8                      # q/k/v, both MLP Denses and their biases, per block, are mp-split
+    rep = ms.comm_report(step, *data[0])
+    gathered = [c.text.split(" all-gather")[0] for c in rep.collectives if c.kind == "all-gather"]
+    assert not [g for g in gathered if any(f"f32[{','.join(map(str, s))}]" in g for s in whole if len(s) > 1)], \
+        gathered
 
 
 # -- optimizer parallel --------------------------------------------------------------------------------
