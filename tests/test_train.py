@@ -15,8 +15,17 @@ import optax
 import pytest
 from flax import nnx
 from helpers import split_counts
-from train_helpers import (MLP, TinyGPT, assert_params_close, assert_trees_close, batches, mse, params_of, reference_train,
-                           token_loss)
+from train_helpers import (
+    MLP,
+    TinyGPT,
+    assert_params_close,
+    assert_trees_close,
+    batches,
+    mse,
+    params_of,
+    reference_train,
+    token_loss,
+)
 
 import mshard as ms
 from mshard import nn
