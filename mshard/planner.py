@@ -190,6 +190,32 @@ def _free_derived(graph: Graph, n_user: int) -> None:
             op.free_devices = op.derived = True
 
 
+def _derive_backward(graph: Graph) -> None:
+    """Mark ``derived`` every op of a backward pass the region computes as a result (``jax.grad`` of a loss inside
+    the region: its ops' names carry JAX's ``transpose(...)`` scope) and every op only such ops read, as
+    :func:`_free_derived` marks a step's: MindSpore derives a backward from the forward's strategies;
+    sharding_propagation does not propagate into it."""
+    marked = False
+    for op in graph.ops:
+        if not op.is_source and _BACKWARD in op.name:
+            op.derived = marked = True
+    if not marked:
+        return
+    # and what only the backward reads: the forward's residual coefficients (the 2 * y of a y ** 2, a ReLU's mask).
+    # One step back only: further back lies the primal forward itself, which a loss the region does not return
+    # also feeds only the backward
+    backward = {op.id for op in graph.ops if op.derived}
+    for op in graph.ops:
+        if op.derived or op.is_source or not op.outputs or any(t in graph.outputs for t in op.outputs):
+            continue
+        readers = [c for t in op.outputs for c in graph.tensors[t].consumers]
+        if readers and all(c in backward for c in readers):
+            op.derived = True
+
+
+_BACKWARD = "transpose("     # JAX's name-stack scope of a transposed (backward) equation
+
+
 def _free_data_free(graph: Graph) -> None:
     """Mark ``free_devices`` every op that no data input reaches: a parameter's own transform (a reshape of a norm's
     scale, a position table's lookup at fixed positions) and what is computed from constants alone (an iota's
@@ -272,6 +298,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     trace = trace_on(mesh)
     graph = trace.graph
     _free_derived(graph, n_user)
+    _derive_backward(graph)
     _free_data_free(graph)
     mark_merged_reductions(graph)        # a step's gradient all-reduces: XLA combines them into one
     # fixed: user inputs (data, parameter_plan), annotated marks, a loaded strategy file
