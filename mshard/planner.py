@@ -265,9 +265,15 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     ``"stand_alone"``: MindSpore's data-parallel plan on every device / on one).
 
     ``input_layout_hook(inputs, layouts) -> input layouts`` (a training step's optimizer-parallel layouts, a
-    pipeline's parameter layouts inside its stages) is applied to the inputs of a data-parallel or pipelined plan
-    before the plan is made, so the plan prices and pins them."""
-    n = ctx.devices
+    pipeline's parameter layouts inside its stages, each optimizer-state leaf in its parameter's layout) is applied
+    to the inputs of a data-parallel, semi_auto or pipelined plan before the plan is made, so the plan prices and
+    pins them; a searched plan holds what the search laid out otherwise and searches again.
+
+    The steps, each a function of its own: trace the region into its one graph (once the mesh is known), lay out
+    the user's splits (:func:`mshard.assign.plan_region`), mark what the searchers treat apart
+    (:func:`_mark_graph`), fix the user's layouts (:func:`_fix_user_layouts`) and a loaded strategy file's
+    (:func:`_apply_strategy_file`), search (:func:`_search`), and turn the strategies into the layouts the program
+    is emitted with (:func:`_emit_layouts`) and the Plan (:func:`build_plan`)."""
     dp_mode = algorithm in ("data_parallel", "stand_alone")
     # a region returns its user outputs, then the new value of every state input (the "param" inputs, first)
     n_state = sum(i.kind == "param" for i in inputs)
@@ -283,7 +289,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
         return traced[0]
 
     base = plan_region(closed, inputs, mode=algorithm if dp_mode else "semi_auto_parallel",
-                       device_num=n if algorithm != "stand_alone" else 1,
+                       device_num=ctx.devices if algorithm != "stand_alone" else 1,
                        dataset_strategy=ctx.dataset_strategy, param_plans=param_plans, trace=trace_on)
     hooked_before = (dp_mode or algorithm == "semi_auto" or ctx.pipeline_stages > 1) and input_layout_hook is not None
     if hooked_before:
@@ -292,19 +298,47 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
         base.inputs = hooked
     mesh = base.mesh
     cm = ctxmod.get_cost_model_context()
-    algo = ctxmod.get_algo_parameters()
     params = CostParams(alpha=cm.costmodel_alpha, beta=cm.costmodel_beta, gamma=cm.costmodel_gamma,
                         device_memory_capacity=cm.device_memory_capacity)
     trace = trace_on(mesh)
-    graph = trace.graph
+    _mark_graph(trace.graph, n_user)
+    _fix_user_layouts(trace, base, inputs, algorithm)
+    notes: list[str] = list(base.notes)
+    load = ctx.strategy_ckpt_config.get("load_file")
+    if load:
+        notes.append(_apply_strategy_file(load, trace, inputs, mesh))
+    searcher = SEARCHERS["data_parallel"] if dp_mode else SEARCHERS.get(algorithm)
+    if searcher is None:
+        notes.append(f"search_mode {algorithm!r} is not available yet; used sharding_propagation")
+        searcher, algorithm = SEARCHERS["sharding_propagation"], "sharding_propagation"
+    algo = ctxmod.get_algo_parameters()
+    opts = {"fully_use_devices": algo.fully_use_devices,
+            "elementwise_op_strategy_follow": algo.elementwise_op_strategy_follow}
+    hold = input_layout_hook if not hooked_before else None
+    result = _search(searcher, trace, params, opts, inputs, base, hold, notes)
+    layouts, eqn_out, eqn_in = _emit_layouts(trace, result.strategies, base)
+    plan = build_plan(trace, result.strategies, result, params, mesh, inputs, base, notes, algorithm)
+    return Planned(plan, layouts, eqn_out, eqn_in)
+
+
+def _mark_graph(graph: Graph, n_user: int) -> None:
+    """What the searchers treat apart: a step's backward and update (derived, free of ``fully_use_devices``), a
+    returned gradient's backward (derived), what no data reaches, and the gradient all-reduces XLA merges."""
     _free_derived(graph, n_user)
     _derive_backward(graph)
     _free_data_free(graph)
     mark_merged_reductions(graph)        # a step's gradient all-reduces: XLA combines them into one
-    # fixed: user inputs (data, parameter_plan), annotated marks, a loaded strategy file
+
+
+def _fix_user_layouts(trace: TraceResult, base: RegionLayouts, inputs: Sequence[InputInfo], algorithm: str) -> None:
+    """Fix the ops whose layout the user (or the data-parallel default) decides: user inputs (data,
+    ``parameter_plan``), every input in data_parallel / stand_alone, a parameter semi_auto slices as its first
+    annotated use asks, and the marks of annotated primitive objects and shard-wrapped functions."""
+    graph, mesh = trace.graph, base.mesh
+    dp_mode = algorithm in ("data_parallel", "stand_alone")
     for i in range(len(inputs)):
         sliced = algorithm == "semi_auto" and inputs[i].kind == "param" and any(base.inputs[i])
-        if i in base.user_inputs or sliced or dp_mode:      # semi_auto: a parameter sliced as its first annotated use asks
+        if i in base.user_inputs or sliced or dp_mode:
             op = graph.ops[trace.input_ops[i]]
             op.fixed = _strategy_from_layout(op, base.inputs[i], mesh)
     for te in trace.eqns:
@@ -315,44 +349,50 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
             if lay is not None:
                 op = graph.ops[te.op]
                 op.fixed = _strategy_from_layout(op, _batched(lay, te.eqn, len(op.out_dims[0])), mesh)
-    load = ctx.strategy_ckpt_config.get("load_file")
-    notes: list[str] = list(base.notes)
-    if load:
-        loaded = load_plan(load)
-        if loaded.mesh != mesh:
-            notes.append(f"strategy file {load} is for mesh {loaded.mesh}, not {mesh}: not applied")
-        else:
-            applied = 0
-            for op in graph.ops:
-                axes = loaded.graph_axes.get(op.name)
-                if axes is not None and len(axes) == len(op.dims) and op.fixed is None:
-                    op.fixed = tuple(tuple(mesh.names.index(a) for a in ax) for ax in axes)
-                    applied += 1
-            stored = 0
-            for i, info in enumerate(inputs):     # the parameters are stored as the file says
-                spec = loaded.param_specs.get(info.name) if info.kind == "param" else None
-                op = graph.ops[trace.input_ops[i]]
-                if spec is not None and op.fixed is None:
-                    op.fixed = _strategy_from_layout(op, dims_of(spec, len(info.shape)), mesh)
-                    stored += 1
-                axes = loaded.graph_axes.get(op.name) if info.kind == "data" and info.strategy is None else None
-                if axes is not None and len(axes) == len(op.dims):   # data laid out as the saved region's was
-                    op.fixed = tuple(tuple(mesh.names.index(a) for a in ax) for ax in axes)
-            notes.append(f"strategy file {load}: {applied} op strategies and {stored} parameter layouts loaded")
-    searcher = SEARCHERS["data_parallel"] if dp_mode else SEARCHERS.get(algorithm)
-    if searcher is None:
-        notes.append(f"search_mode {algorithm!r} is not available yet; used sharding_propagation")
-        searcher, algorithm = SEARCHERS["sharding_propagation"], "sharding_propagation"
-    opts = {"fully_use_devices": algo.fully_use_devices,
-            "elementwise_op_strategy_follow": algo.elementwise_op_strategy_follow}
+
+
+def _apply_strategy_file(load: str, trace: TraceResult, inputs: Sequence[InputInfo], mesh: RegionMesh) -> str:
+    """Fix what a saved strategy file says (``strategy_ckpt_config['load_file']``) on ops not fixed yet: op
+    strategies by op name, parameter layouts by name, and data laid out as the saved region's was; the plan's
+    note on what was applied."""
+    graph = trace.graph
+    loaded = load_plan(load)
+    if loaded.mesh != mesh:
+        return f"strategy file {load} is for mesh {loaded.mesh}, not {mesh}: not applied"
+    applied = 0
+    for op in graph.ops:
+        axes = loaded.graph_axes.get(op.name)
+        if axes is not None and len(axes) == len(op.dims) and op.fixed is None:
+            op.fixed = tuple(tuple(mesh.names.index(a) for a in ax) for ax in axes)
+            applied += 1
+    stored = 0
+    for i, info in enumerate(inputs):     # the parameters are stored as the file says
+        spec = loaded.param_specs.get(info.name) if info.kind == "param" else None
+        op = graph.ops[trace.input_ops[i]]
+        if spec is not None and op.fixed is None:
+            op.fixed = _strategy_from_layout(op, dims_of(spec, len(info.shape)), mesh)
+            stored += 1
+        axes = loaded.graph_axes.get(op.name) if info.kind == "data" and info.strategy is None else None
+        if axes is not None and len(axes) == len(op.dims):   # data laid out as the saved region's was
+            op.fixed = tuple(tuple(mesh.names.index(a) for a in ax) for ax in axes)
+    return f"strategy file {load}: {applied} op strategies and {stored} parameter layouts loaded"
+
+
+def _search(searcher, trace: TraceResult, params: CostParams, opts: dict, inputs: Sequence[InputInfo],
+            base: RegionLayouts, hold: Callable | None, notes: list[str]):
+    """Run ``searcher`` on the region's graph, and again where stored state must keep a layout the first search
+    did not give it: optimizer state in its parameter's layout (``hold``, the step's layout hook), updated state
+    in its input's (a greedy searcher's write-back ties); then marked operands read again take the layout their op
+    computed them in. Appends the notes; returns the search's result."""
+    graph, mesh = trace.graph, base.mesh
     result = searcher.search(graph, params, opts)
-    if input_layout_hook is not None and not hooked_before:
+    if hold is not None:
         # a training step stores each optimizer-state leaf that mirrors a parameter in the parameter's layout (the
         # hook), whatever the search gave the leaf: held there, the search is run again, so the update computes the
         # leaf where it is stored (else the program gathers it whole to compute and slices it to store)
         searched = [result_layout(graph.ops[trace.input_ops[i]], result.strategies[trace.input_ops[i]], 0)
                     for i in range(len(inputs))]
-        want = list(input_layout_hook(inputs, dataclasses.replace(base, inputs=[_names(x, mesh) for x in searched])))
+        want = list(hold(inputs, dataclasses.replace(base, inputs=[_names(x, mesh) for x in searched])))
         held = 0
         for i, lay in enumerate(want):
             op = graph.ops[trace.input_ops[i]]
@@ -385,13 +425,19 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
         if tied != result.strategies:
             result = dataclasses.replace(result, strategies=tied, cost=graph_cost(graph, tied, params))
     notes.extend(result.notes)
-    strategies = result.strategies
+    return result
 
-    # layouts to emit
+
+def _emit_layouts(trace: TraceResult, strategies, base: RegionLayouts
+                  ) -> tuple[RegionLayouts, dict[EqnKey, tuple], dict[EqnKey, tuple]]:
+    """The layouts the program is emitted with: every input's, every mark's (a primitive object's operands and
+    results as it computes), and per equation its results' layouts and the operands it reads in another layout
+    than their producer gave them (None where it reads them as they are)."""
+    graph, mesh = trace.graph, base.mesh
     layouts = RegionLayouts(mesh, list(base.inputs), dict(base.marks), base.op_names, honour_marks=True,
                             user_inputs=set(base.user_inputs), strategy_inputs=list(base.inputs))
-    for i in range(len(inputs)):
-        op = graph.ops[trace.input_ops[i]]
+    for i, oid in enumerate(trace.input_ops):
+        op = graph.ops[oid]
         layouts.inputs[i] = _names(result_layout(op, strategies[op.id], 0), mesh)
     eqn_out: dict[EqnKey, tuple] = {}
     eqn_in: dict[EqnKey, tuple] = {}
@@ -425,8 +471,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
             ins.append(_names(want, mesh) if moved and prod.kind != "const" else None)
         if any(x is not None for x in ins):
             eqn_in[eqn_key(te)] = tuple(ins)
-    plan = build_plan(trace, strategies, result, params, mesh, inputs, base, notes, algorithm)
-    return Planned(plan, layouts, eqn_out, eqn_in)
+    return layouts, eqn_out, eqn_in
 
 
 def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh: RegionMesh,
