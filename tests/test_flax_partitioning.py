@@ -11,8 +11,10 @@ from flax import nnx
 from helpers import assert_close
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from train_helpers import assert_params_close, assert_trees_close, reference_train
 
 import mshard as ms
+from mshard import nn
 from mshard.errors import ParameterPlanError
 
 MESH = dict(axis_shapes=(2, 4), axis_names=("data", "model"))
@@ -106,9 +108,6 @@ def test_adam_moments_follow_their_parameter_where_a_parameter_plan_overrides_th
     """Issue 39: the nnx.Optimizer a TrainOneStepCell builds copies each parameter's names into Adam's moments; the
     moments are stored as their parameter is, also where a parameter_plan overrides the names (l1's kernel whole,
     l2's still split by its names), and every parameter and moment equals one device."""
-    from mshard import nn
-    from train_helpers import assert_params_close, assert_trees_close, reference_train
-
     class Net(nn.Cell):
         def __init__(self):
             super().__init__()
