@@ -64,6 +64,32 @@ def test_accumulation_over_a_megatron_parameter_plan_trains_as_one_step_on_the_w
     assert split_counts(net.fc1.weight[...]) == (4, 1) and split_counts(net.fc2.weight[...]) == (1, 4)
 
 
+MEGATRON = {"fc1.weight": (4, 1), "fc2.weight": (1, 4)}
+
+
+@pytest.mark.parametrize("wrap, plan", [("accumulation", "fsdp"), ("interleaved", "fsdp"), ("interleaved", "megatron")])
+def test_micro_batch_wrappers_over_fsdp_and_megatron_train_as_one_step_on_the_whole_batch(wrap, plan):
+    """Issue 39, accumulation with any user strategy: GradAccumulationCell and MicroBatchInterleaved over an FSDP
+    parameter_plan (batch and weights over the same 8 devices) and MicroBatchInterleaved over a Megatron one (the
+    accumulation case is the test above). Plain SGD: a micro-batch gradient summed instead of averaged would move
+    2x as far, and every parameter is compared with one device."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True)
+    data = batches(STEPS, [(32, 16), (32, 8)], seed=5)
+    net = MLP(nnx.Rngs(0))
+    ref, _, ref_losses = reference_train(net, optax.sgd(1e-1), data, mse)
+    layout, batch = (FSDP, (8, 1)) if plan == "fsdp" else (MEGATRON, (2, 1))
+    net.shard(in_strategy=(batch,), parameter_plan=layout)
+    inner = nn.WithLossCell(net, mse)
+    cell = nn.GradAccumulationCell(inner, 2) if wrap == "accumulation" else nn.MicroBatchInterleaved(inner, 2)
+    step = nn.TrainOneStepCell(cell, optax.sgd(1e-1))
+    losses = [float(step(*b)) for b in data]
+    # float32, PARAM_RTOL's reasoning (tests/train_helpers.py); the loss is the mean of the two micro-batch means
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(net, ref)
+    for name, counts in layout.items():
+        assert split_counts(getattr(net, name.split(".")[0]).weight[...]) == counts, name   # stored as asked
+
+
 # the MLP's parameters: fc1 64x16 + 64, fc2 64x64 + 64, fc3 8x64 + 8 float32 values
 PARAM_BYTES = 4 * (64 * 16 + 64 + 64 * 64 + 64 + 8 * 64 + 8)
 
