@@ -27,6 +27,7 @@ ends there (exit 0).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import signal
@@ -187,7 +188,7 @@ def run(a: argparse.Namespace) -> int:
             files.append(f)
             logs.append(path)
             procs.append(subprocess.Popen(cmd, env=worker_env(a, lr), stdout=f, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+                                          start_new_session=True, preexec_fn=_die_with_parent))
         tails = [_Tail(p, f"[worker {first + i}] ", stop) for i, p in enumerate(logs)
                  if a.tail_worker_log in (-1, first + i)]
         for t in tails:
@@ -230,6 +231,14 @@ def run(a: argparse.Namespace) -> int:
         _kill(procs)
         for f in files:
             f.close()
+
+
+def _die_with_parent() -> None:
+    """In a worker before it runs (Linux): the kernel SIGKILLs it when the launcher dies. A launcher killed by
+    SIGKILL (a test's or a scheduler's timeout) cannot stop its workers itself, and they run in sessions of their own,
+    so without this a worker in a long loop would outlive the job."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)      # 1: PR_SET_PDEATHSIG
 
 
 def _kill(procs: list) -> None:

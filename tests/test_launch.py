@@ -61,6 +61,43 @@ def test_two_processes_train_equal_to_one_device(tmp_path, port, fault, mode, or
 
 
 @pytest.mark.slow
+def test_workers_end_when_the_launcher_is_killed(tmp_path, port):
+    """A launcher killed by SIGKILL (a timeout's kill) cannot stop its workers, which run in sessions of their own:
+    each worker asks the kernel to kill it when the launcher dies. Before, the workers of a job in a loop outlived it
+    (bench/launch.py's smoke left two after every CI run)."""
+    p = _launch(tmp_path, port, fault="loop")
+    pids = []
+    try:
+        for r in range(2):
+            body = _wait_for(tmp_path / f"worker_{r}.log", "step 2 ", p)
+            pids.append(int(body.split(" pid ", 1)[1].split()[0]))
+        p.kill()
+        p.communicate(timeout=30)   # reaps the launcher and closes its pipes
+        end = time.time() + 30      # the kernel's SIGKILL is at once; 30 s covers a loaded machine's reaping
+        alive = list(pids)
+        while alive and time.time() < end:
+            alive = [pid for pid in alive if _running(pid)]
+            time.sleep(0.1)
+        assert not alive, f"workers {alive} outlived their killed launcher"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate(timeout=30)
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, dead but not reaped, counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fault,rank,sig", [("kill", 1, signal.SIGKILL), ("kill", 0, signal.SIGKILL),
                                             ("stop", 1, signal.SIGSTOP), ("raise", 1, None)])
 def test_a_fault_ends_the_whole_job_naming_the_failing_rank(tmp_path, port, fault, rank, sig):
