@@ -614,6 +614,13 @@ def _split_dims(st: TensorStrategy | None) -> list[int]:
     return [] if st is None else [d for d, c in enumerate(st.counts) if c != 1]
 
 
+def _tensor_dims(split: Sequence[int], mark) -> dict[int, int]:
+    """{claim dim: tensor dim} of a mark's split dims: a mark batched over data-parallel replicas has the replica
+    dim at its ``bdim``, after which every dim is one further."""
+    bdim = mark.params.get("bdim")
+    return {d: d + (bdim is not None and d >= bdim) for d in split}
+
+
 def _group_claims(te: TracedEqn, g, names: dict[int, str], sources: dict, who: dict, stops: set,
                   sinks: dict, at: dict) -> None:
     """The claims of a primitive object traced as one op (``te.group``): its input strategies on the op's loop
@@ -632,8 +639,7 @@ def _group_claims(te: TracedEqn, g, names: dict[int, str], sources: dict, who: d
         e = marks[("in", k)]
         if st is None:
             continue
-        bdim = e.params.get("bdim")
-        tdims = {d: d + (bdim is not None and d >= bdim) for d in _split_dims(st)}
+        tdims = _tensor_dims(_split_dims(st), e)
         key = mark_key(e)
         at.setdefault(key, []).append((te.op, {d: op.in_dims[k][td] for d, td in tdims.items()}))
         if k in residual:             # the operand as the backward reads it: laid out by this claim alone
@@ -642,11 +648,9 @@ def _group_claims(te: TracedEqn, g, names: dict[int, str], sources: dict, who: d
         who[key] = f"{label} input {k}"
     for j, dims in enumerate(note.out_dims):
         e = marks[("out", j)]
-        bdim = e.params.get("bdim")
         split = [p for p, l in enumerate(dims) if l and note.loop_counts.get(l, 1) > 1]
         key = mark_key(e)
-        sources.setdefault(key, []).append(
-            (op.outputs[j], {d: d + (bdim is not None and d >= bdim) for d in split}))
+        sources.setdefault(key, []).append((op.outputs[j], _tensor_dims(split, e)))
         who[key] = f"{label} output {j}"
 
 
@@ -700,9 +704,7 @@ def user_meetings(tr: TraceResult, inputs: Sequence[InputInfo], fixed: dict[int,
             # would carry the claim backwards into the forward values its cotangent is multiplied with (a tanh's
             # residual, say), where it would meet claims that never meet in the program the user wrote
             continue
-        bdim = e.params.get("bdim")    # batched over replicas: the tensor has the replica dim at bdim
-        sources.setdefault(key, []).append(
-            (g.ops[te.op].outputs[0], {d: d + (bdim is not None and d >= bdim) for d in split}))
+        sources.setdefault(key, []).append((g.ops[te.op].outputs[0], _tensor_dims(split, e)))
         side = "input" if key[1] == "in" else "output"
         who[key] = f"{names.get(note.uid, note.kind)} {side} {idx}"
         if note.in_dims is None:
