@@ -12,7 +12,7 @@ Ratios to ``jax.jit`` are medians of per-round ratios (the issue asks <= 1.1 for
 ``*_fastest``: the fastest round of each over the fastest of the other (noise only adds time). On a 2-core CPU
 host the 8 simulated devices execute on the same cores as the dispatching thread, so the wall ratio also counts
 the execution slowed by the dispatcher's extra work. After a few calls the eager primitive goes direct
-(:mod:`mshard.ops.direct`: its class's ``__call__`` is its ``jax.jit``, no Python frame in between;
+(:mod:`mshard._src.frontend.direct_call`: its class's ``__call__`` is its ``jax.jit``, no Python frame in between;
 ``eager_primitive_direct`` says it did). ``eager_primitive_python_us``: the Python of the fast path it used before,
 per call, timed alone (the compiled program swapped for a function that returns at once).
 """
@@ -79,7 +79,7 @@ def _ratio_of_fastest(got: dict, case: str, base: str, which: int) -> float:
 def python_overhead_us(fast, args, calls: int = 20000) -> float:
     """mshard's own per-call Python on the eager fast path, alone: the fast path's checks with the compiled
     program replaced by a function that returns at once, minus that function called directly (microseconds)."""
-    import mshard.fastcall as fc
+    import mshard._src.runtime.fastcall as fc
     noop = lambda *a: (a[0],)
     cells = [c for c in fast.__closure__ if c.cell_contents is not None and callable(c.cell_contents)
              and getattr(c.cell_contents, "lower", None) is not None]
@@ -148,8 +148,8 @@ def main() -> None:
         res[f"ratio_{case}_vs_{base}_dispatch_cpu"] = _ratio(got, case, base, 1)
         res[f"ratio_{case}_vs_{base}_wall_fastest"] = _ratio_of_fastest(got, case, base, 0)
         res[f"ratio_{case}_vs_{base}_dispatch_cpu_fastest"] = _ratio_of_fastest(got, case, base, 1)
-    from mshard.ops import direct
-    res["eager_primitive_direct"] = direct.is_direct(mm)
+    from mshard._src.frontend import direct_call
+    res["eager_primitive_direct"] = direct_call.is_direct(mm)
     # the eager fast path's Python per call (its checks around the compiled program), timed alone
     res["eager_primitive_python_us"] = python_overhead_us(mm._eager_fast, (xs, ws), calls=200 if a.smoke else 20000)
     res["eager_primitive_python_share_of_jax_jit_dispatch"] = (res["eager_primitive_python_us"]

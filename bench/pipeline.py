@@ -5,7 +5,7 @@ same model without stages.
     python bench/pipeline.py --smoke     # S = 2, M = 4, 1f1b+recompute only, 1 repeat: that it runs and writes its JSON
 
 - ``bubble``: for S in {2, 4}, M in {4, 8, 16} and each schedule (gpipe, 1f1b, interleaved with v = 2 chunks), the
-  idle stage-ticks over all stage-ticks of the tick table the executor runs (mshard.pipeline.schedule), beside the
+  idle stage-ticks over all stage-ticks of the tick table the executor runs (mshard._src.training.pipeline.schedule), beside the
   textbook formula (S-1)/(M+S-1), interleaved (S-1)/(v*M+S-1).
 - ``memory``: the examples GPT (4 blocks, hidden 64, seq 32) trained through nn.PipelineCell with a fixed
   micro-batch of 8 sequences (the batch is 8*M), S = 2 and 4, M = 4, 8, 16, and the schedules: gpipe and 1f1b
@@ -38,8 +38,8 @@ from flax import nnx
 
 import mshard as ms
 from mshard import nn
-from mshard.pipeline.execute import ring_size
-from mshard.pipeline.schedule import bubble_formula, make_schedule
+from mshard._src.training.pipeline.run import ring_size
+from mshard._src.training.pipeline.schedule import bubble_formula, make_schedule
 
 MB = 8       # sequences per micro-batch
 
@@ -84,9 +84,9 @@ def _step(S: int, M: int, sched: str):
     """``sched``: one of :data:`SCHEDULES` (module doc)."""
     import functools
 
-    import mshard.nn.pipeline as nn_pipeline
-    from mshard.pipeline import execute
-    nn_pipeline.run_pipeline = functools.partial(execute.run_pipeline,
+    import mshard._src.training.pipeline.cells as nn_pipeline
+    from mshard._src.training.pipeline import run
+    nn_pipeline.run_pipeline = functools.partial(run.run_pipeline,
                                                  keep_residuals=not sched.endswith("-stage-recompute"))
     ctx = dict(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True, pipeline_stages=S,
                pipeline_config={"pipeline_scheduler": sched.split("+")[0].split("-")[0]})

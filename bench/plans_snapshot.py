@@ -21,12 +21,11 @@ import os
 import sys
 
 import _cpu8  # noqa: F401  (8 simulated devices, before JAX is imported)
-import optax  # noqa: E402
+import optax
+from plans_vs_baselines import SEARCH_MODES, _models
 
-import mshard as ms  # noqa: E402
-from mshard import nn  # noqa: E402
-
-from plans_vs_baselines import SEARCH_MODES, _models  # noqa: E402
+import mshard as ms
+from mshard import nn
 
 PLANS = ("data_parallel", "expert", *SEARCH_MODES)
 

@@ -38,7 +38,7 @@ from models import MODELS, inputs  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
 import mshard as ms  # noqa: E402
-from mshard.comm_report import CommReport  # noqa: E402
+from mshard._src.edges.comm_report import CommReport  # noqa: E402
 from searchers import protocol  # noqa: E402
 from searchers.cost import CostParams, graph_cost  # noqa: E402
 from searchers.result import SearchResult  # noqa: E402

@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mshard.comm_report import CommReport
+from mshard._src.edges.comm_report import CommReport
 from searchers.xla_reshard import reshard
 
 CASES = [((2, 4), (16, 32)), ((4, 2), (16, 32)), ((8,), (16, 32)), ((2, 2, 2), (16, 32)), ((2, 4), (8, 16, 32)),

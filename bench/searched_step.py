@@ -10,7 +10,7 @@ device moves (``ms.comm_report``, ring estimates) and the search seconds (``plan
 
 * ``plan``: mshard as it is. Updated state is stored in its input's layout: dynamic_programming and ilp search
   under the write-back ties (``Op.follow_operand``) in one pass; recursive_programming applies them after its
-  search and searches again with the state held (:mod:`mshard.planner`); sharding_propagation applies them after.
+  search and searches again with the state held (:mod:`mshard._src.planning.search`); sharding_propagation applies them after.
 * ``untied``: dynamic_programming and ilp without the ties, searched twice as recursive_programming is
   (the way before the ties).
 * ``once``: recursive_programming without its second search.
@@ -28,7 +28,7 @@ import _cpu8  # first: 8 simulated CPU devices before JAX is imported
 import numpy as np
 
 import mshard as ms
-from mshard import planner
+from mshard._src.planning import search as planner
 from searchers.cache import SEARCH_CACHE
 from searchers.factor import Problem
 

@@ -71,7 +71,7 @@ from jax.sharding import PartitionSpec as P
 
 import mshard as ms
 from mshard import nn
-from mshard.fastcall import fast_call, module_variables
+from mshard._src.runtime.fastcall import fast_call, module_variables
 
 SIZES = {"smoke": dict(vocab=32, hidden=16, heads=4, ffn=32, seq=8, batch=16, layers=1),
          "tiny": dict(vocab=64, hidden=32, heads=4, ffn=128, seq=16, batch=16, layers=4),

@@ -29,7 +29,7 @@ def show(title, f, args, names, out, ref):
     print("mesh:", dict(zip(lay.mesh.names, lay.mesh.shape)))
     for name, a in zip(names, args):
         print(f"  {name:>14}: {a.sharding.spec if hasattr(a, 'sharding') and len(a.sharding.device_set) > 1 else ''}"
-              f" planned {ms.layout.spec_of(lay.inputs[names.index(name)])}")
+              f" planned {lay.input_specs()[names.index(name)]}")
     print("  output spec:", out.sharding.spec)
     print(ms.comm_report(f, *args))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)

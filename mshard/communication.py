@@ -1,198 +1,22 @@
-"""``ms.communication``: join the job's processes (MindSpore's ``mindspore.communication`` names) and fail fast.
+"""``ms.communication``: join the job's processes with MindSpore's ``mindspore.communication`` names.
 
-``init()`` finds out how the job was started and calls ``jax.distributed.initialize`` accordingly:
-
-1. ``mshard run`` (``MSHARD_COORDINATOR``, ``MSHARD_NUM_PROCESSES``, ``MSHARD_PROCESS_ID``, ``MSHARD_LOCAL_RANK``);
-2. a cluster JAX detects itself: SLURM (``SLURM_JOB_ID``, ``SLURM_NTASKS``, ``SLURM_PROCID``, ``SLURM_LOCALID``,
-   the first host of ``SLURM_STEP_NODELIST``), Open MPI (``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_RANK``,
-   ``OMPI_COMM_WORLD_LOCAL_RANK``, ``OMPI_MCA_orte_hnp_uri``) and the other clusters of
-   ``jax.distributed.initialize`` (Kubernetes JobSets, GKE TPU, ...);
-3. none of these: one process, nothing to join.
-
-It prints one line naming the source it used. It also sets fail-fast defaults, each overridable:
-
-- ``heartbeat_timeout_seconds=10``: a peer that stops (SIGSTOP, a deadlock, a partition) is detected in ~10 s
-  (JAX's default is 100 s);
-- ``shutdown_timeout_seconds=10``: a clean exit waits at most this long for the others;
-- ``collective_timeout_seconds=60`` (CPU collectives, ``--xla_cpu_collective_timeout_seconds``; XLA's default is
-  30 minutes): a collective whose peer never arrives raises instead of waiting;
-- an uncaught exception in any thread logs ``mshard: rank r failed at <time>: <error>`` with its traceback and
-  ends the process at once with ``os._exit(1)``, instead of waiting in JAX's shutdown barrier for peers that will
-  never arrive (which took 300 s before); ``mshard run`` then stops the other workers.
-
->>> import mshard as ms
->>> ms.communication.detect({})
-('single process', None)
->>> ms.communication.detect({"MSHARD_COORDINATOR": "10.0.0.1:8118", "MSHARD_NUM_PROCESSES": "4",
-...                          "MSHARD_PROCESS_ID": "2", "MSHARD_LOCAL_RANK": "0"})[1]["process_id"]
-2
+>>> from mshard.communication import get_rank, get_group_size
+>>> get_rank(), get_group_size() >= 1
+(0, True)
 """
 
-from __future__ import annotations
+from mshard._src.values.communication import detect as detect
+from mshard._src.values.communication import get_group_size as get_group_size
+from mshard._src.values.communication import get_local_rank as get_local_rank
+from mshard._src.values.communication import get_rank as get_rank
+from mshard._src.values.communication import init as init
+from mshard._src.values.communication import release as release
 
-import os
-import sys
-import threading
-import time
-import traceback
-from collections.abc import Mapping
-from typing import Any
-
-import jax
-
-from .errors import ContextError
-
-__all__ = ["detect", "get_group_size", "get_local_rank", "get_rank", "init", "release"]
-
-_STATE: dict[str, Any] = {"source": None, "local_rank": 0}
-
-
-def _slurm(env: Mapping[str, str]) -> dict | None:
-    if "SLURM_JOB_ID" not in env or "SLURM_NTASKS" not in env:
-        return None
-    nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", ""))
-    first = nodes.split(",")[0]
-    if "[" in first:                          # "node[01-04]" -> "node01"
-        prefix, rest = first.split("[", 1)
-        first = prefix + rest.split("-")[0].split(",")[0].rstrip("]")
-    port = int(env.get("MSHARD_MASTER_PORT", 8118))
-    return {"coordinator_address": f"{first}:{port}", "num_processes": int(env["SLURM_NTASKS"]),
-            "process_id": int(env.get("SLURM_PROCID", 0)), "local_rank": int(env.get("SLURM_LOCALID", 0))}
-
-
-def _ompi(env: Mapping[str, str]) -> dict | None:
-    if "OMPI_COMM_WORLD_SIZE" not in env:
-        return None
-    uri = env.get("OMPI_MCA_orte_hnp_uri") or env.get("PMIX_SERVER_URI2", "")
-    # "123.0;tcp://10.1.2.3:4567": the job's head node
-    host = uri.split(";")[1].split("//")[-1].split(":")[0] if ";" in uri else env.get("MSHARD_MASTER_ADDR", "127.0.0.1")
-    port = int(env.get("MSHARD_MASTER_PORT", 8118))
-    return {"coordinator_address": f"{host}:{port}", "num_processes": int(env["OMPI_COMM_WORLD_SIZE"]),
-            "process_id": int(env.get("OMPI_COMM_WORLD_RANK", 0)),
-            "local_rank": int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))}
-
-
-def _mshard(env: Mapping[str, str]) -> dict | None:
-    if "MSHARD_COORDINATOR" not in env:
-        return None
-    try:
-        return {"coordinator_address": env["MSHARD_COORDINATOR"], "num_processes": int(env["MSHARD_NUM_PROCESSES"]),
-                "process_id": int(env["MSHARD_PROCESS_ID"]), "local_rank": int(env.get("MSHARD_LOCAL_RANK", 0))}
-    except (KeyError, ValueError) as e:
-        raise ContextError(f"ms.communication.init: MSHARD_COORDINATOR is set but {e} is missing or not an integer; "
-                           f"start workers with `mshard run`, which sets MSHARD_NUM_PROCESSES and "
-                           f"MSHARD_PROCESS_ID.") from e
-
-
-# the order init() tries them in: mshard run's own variables win over the cluster the launcher runs inside
-SOURCES = (("mshard run", _mshard), ("SLURM", _slurm), ("Open MPI", _ompi))
-
-
-def _jax_clusters() -> list[str]:
-    """The clusters JAX's own detection finds in this process's environment (Kubernetes JobSets, TPU pods, mpi4py,
-    ...), by class name; [] when none (or when this JAX has no such registry)."""
-    try:
-        from jax._src import clusters  # private: imported where used, so its absence means "not detected"
-        return [c.__name__ for c in clusters.ClusterEnv._cluster_types if c.is_env_present()]
-    except Exception:            # a private registry: its absence only means "not detected"
-        return []
-
-
-def detect(env: Mapping[str, str] | None = None) -> tuple[str, dict | None]:
-    """Which launcher started this process: ``(source, arguments for jax.distributed.initialize)``; a cluster
-    only JAX's own detection knows gives ``("jax: <ClusterClass>", {})`` (``initialize()`` finds the rest); one
-    process gives ``("single process", None)``. Reads ``env`` (default ``os.environ``; JAX's detection only for
-    the real environment); starts nothing."""
-    real = env is None
-    env = os.environ if env is None else env
-    for name, fn in SOURCES:
-        found = fn(env)
-        if found is not None:
-            return name, found
-    if real:
-        found = _jax_clusters()
-        if found:
-            return f"jax: {found[0]}", {}
-    return "single process", None
-
-
-def _fail_fast_hooks(rank: int) -> None:
-    def die(exc_type, exc, tb):
-        # the time lets `mshard run` tell the first failure from the ones it caused in the peers
-        sys.stderr.write(f"mshard: rank {rank} failed at {time.time():.6f}: {exc_type.__name__}: {exc}\n")
-        traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(1)
-
-    sys.excepthook = die
-    threading.excepthook = lambda a: die(a.exc_type, a.exc_value, a.exc_traceback)
-
-
-def _collective_timeout(seconds: int) -> None:
-    """Put the CPU collective timeout into XLA_FLAGS (read when JAX creates its CPU client)."""
-    import jax._src.xla_bridge as xb  # private: JAX 0.10 has no public way to ask whether the CPU client exists
-    if getattr(xb, "_backends", None):
-        return                               # too late for this process: the client exists
-    flag = "--xla_cpu_collective_timeout_seconds"
-    flags = os.environ.get("XLA_FLAGS", "")
-    if flag not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {flag}={int(seconds)}".strip()
-
-
-def init(backend_name: str | None = None, *, heartbeat_timeout_seconds: int = 10,
-         shutdown_timeout_seconds: int = 10, collective_timeout_seconds: int = 60,
-         initialization_timeout: int | None = None, fail_fast: bool = True, quiet: bool = False) -> str:
-    """Join the job's processes (see the module docstring); returns the source used. Call it once, before any
-    JAX computation. ``backend_name`` is MindSpore's (``"hccl"``, ``"nccl"``) and is ignored: JAX picks the
-    collectives of its platform (gloo on CPU, NCCL on GPU).
-
-    Differences from MindSpore: a rank is a *process*, which may drive several devices
-    (``jax.local_device_count()``); ``get_group_size()`` counts processes.
-    """
-    source, args = detect()
-    if _STATE["source"] is not None:
-        return _STATE["source"]
-    if args is None:
-        _STATE.update(source=source, local_rank=0)
-        if not quiet:
-            print(f"mshard.communication.init: {source}", file=sys.stderr, flush=True)
-        return source
-    _collective_timeout(collective_timeout_seconds)
-    if initialization_timeout is None:
-        initialization_timeout = int(os.environ.get("MSHARD_CLUSTER_TIME_OUT", 300))
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")      # CPU devices only; GPUs use NCCL
-    local_rank = args.pop("local_rank", 0)
-    jax.distributed.initialize(**args, initialization_timeout=initialization_timeout,
-                               heartbeat_timeout_seconds=heartbeat_timeout_seconds,
-                               shutdown_timeout_seconds=shutdown_timeout_seconds)
-    _STATE.update(source=source, local_rank=local_rank)
-    if fail_fast:
-        _fail_fast_hooks(jax.process_index())
-    if not quiet:
-        print(f"mshard.communication.init: {source}: process {jax.process_index()} of {jax.process_count()}, "
-              f"coordinator {args.get('coordinator_address', '(found by JAX)')}, {jax.local_device_count()} local "
-              f"devices", file=sys.stderr, flush=True)
-    return source
-
-
-def get_rank() -> int:
-    """This process's rank (``jax.process_index()``)."""
-    return jax.process_index()
-
-
-def get_group_size() -> int:
-    """The number of processes (``jax.process_count()``)."""
-    return jax.process_count()
-
-
-def get_local_rank() -> int:
-    """This process's rank on its node (from the launcher; 0 for one process)."""
-    return int(_STATE["local_rank"])
-
-
-def release() -> None:
-    """Leave the job (``jax.distributed.shutdown``) after a clean finish."""
-    if _STATE["source"] not in (None, "single process"):
-        jax.distributed.shutdown()
-    _STATE.update(source=None, local_rank=0)
+__all__ = [
+    "detect",
+    "get_group_size",
+    "get_local_rank",
+    "get_rank",
+    "init",
+    "release",
+]

@@ -38,7 +38,7 @@ Strategy = tuple[Axes, ...]          # one entry per loop dim, in op.dims order
 TensorLayout = tuple[Axes, ...]      # one entry per tensor dim
 
 SOURCE_KINDS = frozenset({"data", "param", "const"})
-# ops a traced program shows as one op over a body it does not inline (a loop or a branch: mshard.rules): their own
+# ops a traced program shows as one op over a body it does not inline (a loop or a branch: mshard._src.jaxpr.rules): their own
 # cost does not model the body, so a split of a carry is no cheaper for them than the cost model says
 OPAQUE_KINDS = frozenset({"scan", "while", "cond"})
 
@@ -139,7 +139,7 @@ class Op:
     halo: dict[str, int] | None = None          # loop dim -> rows of an operand beyond a device's block it reads (a
                                                 # convolution window): splitting it costs a halo exchange
     halo_apart: frozenset[str] = frozenset()    # loop dims never split together with a split halo dim (XLA's
-                                                # partitioner miscompiles the pair: mshard.guards)
+                                                # partitioner miscompiles the pair: mshard._src.planning.xla_guards)
 
     def split_sizes(self) -> tuple[int, ...]:
         """Per loop dim, the number a split count must divide (its size, or gcd with its split_limit)."""

@@ -19,10 +19,10 @@ DATA = batches(2, [(32, 16), (32, 8)], seed=4)
 def _script(parallel_mode, strategy_file):
     """A MindSpore 2.6 AutoParallel training script, mshard's imports in place of mindspore's:
     ``from mindspore.communication import init`` -> ``from mshard.communication import init``,
-    ``from mindspore.parallel.auto_parallel import AutoParallel`` -> ``from mshard.parallel.auto_parallel ...``."""
+    ``from mindspore.parallel.auto_parallel import AutoParallel`` -> ``from mshard._src.frontend.auto_parallel ...``."""
     from mshard import nn
+    from mshard._src.frontend.auto_parallel import AutoParallel
     from mshard.communication import init
-    from mshard.parallel.auto_parallel import AutoParallel
 
     init(quiet=True)
     net = MLP(nnx.Rngs(0))
@@ -55,7 +55,7 @@ def test_a_mindspore_26_script_runs_and_equals_one_device(tmp_path, mode):
 
 
 def test_bad_settings_are_refused_when_made():
-    from mshard.parallel.auto_parallel import AutoParallel
+    from mshard._src.frontend.auto_parallel import AutoParallel
     with pytest.raises(ContextError, match="Did you mean 'semi_auto'"):
         AutoParallel(lambda x: x, parallel_mode="semi_aut")
     p = AutoParallel(ms.jit(lambda x: x + 1))

@@ -17,6 +17,8 @@ from train_helpers import MLP, batches, mse
 
 import mshard as ms
 from mshard import nn
+from mshard._src.edges.checkpoint.leaves import leaves_of
+from mshard._src.edges.checkpoint.store import steps as store_steps
 from mshard.errors import CheckpointError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -24,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def _values(obj):
     """Every variable of ``obj`` on the host, by name (RNG keys as their key data)."""
-    return {lf.name: np.asarray(jax.device_get(lf.value)) for lf in ms.checkpoint.leaves.leaves_of(obj)}
+    return {lf.name: np.asarray(jax.device_get(lf.value)) for lf in leaves_of(obj)}
 
 
 def _assert_same(a, b):
@@ -89,7 +91,7 @@ def test_load_reshards_between_strategies_and_device_counts(tmp_path):
     one = MLP(nnx.Rngs(5))
     r = ms.load_checkpoint(tmp_path, one)
     assert r.param_not_load == [] and any(n.startswith("optimizer.") for n in r.ckpt_not_load)
-    for lf in ms.checkpoint.leaves.leaves_of(one):
+    for lf in leaves_of(one):
         assert np.array_equal(np.asarray(lf.value), want["network.backbone." + lf.name]), lf.name
 
 
@@ -177,7 +179,7 @@ import time; time.sleep(60)
             p.kill()
         p.wait(30)
         p.stdout.close()
-    assert ms.checkpoint.store.steps(str(tmp_path)) == [1]
+    assert store_steps(str(tmp_path)) == [1]
     with pytest.raises(CheckpointError, match="step 2 is not a committed checkpoint"):
         ms.load_checkpoint(tmp_path, nnx.Module(), step=2)
 
@@ -243,7 +245,7 @@ def test_save_is_synchronous_by_default_and_a_load_waits_for_a_save_in_flight(tm
     _assert_same(_values(net), _values(other))
     ms.save_checkpoint(net, tmp_path / "async", step=6, async_save=True)
     ms.save_checkpoint(net, tmp_path / "async", async_save=True)      # default step: one past the last, 6 included
-    assert ms.checkpoint.store.steps(str(tmp_path / "async")) == [5, 6, 7]
+    assert store_steps(str(tmp_path / "async")) == [5, 6, 7]
 
 
 def test_manager_keeps_the_last_n_and_refuses_to_overwrite(tmp_path):
@@ -307,7 +309,7 @@ def test_infer_predict_layout_and_load_distributed_checkpoint(tmp_path):
 def test_checksum_does_not_depend_on_the_layout_and_sees_one_flipped_bit(dtype):
     from jax.sharding import PartitionSpec as P
 
-    from mshard.checkpoint.checksum import CHUNK, block_sums, total
+    from mshard._src.edges.checkpoint.checksum import CHUNK, block_sums, total
     mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     rng = np.random.default_rng(0)
     rows = 2 * CHUNK // 1024 + 8              # a shard of more than one slice, and a remainder slice

@@ -51,8 +51,7 @@ def test_multiprocess_save_kill_and_restore_anywhere(tmp_path, port):
             if p.poll() is None:
                 p.kill()
             p.wait()
-    import mshard as ms
-    assert ms.checkpoint.store.steps(str(tmp_path)) == [2]      # step 3 never committed
+    assert store_steps(str(tmp_path)) == [2]      # step 3 never committed
     assert (tmp_path / "ref.npz").exists()
     print(_run("restore", tmp_path, 2, 4)[0].strip().splitlines()[-1])
     print(_run("restore", tmp_path, 1, 8)[0].strip().splitlines()[-1])

@@ -108,7 +108,7 @@ class OddWindows(nnx.Module):
 def test_training_through_even_dilated_and_one_sided_windows_matches_one_device():
     """semi_auto keeps the batch's height/width split through every window (the follow default), so each of these
     windows is trained with a halo exchange; XLA's partitioner has been wrong on other window layouts
-    (mshard.guards), so the values are checked against one device."""
+    (mshard._src.planning.xla_guards), so the values are checked against one device."""
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True,
                                  dataset_strategy=((1, 2, 4, 1), (1, 2, 4, 1)))
     data = [(host(4, 8, 16, 3, seed=k), host(4, 8, 16, 2, seed=10 + k)) for k in range(2)]

@@ -114,12 +114,12 @@ def test_eager_ops_and_a_region_in_a_chain_move_nothing_outside_their_programs(w
 
 
 def _direct_op():
-    """A MatMul called until its calls go direct (mshard.ops.direct): no Python frame before jax.jit's dispatch."""
-    from mshard.ops import direct
+    """A MatMul called until its calls go direct (mshard._src.frontend.direct_call): no Python frame before jax.jit's dispatch."""
+    from mshard._src.frontend import direct_call
     mm = ops.MatMul().shard(((2, 1), (1, 4)))
-    for _ in range(direct.HITS + 1):
+    for _ in range(direct_call.HITS + 1):
         y = mm(X, W)
-    assert direct.is_direct(mm) and type(mm).__name__ == "MatMul" and isinstance(mm, ops.MatMul)
+    assert direct_call.is_direct(mm) and type(mm).__name__ == "MatMul" and isinstance(mm, ops.MatMul)
     return mm, y
 
 
@@ -143,27 +143,27 @@ def test_repeated_eager_calls_go_direct_and_keep_the_planned_program_and_layout(
 
 
 def test_a_direct_op_goes_back_when_the_context_a_strategy_or_a_region_changes():
-    from mshard.ops import direct
+    from mshard._src.frontend import direct_call
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
     mm, _ = _direct_op()
     ms.set_auto_parallel_context(parallel_mode="data_parallel")          # eager calls are plain JAX there
-    assert not direct.is_direct(mm)
+    assert not direct_call.is_direct(mm)
     assert len(mm(X, W).sharding.device_set) == 1
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
     mm, _ = _direct_op()
     mm.shard(((8, 1), (1, 1)))                                          # a new strategy: its layout from now on
-    assert not direct.is_direct(mm)
-    for _ in range(direct.HITS + 2):
+    assert not direct_call.is_direct(mm)
+    for _ in range(direct_call.HITS + 2):
         y = mm(X, W)
-    assert direct.is_direct(mm) and y.sharding.shard_shape(y.shape) == (2, 32)
+    assert direct_call.is_direct(mm) and y.sharding.shard_shape(y.shape) == (2, 32)
     mm.name = "proj"                                                    # any attribute set
-    assert not direct.is_direct(mm) and mm.name == "proj"
+    assert not direct_call.is_direct(mm) and mm.name == "proj"
     mm, _ = _direct_op()
     # inside a region the op is annotated (its strategy planned with the region), not run as its own program
     f = ms.jit(lambda a, b: jnp.tanh(mm(a, b)))
     # float32: TOL's 8-term dot products, then tanh (1-Lipschitz) computed by XLA's and numpy's own approximations
     np.testing.assert_allclose(np.asarray(f(X, W)), np.tanh(np.asarray(X) @ np.asarray(W)), rtol=1e-5, atol=1e-5)
-    assert not direct.is_direct(mm)
+    assert not direct_call.is_direct(mm)
     assert any(r.strategy == ((2, 1), (1, 4)) for r in f.plan(X, W).ops if r.kind == "MatMul")
 
 

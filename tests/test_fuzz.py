@@ -188,7 +188,7 @@ def test_a_dropout_with_another_mask_is_a_finding(monkeypatch):
 def test_a_scan_with_a_strategy_inside_differentiates():
     """The forward is accepted; its gradient must be too (and equal the exact values of these all-ones inputs).
     Fuzzer finding (seeds 117, 220, 444, 635, 691, 936, 1349): under jax.grad the Add's strategy on the loop-invariant
-    b is hoisted out of the scan body, and was said to meet the carry's split in op 'jvp()/scan' (mshard.claims.OPAQUE);
+    b is hoisted out of the scan body, and was said to meet the carry's split in op 'jvp()/scan' (mshard._src.jaxpr.split_meetings.OPAQUE);
     in other seeds claims passed from a scan's constants to every same-shaped tensor and met in an op after it."""
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
     mm, add = ops.MatMul().shard(((1, 1), (1, 4))), ops.Add().shard(((1, 4), (1, 4)))

@@ -1,4 +1,4 @@
-"""Guards for layouts XLA miscompiles (mshard.guards; issue 13): each guarded strategy equals one device through
+"""Guards for layouts XLA miscompiles (mshard._src.planning.xla_guards; issue 13): each guarded strategy equals one device through
 mshard, and a test beside it shows plain jax.jit is still wrong, by the specific signal (a value far off, or XLA's
 own abort), so an import error or a timeout cannot pass for it. When a JAX upgrade fixes XLA, that test fails and
 says to lift the guard."""
@@ -70,7 +70,7 @@ def test_plain_xla_still_miscompiles_the_guarded_conv():
         a = jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(None, None, "d0", None)))
         b = jax.lax.with_sharding_constraint(b, NamedSharding(mesh, P("d1", None, None, None)))
         return jax.lax.with_sharding_constraint(conv(a, b), NamedSharding(mesh, P(None, "d1", "d0", None)))
-    assert_xla_still_wrong(jax.jit(g)(x, k), conv(x, k), 1e-4, "lift mshard.guards' conv_halo_out_channels")
+    assert_xla_still_wrong(jax.jit(g)(x, k), conv(x, k), 1e-4, "lift mshard._src.planning.xla_guards' conv_halo_out_channels")
 
 
 def _chain(x, w1, w2, act):
@@ -272,11 +272,11 @@ def test_plain_xla_still_aborts_on_a_partially_manual_gather():
                             "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     assert_xla_aborts(r, "spmd_partitioner_util.cc", "Check failed: partition_group_list.num_replica_groups()",
                       "a pipeline stage's parameters may be left to XLA's propagation again "
-                      "(mshard.nn.pipeline._param_specs)")
+                      "(mshard._src.training.pipeline.cells._param_specs)")
 
 
 def test_plain_xla_still_miscompiles_the_grouped_conv_weight_gradient():
-    """Why ops.Conv2D computes a grouped weight gradient group by group (mshard/ops/primitives.py::_weight_grad):
+    """Why ops.Conv2D computes a grouped weight gradient group by group (mshard/_src/frontend/primitive_ops.py::_weight_grad):
     XLA (JAX 0.10) computes it k times too large when the batch is split over one mesh axis and another of size k is
     left whole (here 4x)."""
     mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2)

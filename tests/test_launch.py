@@ -189,7 +189,7 @@ def test_environment_detection(env, want):
 
 
 def test_launcher_argument_errors(tmp_path):
-    from mshard import launch
+    from mshard._src.edges import launch
     script = tmp_path / "s.py"
     script.write_text("")
     for argv, msg in ((["--worker_num=2", "--local_worker_num=3", str(script)], "exceeds --worker_num=2"),

@@ -15,29 +15,27 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# layer -> modules (dotted, under mshard.): a module imports from its layer and those below only
-LAYERS: dict[int, tuple[str, ...]] = {
-    # values: no JAX tracing, no other layer's types
-    1: ("errors", "context", "layout", "plan", "plan_graph", "hlo", "agreement", "communication"),
-    # jaxpr: marks, jaxpr utilities, iteration-space rules, the operator graph, the user's-trace bridge
-    2: ("annotate", "jaxpr_util", "rules", "trace", "traced", "claims"),
-    # planning: axis assignment, the searched plan, XLA guards, flax metadata
-    3: ("assign", "planner", "guards", "flax_meta"),
-    # runtime: emitting the program, regions, the fast path, dry runs, datasets, fusion
-    4: ("execute", "region", "fastcall", "dryrun", "dataset", "fusion"),
-    # front end: shard, primitives, Cells, layers, losses, AutoParallel
-    5: ("shard", "ops", "ops.primitive", "ops.primitives", "ops.comm", "ops.direct", "nn.cell", "nn.layers",
-        "nn.loss", "nn.cells", "parallel", "parallel.auto_parallel"),
-    # training: train cells, gradients, ZeRO, pipeline
-    6: ("nn", "nn.train", "nn.grads", "nn.zero", "nn.step_plan", "nn.pipeline", "pipeline", "pipeline.balance",
-        "pipeline.execute", "pipeline.schedule", "pipeline.report", "pipeline.stages", "pipeline.storage"),
-    # edges: checkpoints, reports, pictures, the launcher
-    7: ("checkpoint", "checkpoint.api", "checkpoint.checksum", "checkpoint.infer", "checkpoint.leaves",
-        "checkpoint.manager", "checkpoint.store", "comm_report", "visualize", "launch", "__main__"),
-    # the public face
-    8: ("",),
+# layer -> the folder under mshard/_src that holds it; everything outside mshard/_src is the public face (layer 8)
+LAYERS: dict[int, str] = {
+    1: "values",      # errors, context, layouts and check_strategy, the plan value, the HLO parser: no tracing
+    2: "jaxpr",       # marks, jaxpr walking, iteration-space rules, the operator graph, the user's-trace bridge
+    3: "planning",    # axis assignment, the searched plan, XLA guards, flax metadata
+    4: "runtime",     # emitting the program, regions, the fast path, dry runs, datasets, fusion
+    5: "frontend",    # shard, primitives, Cells, layers, losses, AutoParallel
+    6: "training",    # train cells, gradients, ZeRO, pipeline
+    7: "edges",       # checkpoints, reports, pictures, the launcher
 }
-LAYER = {f"mshard{'.' + m if m else ''}": k for k, mods in LAYERS.items() for m in mods}
+FACE = 8
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of a dotted module name: its folder's under mshard._src, 8 outside it, None for an unknown folder."""
+    parts = module.split(".")
+    if parts[:2] != ["mshard", "_src"]:
+        return FACE
+    if len(parts) == 2:
+        return 1                                 # mshard/_src/__init__.py: a docstring
+    return {f: k for k, f in LAYERS.items()}.get(parts[2])
 
 
 def _modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -50,6 +48,7 @@ def _modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
 
 
 MODULES = _modules(ROOT)
+LAYER = {m: layer_of(m) for m in MODULES}
 
 
 def _targets(module: str, node: ast.Import | ast.ImportFrom, modules: dict[str, pathlib.Path]) -> list[str]:
@@ -121,8 +120,37 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_every_module_has_a_layer():
-    assert sorted(set(MODULES) - set(LAYER)) == [], "give each new module a layer in LAYERS (and docs/architecture.md)"
-    assert sorted(set(LAYER) - set(MODULES)) == [], "LAYERS names a module that is gone"
+    assert sorted(m for m, k in LAYER.items() if k is None) == [], \
+        "a folder of mshard/_src that is no layer: add it to LAYERS (and docs/architecture.md)"
+
+
+def test_the_public_face_is_thin():
+    """A module outside mshard/_src only re-exports: a docstring, imports, ``__all__`` (and ``__main__``'s guard);
+    every name it imports is in its ``__all__``, and ``__all__`` names nothing it does not import."""
+    bad = []
+    for m, path in MODULES.items():
+        if LAYER[m] != FACE:
+            continue
+        tree = ast.parse(path.read_text())
+        body = tree.body[1:] if ast.get_docstring(tree) is not None else tree.body
+        imported, listed = set(), None
+        for node in body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                imported |= {a.asname or a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.Assign) and [getattr(x, "id", None) for x in node.targets] == ["__all__"]:
+                listed = set(ast.literal_eval(node.value))
+            elif m == "mshard.__main__" and isinstance(node, ast.If):
+                continue
+            else:
+                bad.append(f"{m}:{node.lineno} is more than a re-export ({type(node).__name__})")
+        if m == "mshard.__main__":
+            continue
+        if listed is None:
+            bad.append(f"{m} has no __all__")
+        else:
+            bad += [f"{m}: __all__ lacks {n}" for n in sorted(imported - listed - {"annotations"})]
+            bad += [f"{m}: __all__ names {n}, which it does not import" for n in sorted(listed - imported)]
+    assert bad == []
 
 
 def test_no_package_import_inside_a_function():

@@ -11,9 +11,10 @@ import pytest
 from flax import nnx
 
 import mshard as ms
-from mshard import annotate, nn, ops
+from mshard import nn, ops
+from mshard._src.jaxpr import marks
+from mshard._src.jaxpr.op_graph import jaxpr_to_graph
 from mshard.errors import StrategyError
-from mshard.trace import jaxpr_to_graph
 from searchers import DeviceMesh
 from searchers.strategies import enumerate_strategies
 
@@ -47,7 +48,7 @@ def _searchable(make, shapes, attrs) -> set:
     """The MindSpore strategies a searcher may give the object: every strategy of its op in a traced region."""
     prim = make()
     tensors, attrs = _args(shapes, attrs)
-    with annotate.tracing_region(annotate.RegionTrace(device_num=8)):
+    with marks.tracing_region(marks.RegionTrace(device_num=8)):
         closed = jax.make_jaxpr(lambda *t: prim(*t, *attrs))(*tensors)
     tr = jaxpr_to_graph(closed, MESH, ["data"] * len(tensors), [f"x{i}" for i in range(len(tensors))],
                         primitives=True)
@@ -69,7 +70,7 @@ def _accepted(make, shapes, attrs) -> set:
     for st in itertools.product(*per_input):
         prim = make().shard(st)
         try:
-            with annotate.tracing_region(annotate.RegionTrace(device_num=8)):
+            with marks.tracing_region(marks.RegionTrace(device_num=8)):
                 jax.eval_shape(lambda *t, prim=prim: prim(*t, *attrs), *tensors)
         except StrategyError:
             continue
@@ -78,7 +79,7 @@ def _accepted(make, shapes, attrs) -> set:
 
 
 # Strategies a user may ask for that a search never picks: XLA's partitioner computes wrong values for them, so the
-# program realises them another way (mshard.guards: a 3x3 "same" window split over height or width with split
+# program realises them another way (mshard._src.planning.xla_guards: a 3x3 "same" window split over height or width with split
 # out-channels runs with the kernel gathered over its out-channels); a search must not price a layout the program
 # does not run.
 GUARDED = {"Conv2D_same": lambda st: (st[0][2] > 1 or st[0][3] > 1) and st[1][0] > 1}
@@ -100,7 +101,7 @@ def test_a_searcher_may_choose_exactly_what_a_user_may_ask(case):
 def test_softmax_axis_is_neither_searched_nor_accepted():
     with pytest.raises(StrategyError, match="Softmax cannot split dim 3"):
         prim = ops.Softmax(axis=-1).shard(((1, 1, 1, 8),))
-        with annotate.tracing_region(annotate.RegionTrace(device_num=8)):
+        with marks.tracing_region(marks.RegionTrace(device_num=8)):
             jax.eval_shape(prim, jnp.zeros((2, 4, 8, 8)))
     assert all(st[0][-1] == 1 for st in _searchable(lambda: ops.Softmax(-1), [(2, 4, 8, 8)], ()))
 
@@ -159,7 +160,7 @@ class ThreeOps(nn.Cell):
 
 
 def _hlo_collectives(region, *args):
-    from mshard.comm_report import CommReport
+    from mshard._src.edges.comm_report import CommReport
     return sorted((c.kind, c.nbytes) for c in CommReport.from_hlo(region.lower(*args).compile().as_text()).collectives)
 
 
@@ -217,7 +218,7 @@ def test_semi_auto_plan_is_the_program_it_runs(train):
     (a 16 KB all-reduce) and replaying the plan compiled to an 8 KB all-to-all. Now semi_auto plans through the
     same path as auto (user strategies fixed, every other op in the layout its operands arrive in), pins every op,
     and its plan replays to its own collectives; its predicted bytes per collective kind match the HLO's."""
-    from mshard.comm_report import CommReport
+    from mshard._src.edges.comm_report import CommReport
     x = jax.random.normal(jax.random.key(1), (64, 32))
     fn = (lambda n, x: nnx.value_and_grad(lambda n: jnp.sum(n(x) ** 2))(n)) if train else (lambda n, x: n(x))
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)

@@ -120,7 +120,7 @@ def test_collective_groups_match_the_mesh_axes_reduced_over():
         for f, args in ((psum, (jnp.ones(8),)), (matmul, (jnp.ones((8, 16)), jnp.ones((16, 4))))):
             (c,) = [c for c in ms.comm_report(f, *args).collectives if c.kind == "all-reduce"]
             assert {frozenset(g) for g in c.groups} == expect and c.group_size == 2 ** len(over)
-    from mshard.comm_report import Collective
+    from mshard._src.edges.comm_report import Collective
     assert Collective("all-reduce", 4, 2, "y = f32[1] all-reduce(x), replica_groups={{0,2},{1,3}}").groups == \
         ((0, 2), (1, 3))
     assert Collective("all-reduce", 4, 4, "y = f32[1] all-reduce(x), replica_groups=[2,4]<=[8]").groups == \

@@ -1,5 +1,5 @@
 """One trace and one operator graph per region (issue 38): planning a region builds its graph once, and axis
-assignment (where user splits meet, :mod:`mshard.claims`) and the search both work on that graph. The first call of
+assignment (where user splits meet, :mod:`mshard._src.jaxpr.split_meetings`) and the search both work on that graph. The first call of
 a training step plans two regions, the forward alone (its mesh, data-parallel axes and parameter layouts) and the
 step, so it builds two graphs; before, each region built two (one for the claims, one for the search)."""
 
@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import mshard as ms
-import mshard.trace
+import mshard._src.jaxpr.op_graph
 from mshard import nn, ops
 from mshard.errors import LayoutError
 
@@ -34,7 +34,7 @@ def builds(monkeypatch):
     """Every operator graph built, as the jaxpr it was built from: the builder is patched wherever mshard's
     modules hold it."""
     seen: list = []
-    original = mshard.trace.jaxpr_to_graph
+    original = mshard._src.jaxpr.op_graph.jaxpr_to_graph
 
     def counting(closed, *a, **k):
         seen.append(closed)

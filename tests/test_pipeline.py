@@ -22,8 +22,8 @@ from flax import nnx
 
 import mshard as ms
 from mshard import nn
+from mshard._src.training.pipeline.run import record_ticks
 from mshard.errors import ContextError, PipelineError, StrategyError
-from mshard.pipeline.execute import record_ticks
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 from reference import train_one_device
@@ -104,7 +104,7 @@ def test_gpt_trains_as_on_one_device(layers, S, M, sched, request):
     permutes = [c for c in rep.collectives if c.kind == "collective-permute"]
     assert len(permutes) == 2 and all(c.nbytes == share * 32 * 64 * 4 for c in permutes), permutes
     # parameter memory drops S-fold: every parameter of this GPT is used by one stage and its dim 0 divides by S,
-    # so it is stored split over the S stages (mshard.pipeline.storage) and one device holds 1/S of each
+    # so it is stored split over the S stages (mshard._src.training.pipeline.storage) and one device holds 1/S of each
     leaves = jax.tree.leaves(nnx.state(mine, nnx.Param))
     assert all(x.sharding.shard_shape(x.shape) == (x.shape[0] // S,) + x.shape[1:] for x in leaves)
     # each stage gets its own parameters whole by all-to-all over the stages, and their gradients back the same way
@@ -172,12 +172,12 @@ def test_stages_keep_their_residuals_unless_recompute_is_set(monkeypatch):
     them costs memory (more temp bytes). Both compute the same loss."""
     import functools
 
-    import mshard.nn.pipeline as nn_pipeline
-    from mshard.pipeline import execute
+    import mshard._src.training.pipeline.cells as nn_pipeline
+    from mshard._src.training.pipeline import run
     x, y = synthetic_batches(1)[0]
     got = {}
     for keep in (True, False):
-        monkeypatch.setattr(nn_pipeline, "run_pipeline", functools.partial(execute.run_pipeline,
+        monkeypatch.setattr(nn_pipeline, "run_pipeline", functools.partial(run.run_pipeline,
                                                                            keep_residuals=keep))
         with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8, pipeline_stages=2,
                                  gradients_mean=True):
@@ -192,7 +192,7 @@ def test_stages_keep_their_residuals_unless_recompute_is_set(monkeypatch):
 
 
 def assert_ran_the_schedule(ticks, S, M, v, name, steps):
-    """What the running program did, from its tick trace (mshard.pipeline.execute.record_ticks: each stage calls
+    """What the running program did, from its tick trace (mshard._src.training.pipeline.run.record_ticks: each stage calls
     back from inside the branch it runs), against what the schedule promises, derived here and not read from its
     table: every stage ran the forward and the backward of every (micro-batch, chunk) once per step; each ran after
     what it needs (a forward after the previous virtual stage's, a backward after the next one's and after its own
@@ -272,7 +272,7 @@ def test_interleaved_gpt_trains_as_on_one_device():
 
 @pytest.mark.slow
 def test_stage_helper_balances_the_cells_when_none_has_a_stage():
-    from mshard.pipeline.stages import auto_stages
+    from mshard._src.training.pipeline.stages import auto_stages
     net = make_gpt(nnx.Rngs(0), layers=3)
     ids = jax.ShapeDtypeStruct((4, 32), jnp.int32)
     assign, cost = auto_stages(nn.WithLossCell(net, LOSS), lambda m, *d: m(*d), [ids, ids], 2)

@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 
+from mshard._src.training.pipeline.run import ring_size
+from mshard._src.training.pipeline.schedule import BWD, FWD, bubble_formula, make_schedule
 from mshard.errors import PipelineError
-from mshard.pipeline.execute import ring_size
-from mshard.pipeline.schedule import BWD, FWD, bubble_formula, make_schedule
 
 CASES = [(name, S, M, v) for name in ("gpipe", "1f1b") for S in (2, 4) for M in (4, 8, 16) for v in (1,)] + \
         [("interleaved", S, M, v) for S in (2, 4) for M in (4, 8, 16) for v in (2, 3)]
@@ -51,7 +51,7 @@ def test_balance_is_optimal_against_every_cut():
     """The stage helper's partition has the smallest largest stage of all contiguous partitions (brute force)."""
     import random
 
-    from mshard.pipeline.balance import balance
+    from mshard._src.training.pipeline.balance import balance
     rng = random.Random(0)
     for _ in range(200):
         n, S = rng.randint(2, 9), rng.randint(1, 4)

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import mshard as ms
-from mshard.comm_report import CommReport
+from mshard._src.edges.comm_report import CommReport
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 from models import MODELS, inputs

@@ -28,7 +28,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mshard.comm_report import CommReport
+from mshard._src.edges.comm_report import CommReport
 from searchers.xla_reshard import reshard
 
 

@@ -1,4 +1,4 @@
-"""Table-driven tests of mshard.rules: every registered rule, checked against shapes and against XLA.
+"""Table-driven tests of mshard._src.jaxpr.rules: every registered rule, checked against shapes and against XLA.
 
 For each case the target primitive's iteration space must fit the equation's shapes; then, for
 each loop dim the rule lets a strategy split (in 2, over mesh axis ``d0``), the primitive runs under
@@ -26,7 +26,7 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mshard import rules
+from mshard._src.jaxpr import rules
 
 MESH = jax.make_mesh((2, 2, 2), ("d0", "d1", "d2"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
 RNG = np.random.default_rng(0)
@@ -270,7 +270,7 @@ CASES += [
 
 # registered but without a case here, each with the reason
 UNTESTED = {
-    **{n: "inlined by mshard.trace (tests/test_trace.py); its fallback rule is replicated_rule"
+    **{n: "inlined by mshard._src.jaxpr.op_graph (tests/test_trace.py); its fallback rule is replicated_rule"
        for n in rules.INLINE},
     "mshard_mark": "defined by mshard.ops; traced in tests/test_trace.py with a stand-in primitive",
     "copy_p": "an old name of copy",
@@ -294,7 +294,7 @@ KNOWN_COMM = {
                                     "layout is the caller's job"),
     ("scan", "c0_0"): ("a split carry keeps its layout across steps, but the body meets the replicated "
                        "scanned input and XLA gathers inside it; the rule does not price the body "
-                       "(mshard.rules.scan_carry_rule), only the layout the carry leaves in"),
+                       "(mshard._src.jaxpr.rules.scan_carry_rule), only the layout the carry leaves in"),
 }
 # case ids whose sharded program does not compile on the CPU backend: only the space is checked
 KNOWN_NO_RUN = {
@@ -490,7 +490,7 @@ def test_unknown_primitive_replicates_other_shapes():
 
 
 def test_unknown_primitive_traced_without_crash():
-    from mshard.trace import jaxpr_to_graph
+    from mshard._src.jaxpr.op_graph import jaxpr_to_graph
     from searchers import DeviceMesh
 
     prim = _primitive("mshard_test_unknown_in_trace")

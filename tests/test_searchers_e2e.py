@@ -144,8 +144,8 @@ def test_the_backward_and_update_of_a_step_are_exempt_from_fully_use_devices():
     """In a searched region, the ops no user output depends on (a training step's backward and update, which
     MindSpore derives rather than searches) are marked free_devices; the forward, which the loss depends on,
     is not."""
-    from mshard.planner import _free_derived
-    from mshard.trace import jaxpr_to_graph
+    from mshard._src.jaxpr.op_graph import jaxpr_to_graph
+    from mshard._src.planning.search import _free_derived
     from searchers import DeviceMesh
 
     def step(w, x):
@@ -173,8 +173,8 @@ def test_recursive_programming_levels_at_once_on_a_traced_gpt_step(monkeypatch, 
 
     import searchers.recursive_programming as rp
     import searchers.rp_levels as rpl
-    from mshard.planner import _free_derived
-    from mshard.trace import jaxpr_to_graph
+    from mshard._src.jaxpr.op_graph import jaxpr_to_graph
+    from mshard._src.planning.search import _free_derived
     from searchers import DeviceMesh
     from searchers.cost import CostParams
 
@@ -218,11 +218,12 @@ def test_a_training_step_keeps_its_state_layout_in_one_search_where_the_searcher
 
     import optax
 
-    from mshard import nn, planner
+    from mshard import nn
+    from mshard._src.planning import search
     from searchers.graph import operand_layout, result_layout
 
     seen = []
-    real = planner.SEARCHERS[mode]
+    real = search.SEARCHERS[mode]
 
     @functools.wraps(real.fn)
     def spy(graph, params, **kw):
@@ -231,7 +232,7 @@ def test_a_training_step_keeps_its_state_layout_in_one_search_where_the_searcher
             seen.append((graph, r.strategies))
         return r
 
-    monkeypatch.setitem(planner.SEARCHERS, mode, dataclasses.replace(real, fn=spy))
+    monkeypatch.setitem(search.SEARCHERS, mode, dataclasses.replace(real, fn=spy))
     x, y = jnp.ones((16, 16)), jnp.ones((16, 8))
     with auto(mode):
         step = nn.TrainOneStepCell(nn.WithLossCell(MLP(16, 32, 8), lambda p, y: jnp.mean((p - y) ** 2)),

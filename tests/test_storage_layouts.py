@@ -50,7 +50,7 @@ def test_fsdp_by_parameter_plan_trains_as_one_device_and_stores_an_eighth(tx):
 def test_accumulation_over_a_megatron_parameter_plan_trains_as_one_step_on_the_whole_batch():
     """Issue 39: GradAccumulationCell over a Megatron parameter_plan raised LayoutError ('... meet in op scan'): the
     differentiated scan of the micro-batches carried claims from its constants to every same-shaped tensor
-    (mshard.claims.OPAQUE). Plain SGD: an accumulated gradient summed instead of averaged would move 2x as far."""
+    (mshard._src.jaxpr.split_meetings.OPAQUE). Plain SGD: an accumulated gradient summed instead of averaged would move 2x as far."""
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True)
     data = batches(STEPS, [(32, 16), (32, 8)], seed=5)
     net = MLP(nnx.Rngs(0))

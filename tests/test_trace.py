@@ -1,4 +1,4 @@
-"""mshard.trace: jaxpr -> searchers.Graph on real models, forward and under jax.grad.
+"""mshard._src.jaxpr.op_graph: jaxpr -> searchers.Graph on real models, forward and under jax.grad.
 
 Every model is checked by :func:`check_trace`: every (non-inlined) equation became exactly one op
 of its primitive's kind, operand and result shapes fit the op's iteration space, every loop-dim
@@ -19,9 +19,9 @@ import pytest
 from jax import lax
 from jax.extend import core as jcore
 
-from mshard import rules
+from mshard._src.jaxpr import rules
+from mshard._src.jaxpr.op_graph import TraceResult, jaxpr_to_graph
 from mshard.errors import PlanError
-from mshard.trace import TraceResult, jaxpr_to_graph
 from searchers import DeviceMesh
 
 MESH8 = DeviceMesh.prime(8)

@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 import mshard as ms
 from mshard import nn
-from mshard.comm_report import CommReport
-from mshard.region import _path_str
+from mshard._src.edges.comm_report import CommReport
+from mshard._src.runtime.region import _path_str
 
 
 class MLP(nnx.Module):

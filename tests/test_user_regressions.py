@@ -13,7 +13,7 @@ from helpers import assert_close
 
 import mshard as ms
 from mshard import nn, ops
-from mshard.comm_report import CommReport
+from mshard._src.edges.comm_report import CommReport
 
 
 class StillRegressed(Exception):

@@ -1,23 +1,47 @@
 """mshard.nn: Cells (Flax NNX modules), layers, losses and training wrappers with MindSpore's names."""
 
-from .cell import Cell as Cell
-from .cell import recompute as recompute
-from .layers import Conv2d as Conv2d
-from .layers import Dense as Dense
-from .layers import Dropout as Dropout
-from .layers import Embedding as Embedding
-from .layers import FeedForward as FeedForward
-from .layers import Flatten as Flatten
-from .layers import LayerNorm as LayerNorm
-from .layers import MaxPool2d as MaxPool2d
-from .layers import MultiHeadAttention as MultiHeadAttention
-from .layers import ReLU as ReLU
-from .layers import TransformerBlock as TransformerBlock
-from .loss import MSELoss as MSELoss
-from .loss import SoftmaxCrossEntropyWithLogits as SoftmaxCrossEntropyWithLogits
-from .pipeline import Pipeline as Pipeline
-from .pipeline import PipelineCell as PipelineCell
-from .train import GradAccumulationCell as GradAccumulationCell
-from .train import MicroBatchInterleaved as MicroBatchInterleaved
-from .train import TrainOneStepCell as TrainOneStepCell
-from .train import WithLossCell as WithLossCell
+from mshard._src.frontend.cell import Cell as Cell
+from mshard._src.frontend.cell import recompute as recompute
+from mshard._src.frontend.layers import Conv2d as Conv2d
+from mshard._src.frontend.layers import Dense as Dense
+from mshard._src.frontend.layers import Dropout as Dropout
+from mshard._src.frontend.layers import Embedding as Embedding
+from mshard._src.frontend.layers import FeedForward as FeedForward
+from mshard._src.frontend.layers import Flatten as Flatten
+from mshard._src.frontend.layers import LayerNorm as LayerNorm
+from mshard._src.frontend.layers import MaxPool2d as MaxPool2d
+from mshard._src.frontend.layers import MultiHeadAttention as MultiHeadAttention
+from mshard._src.frontend.layers import ReLU as ReLU
+from mshard._src.frontend.layers import TransformerBlock as TransformerBlock
+from mshard._src.frontend.losses import MSELoss as MSELoss
+from mshard._src.frontend.losses import SoftmaxCrossEntropyWithLogits as SoftmaxCrossEntropyWithLogits
+from mshard._src.training.pipeline.cells import Pipeline as Pipeline
+from mshard._src.training.pipeline.cells import PipelineCell as PipelineCell
+from mshard._src.training.train_cells import GradAccumulationCell as GradAccumulationCell
+from mshard._src.training.train_cells import MicroBatchInterleaved as MicroBatchInterleaved
+from mshard._src.training.train_cells import TrainOneStepCell as TrainOneStepCell
+from mshard._src.training.train_cells import WithLossCell as WithLossCell
+
+__all__ = [
+    "Cell",
+    "Conv2d",
+    "Dense",
+    "Dropout",
+    "Embedding",
+    "FeedForward",
+    "Flatten",
+    "GradAccumulationCell",
+    "LayerNorm",
+    "MSELoss",
+    "MaxPool2d",
+    "MicroBatchInterleaved",
+    "MultiHeadAttention",
+    "Pipeline",
+    "PipelineCell",
+    "ReLU",
+    "SoftmaxCrossEntropyWithLogits",
+    "TrainOneStepCell",
+    "TransformerBlock",
+    "WithLossCell",
+    "recompute",
+]

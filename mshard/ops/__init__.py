@@ -1,47 +1,95 @@
 """mshard.ops: MindSpore-style primitive objects and ``ops.shard``."""
 
-from ..shard import shard as shard
-from .comm import AllGather as AllGather
-from .comm import AllReduce as AllReduce
-from .comm import AlltoAll as AlltoAll
-from .comm import Broadcast as Broadcast
-from .comm import ReduceScatter as ReduceScatter
-from .comm import SendReceive as SendReceive
-from .primitive import Primitive as Primitive
-from .primitives import Add as Add
-from .primitives import AvgPool as AvgPool
-from .primitives import BatchMatMul as BatchMatMul
-from .primitives import BatchNorm as BatchNorm
-from .primitives import BiasAdd as BiasAdd
-from .primitives import Cast as Cast
-from .primitives import Concat as Concat
-from .primitives import Conv2D as Conv2D
-from .primitives import Exp as Exp
-from .primitives import ExpandDims as ExpandDims
-from .primitives import Gather as Gather
-from .primitives import GeLU as GeLU
-from .primitives import LayerNorm as LayerNorm
-from .primitives import Log as Log
-from .primitives import LogSoftmax as LogSoftmax
-from .primitives import MatMul as MatMul
-from .primitives import Maximum as Maximum
-from .primitives import MaxPool as MaxPool
-from .primitives import Minimum as Minimum
-from .primitives import Mul as Mul
-from .primitives import OneHot as OneHot
-from .primitives import RealDiv as RealDiv
-from .primitives import ReduceMax as ReduceMax
-from .primitives import ReduceMean as ReduceMean
-from .primitives import ReduceSum as ReduceSum
-from .primitives import ReLU as ReLU
-from .primitives import Reshape as Reshape
-from .primitives import Sigmoid as Sigmoid
-from .primitives import Softmax as Softmax
-from .primitives import SoftmaxCrossEntropyWithLogits as SoftmaxCrossEntropyWithLogits
-from .primitives import Sqrt as Sqrt
-from .primitives import Square as Square
-from .primitives import Squeeze as Squeeze
-from .primitives import StridedSlice as StridedSlice
-from .primitives import Sub as Sub
-from .primitives import Tanh as Tanh
-from .primitives import Transpose as Transpose
+from mshard._src.frontend.comm_ops import AllGather as AllGather
+from mshard._src.frontend.comm_ops import AllReduce as AllReduce
+from mshard._src.frontend.comm_ops import AlltoAll as AlltoAll
+from mshard._src.frontend.comm_ops import Broadcast as Broadcast
+from mshard._src.frontend.comm_ops import ReduceScatter as ReduceScatter
+from mshard._src.frontend.comm_ops import SendReceive as SendReceive
+from mshard._src.frontend.primitive_base import Primitive as Primitive
+from mshard._src.frontend.primitive_ops import Add as Add
+from mshard._src.frontend.primitive_ops import AvgPool as AvgPool
+from mshard._src.frontend.primitive_ops import BatchMatMul as BatchMatMul
+from mshard._src.frontend.primitive_ops import BatchNorm as BatchNorm
+from mshard._src.frontend.primitive_ops import BiasAdd as BiasAdd
+from mshard._src.frontend.primitive_ops import Cast as Cast
+from mshard._src.frontend.primitive_ops import Concat as Concat
+from mshard._src.frontend.primitive_ops import Conv2D as Conv2D
+from mshard._src.frontend.primitive_ops import Exp as Exp
+from mshard._src.frontend.primitive_ops import ExpandDims as ExpandDims
+from mshard._src.frontend.primitive_ops import Gather as Gather
+from mshard._src.frontend.primitive_ops import GeLU as GeLU
+from mshard._src.frontend.primitive_ops import LayerNorm as LayerNorm
+from mshard._src.frontend.primitive_ops import Log as Log
+from mshard._src.frontend.primitive_ops import LogSoftmax as LogSoftmax
+from mshard._src.frontend.primitive_ops import MatMul as MatMul
+from mshard._src.frontend.primitive_ops import Maximum as Maximum
+from mshard._src.frontend.primitive_ops import MaxPool as MaxPool
+from mshard._src.frontend.primitive_ops import Minimum as Minimum
+from mshard._src.frontend.primitive_ops import Mul as Mul
+from mshard._src.frontend.primitive_ops import OneHot as OneHot
+from mshard._src.frontend.primitive_ops import RealDiv as RealDiv
+from mshard._src.frontend.primitive_ops import ReduceMax as ReduceMax
+from mshard._src.frontend.primitive_ops import ReduceMean as ReduceMean
+from mshard._src.frontend.primitive_ops import ReduceSum as ReduceSum
+from mshard._src.frontend.primitive_ops import ReLU as ReLU
+from mshard._src.frontend.primitive_ops import Reshape as Reshape
+from mshard._src.frontend.primitive_ops import Sigmoid as Sigmoid
+from mshard._src.frontend.primitive_ops import Softmax as Softmax
+from mshard._src.frontend.primitive_ops import SoftmaxCrossEntropyWithLogits as SoftmaxCrossEntropyWithLogits
+from mshard._src.frontend.primitive_ops import Sqrt as Sqrt
+from mshard._src.frontend.primitive_ops import Square as Square
+from mshard._src.frontend.primitive_ops import Squeeze as Squeeze
+from mshard._src.frontend.primitive_ops import StridedSlice as StridedSlice
+from mshard._src.frontend.primitive_ops import Sub as Sub
+from mshard._src.frontend.primitive_ops import Tanh as Tanh
+from mshard._src.frontend.primitive_ops import Transpose as Transpose
+from mshard._src.frontend.shard import shard as shard
+
+__all__ = [
+    "Add",
+    "AllGather",
+    "AllReduce",
+    "AlltoAll",
+    "AvgPool",
+    "BatchMatMul",
+    "BatchNorm",
+    "BiasAdd",
+    "Broadcast",
+    "Cast",
+    "Concat",
+    "Conv2D",
+    "Exp",
+    "ExpandDims",
+    "Gather",
+    "GeLU",
+    "LayerNorm",
+    "Log",
+    "LogSoftmax",
+    "MatMul",
+    "MaxPool",
+    "Maximum",
+    "Minimum",
+    "Mul",
+    "OneHot",
+    "Primitive",
+    "ReLU",
+    "RealDiv",
+    "ReduceMax",
+    "ReduceMean",
+    "ReduceScatter",
+    "ReduceSum",
+    "Reshape",
+    "SendReceive",
+    "Sigmoid",
+    "Softmax",
+    "SoftmaxCrossEntropyWithLogits",
+    "Sqrt",
+    "Square",
+    "Squeeze",
+    "StridedSlice",
+    "Sub",
+    "Tanh",
+    "Transpose",
+    "shard",
+]

@@ -30,8 +30,9 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-import mshard as ms  # noqa: E402
+import mshard as ms
 from mshard import nn  # noqa: E402
+from mshard._src.edges.checkpoint.leaves import leaves_of  # noqa: E402
 
 
 class MLP(nn.Cell):
@@ -49,7 +50,7 @@ def mse(p, y):
 
 def gathered(obj):
     out = {}
-    for lf in ms.checkpoint.leaves.leaves_of(obj):
+    for lf in leaves_of(obj):
         x = lf.value
         out[lf.name] = np.asarray(multihost_utils.process_allgather(x, tiled=True) if not x.is_fully_addressable
                                   else x)

@@ -1,0 +1,79 @@
+"""The one jaxpr utility: the call table, sub-jaxprs and mark iteration that every module walking a jaxpr uses.
+
+:mod:`mshard._src.planning.axis_assignment` (axis assignment), :mod:`mshard._src.jaxpr.op_graph` (the search graph, via :mod:`mshard._src.jaxpr.rules`) and
+:mod:`mshard._src.runtime.emit` (re-emission) all see the same calls: an eqn in :data:`CALLS` has a body whose inputs map
+one to one onto the eqn's operands, and is walked inline. The executor keeps the remat calls (:data:`REMAT`) as
+calls, rebuilt around their re-emitted body, so the recomputation survives; everything else in :data:`CALLS` it
+inlines where the body holds marks or planned ops.
+
+>>> import jax, jax.numpy as jnp
+>>> j = jax.make_jaxpr(jax.checkpoint(lambda x: jnp.sin(x) * 2))(1.0).jaxpr
+>>> [e.primitive.name for e in j.eqns], call_jaxpr(j.eqns[0]) is not None
+(['remat2'], True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from jax.extend import core as jcore
+
+from mshard._src.jaxpr.marks import mark_p
+
+# call-like primitive -> the param holding its body
+CALLS: dict[str, str] = {
+    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr",
+}
+REMAT = frozenset({"checkpoint", "remat", "remat2"})
+
+
+def as_jaxpr(j: Any) -> jcore.Jaxpr | None:
+    """The open jaxpr of a ClosedJaxpr or Jaxpr (None for anything else)."""
+    if isinstance(j, jcore.ClosedJaxpr):
+        return j.jaxpr
+    if isinstance(j, jcore.Jaxpr):
+        return j
+    return None
+
+
+def call_body(eqn) -> Any:
+    """The body param (ClosedJaxpr or Jaxpr) of a call-like eqn, else None."""
+    key = CALLS.get(eqn.primitive.name)
+    return eqn.params.get(key) if key else None
+
+
+def call_jaxpr(eqn) -> jcore.Jaxpr | None:
+    """The open body of a call-like eqn whose invars map one to one onto the eqn's inputs."""
+    return as_jaxpr(call_body(eqn))
+
+
+def jaxpr_params(params: dict) -> list:
+    """Every jaxpr (closed or open) among an eqn's params, tuples and lists included."""
+    out = []
+    for v in params.values():
+        for item in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(item, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                out.append(item)
+    return out
+
+
+def sub_jaxprs(eqn) -> Iterator[jcore.Jaxpr]:
+    """The open jaxprs among an eqn's params (call bodies, loop and branch bodies)."""
+    for j in jaxpr_params(eqn.params):
+        yield as_jaxpr(j)
+
+
+def iter_marks(jaxpr: jcore.Jaxpr) -> Iterator[Any]:
+    """Every mark eqn, in program order, including those in nested jaxprs."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is mark_p:
+            yield eqn
+        for sub in sub_jaxprs(eqn):
+            yield from iter_marks(sub)
+
+
+def has_marks(j: Any) -> bool:
+    return next(iter_marks(as_jaxpr(j)), None) is not None

@@ -1,0 +1,639 @@
+"""Plan a region: jaxpr -> searchers.Graph -> user strategies fixed -> searcher or default -> Plan + the layouts
+to emit. The one planning path (docs/design.md invariant 1) of every mode: semi_auto_parallel, auto_parallel, a loaded
+strategy file, and data_parallel / stand_alone (MindSpore's data-parallel plan, :func:`searchers.baselines.
+data_parallel`: the batch split over every device, or over one, flowing through every op; parameters whole).
+
+The user's strategies are fixed first (the axis assignment of :mod:`mshard._src.planning.axis_assignment`), the data inputs by
+dataset_strategy, the parameters with a parameter_plan by it. Then auto_parallel's searcher decides the rest;
+semi_auto_parallel's default (:func:`searchers.follow.follow_operands`) gives every other op the layout its
+operands arrive in (nothing new split: the batch stays data parallel, a user's model split flows on), or
+sharding_propagation where ``search_mode="sharding_propagation"`` was set explicitly. Every traced op then has
+a layout for each result; the executor constrains op results to them, and an op's operands where the plan
+redistributes them, so the Plan is the program.
+
+Updated state (parameters, optimizer state, counters) is stored back in its input's layout, which the
+graph shows as a ``writeback`` op per updated input (:func:`mshard._src.jaxpr.op_graph.jaxpr_to_graph`). Where the
+search left one of them free, the region is searched a second time with every updated input and its
+writeback held at the layout the first search gave the input: the update's ops are then priced against
+the layout they must end in (without this, a search splits an update as finely as it can, slicing is
+free, and XLA gathers every new value back after the step). Not for ``sharding_propagation``: it spreads
+layouts outwards from the fixed ops, and held state would make every parameter such a seed (measured on
+a GPT step: 5 times the bytes moved).
+
+``fully_use_devices`` restricts the ops a user output depends on (a training step's forward); the others
+(its backward and update, which MindSpore derives from the forward strategies and the parameters' layouts
+rather than searches) are marked ``free_devices`` and may leave devices idle, e.g. to stay in a Megatron
+layout that is replicated over the model-parallel devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jax.extend import core as jcore
+
+from mshard._src.jaxpr.marks import OpNote, mark_p
+from mshard._src.jaxpr.op_graph import REPLICA, TraceResult, jaxpr_to_graph
+from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts, exact_mark_key, mark_key, plan_region
+from mshard._src.values import context as ctxmod
+from mshard._src.values.errors import ContextError, PlanError, StrategyError
+from mshard._src.values.layout import (
+    DimAxes,
+    RegionMesh,
+    TensorStrategy,
+    check_strategy,
+    dims_of,
+    replica_layout,
+    spec_of,
+)
+from mshard._src.values.plan import Plan, PlanCost, PlanOp, Redistribution, load_plan
+from searchers import DeviceMesh, Graph
+from searchers.cost import (
+    Cost,
+    CostParams,
+    graph_cost,
+    op_cost,
+    redistribution_cost,
+    reshard_once,
+)
+from searchers.graph import (
+    constant_tensors,
+    mark_merged_reductions,
+    ms_strategy,
+    operand_layout,
+    operand_tied_strategy,
+    result_layout,
+    strategy_of_layout,
+)
+from searchers.protocol import SEARCHERS, register
+from searchers.strategies import enumerate_strategies
+
+EqnKey = tuple[tuple[int, ...], int]
+
+
+def register_searcher(name: str, fn: Callable, **capabilities) -> None:
+    """A new search_mode (:func:`searchers.protocol.register`: ``ties_exactly``, ``holds_state``, ``options``)."""
+    register(name, fn, **capabilities)
+
+
+def eqn_key(te) -> EqnKey:
+    return (tuple(id(e) for e in te.path), id(te.eqn))
+
+
+@dataclass
+class Planned:
+    plan: Plan
+    layouts: RegionLayouts
+    eqn_out: dict[EqnKey, tuple[DimAxes | None, ...]] = field(default_factory=dict)
+    eqn_in: dict[EqnKey, tuple[DimAxes | None, ...]] = field(default_factory=dict)
+
+
+def _names(layout, mesh: RegionMesh) -> DimAxes:
+    return tuple(tuple(mesh.names[a] for a in axes) for axes in layout)
+
+
+def _strategy_from_layout(op, layout: DimAxes, mesh: RegionMesh, operand: int | None = None):
+    """A strategy of an op whose loop dims map 1:1 onto one tensor (source ops, marks), from axis names."""
+    return strategy_of_layout(op, tuple(tuple(mesh.names.index(a) for a in axes) for axes in layout), operand)
+
+
+def _batched(lay: DimAxes, eqn, rank: int) -> DimAxes:
+    """A mark's planned layout on its traced tensor: with the replica split added where the mark was batched
+    over data-parallel replicas (:func:`mshard._src.runtime.emit.replica_layout`)."""
+    bdim = eqn.params.get("bdim")
+    if bdim is not None and len(lay) == rank - 1:
+        return replica_layout(lay, bdim, eqn.params["replica_axes"])
+    return lay
+
+
+def _fix_group(te, op, base: RegionLayouts, mesh: RegionMesh) -> None:
+    """Fix a primitive object's op (traced as one op) to the strategy its annotated input marks were given."""
+    note: OpNote = te.eqn.params["note"]
+    where: dict[str, tuple[str, ...]] = {}
+    for e in te.group:
+        if e.primitive is not mark_p or e.params["role"] != "in":
+            continue
+        lay = base.marks.get(mark_key(e))
+        if lay is None:
+            continue
+        rep = tuple(e.params["replica_axes"]) if e.params.get("bdim") is not None else ()
+        for letter, axes in zip(note.in_dims[e.params["index"]], lay):
+            if letter is not None:            # the replica split leaves the per-replica dims (replica_layout)
+                where[letter] = tuple(a for a in axes if a not in rep)
+        if rep:
+            where[REPLICA] = rep
+    if where:
+        op.fixed = tuple(tuple(mesh.names.index(a) for a in where.get(d, ())) for d in op.dims)
+
+
+def _merged_strategy(note: OpNote, layouts: dict[int, DimAxes], mesh: RegionMesh) -> tuple[tuple[int, ...], ...]:
+    """The strategy of a primitive object traced op by op (its body's values are read elsewhere, so it is not one
+    op of the search): each of its loop dims takes the axes the first input carrying it arrives with (an axis once
+    only), so the report is one device matrix even where its inputs arrive in layouts that disagree (the body
+    redistributes them)."""
+    where: dict[str, tuple[str, ...]] = {}
+    used: set[str] = set()
+    for i in sorted(layouts):
+        for letter, axes in zip(note.in_dims[i], layouts[i]):
+            if letter is not None and letter not in where and letter not in note.fixed and not set(axes) & used:
+                where[letter] = axes
+                used.update(axes)
+    return tuple(tuple(mesh.count(where.get(letter, ())) if letter else 1 for letter in dims) for dims in note.in_dims)
+
+
+def _group_strategy(te, op, strategy, mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
+    """A primitive object's MindSpore strategy (one split tuple per input, its own dims: no replica dim)."""
+    note: OpNote = te.eqn.params["note"]
+    where = dict(zip(op.dims, strategy))
+    return tuple(tuple(mesh.count(where.get(letter, ())) if letter else 1 for letter in dims)
+                 for dims in note.in_dims)
+
+
+def _groups(trace: TraceResult) -> dict[int, Any]:
+    """op id -> the primitive-object note it belongs to (its marks and the ops between them)."""
+    out: dict[int, Any] = {}
+    open_note, left = None, 0
+    for te in trace.eqns:
+        e = te.eqn
+        if te.group:               # traced as one op: its own entry (build_plan)
+            continue
+        if e.primitive is mark_p:
+            note: OpNote = e.params["note"]
+            role = e.params["role"]
+            if note.in_dims is not None and role == "in":
+                open_note, left = note, len(note.out_dims)
+            if note.in_dims is not None and role in ("in", "out"):
+                out[te.op] = note
+                if role == "out" and open_note is note:
+                    left -= 1
+                    if left == 0:
+                        open_note = None
+                continue
+        if open_note is not None:
+            out[te.op] = open_note
+    return out
+
+
+def _free_derived(graph: Graph, n_user: int) -> None:
+    """Mark ``free_devices`` every op no user output depends on: in a training step, the backward and the
+    update, which only feed the new state. MindSpore applies ``fully_use_devices`` to the operators it searches
+    (the forward); their backward is derived from the forward strategies and the optimizer follows the
+    parameters' layouts. Here they are searched too, but without that restriction; they are also marked
+    ``derived``, which sharding_propagation derives rather than propagates into (searchers.propagation)."""
+    if n_user < 0 or n_user >= len(graph.outputs):
+        return
+    live: set[int] = set()
+    todo = list(graph.outputs[:n_user])
+    while todo:
+        op = graph.producer(todo.pop())
+        if op.id not in live:
+            live.add(op.id)
+            todo.extend(op.inputs)
+    for op in graph.ops:
+        if op.id not in live and not op.is_source:
+            op.free_devices = op.derived = True
+
+
+def _derive_backward(graph: Graph) -> None:
+    """Mark ``derived`` every op of a backward pass the region computes as a result (``jax.grad`` of a loss inside
+    the region: its ops' names carry JAX's ``transpose(...)`` scope) and every op only such ops read, as
+    :func:`_free_derived` marks a step's: MindSpore derives a backward from the forward's strategies;
+    sharding_propagation does not propagate into it."""
+    marked = False
+    for op in graph.ops:
+        if not op.is_source and _BACKWARD in op.name:
+            op.derived = marked = True
+    if not marked:
+        return
+    # and what only the backward reads: the forward's residual coefficients (the 2 * y of a y ** 2, a ReLU's mask).
+    # One step back only: further back lies the primal forward itself, which a loss the region does not return
+    # also feeds only the backward
+    backward = {op.id for op in graph.ops if op.derived}
+    for op in graph.ops:
+        if op.derived or op.is_source or not op.outputs or any(t in graph.outputs for t in op.outputs):
+            continue
+        readers = [c for t in op.outputs for c in graph.tensors[t].consumers]
+        if readers and all(c in backward for c in readers):
+            op.derived = True
+
+
+_BACKWARD = "transpose("     # JAX's name-stack scope of a transposed (backward) equation
+
+
+def _free_data_free(graph: Graph) -> None:
+    """Mark ``free_devices`` every op that no data input reaches: a parameter's own transform (a reshape of a norm's
+    scale, a position table's lookup at fixed positions) and what is computed from constants alone (an iota's
+    comparisons, a causal mask). Like a source or an iota, such an op's layout follows its users and
+    ``fully_use_devices`` (the batch enters over every device) does not bind it: data parallel computes it whole
+    on every device, and so may a search (the baselines' admissibility, searchers.baselines). Held to use every
+    device, the exact searchers could not reach data parallel's plan: on the MiniGPT forward ilp's optimum over
+    that narrower space cost 0.026 against data parallel's 8e-8."""
+    fed = [False] * len(graph.ops)
+    for op in graph.ops:                                   # program order: producers first
+        fed[op.id] = op.kind == "data" or any(fed[graph.producer(t).id] for t in op.inputs)
+    for op in graph.ops:
+        if not op.is_source and not fed[op.id]:
+            op.free_devices = True
+
+
+def _hold_state(graph: Graph, strategies) -> bool:
+    """Fix each ``writeback`` op and its state input to the state input's layout in ``strategies`` (see
+    :func:`mshard._src.jaxpr.op_graph.jaxpr_to_graph`); True if any was not fixed yet."""
+    changed = False
+    for op in graph.ops:
+        if op.kind != "writeback":
+            continue
+        src = graph.producer(op.inputs[1])
+        lay = result_layout(src, strategies[src.id], src.outputs.index(op.inputs[1]))
+        want = tuple(tuple(a) for a in lay)
+        if op.fixed is None or src.fixed is None:
+            changed = True
+        src.fixed = src.fixed if src.fixed is not None else strategy_of_layout(src, want)
+        op.fixed = want
+    return changed
+
+
+def _device_mesh(mesh: RegionMesh) -> DeviceMesh:
+    """The searchers' mesh of a region mesh, with the cost model's per-axis bandwidths."""
+    bw = ctxmod.get_cost_model_context().axis_bandwidth
+    if bw is not None and len(bw) != len(mesh.shape):
+        raise ContextError(f"set_cost_model_context: axis_bandwidth has {len(bw)} entries but the region mesh "
+                           f"{dict(zip(mesh.names, mesh.shape))} has {len(mesh.shape)} axes; give one per axis.")
+    return DeviceMesh(mesh.shape, mesh.names, tuple(bw) if bw else ())
+
+
+def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx, algorithm: str,
+                  param_plans: Sequence[tuple[str, str, Any]] = (), input_layout_hook: Callable | None = None
+                  ) -> Planned:
+    """Plan a region with the searcher ``algorithm`` (a key of :data:`SEARCHERS`, or ``"data_parallel"`` /
+    ``"stand_alone"``: MindSpore's data-parallel plan on every device / on one).
+
+    ``input_layout_hook(inputs, layouts) -> input layouts`` (a training step's optimizer-parallel layouts, a
+    pipeline's parameter layouts inside its stages, each optimizer-state leaf in its parameter's layout) is applied
+    to the inputs of a data-parallel, semi_auto or pipelined plan before the plan is made, so the plan prices and
+    pins them; a searched plan holds what the search laid out otherwise and searches again.
+
+    The steps, each a function of its own: trace the region into its one graph (once the mesh is known), lay out
+    the user's splits (:func:`mshard._src.planning.axis_assignment.plan_region`), mark what the searchers treat apart
+    (:func:`_mark_graph`), fix the user's layouts (:func:`_fix_user_layouts`) and a loaded strategy file's
+    (:func:`_apply_strategy_file`), search (:func:`_search`), and turn the strategies into the layouts the program
+    is emitted with (:func:`_emit_layouts`) and the Plan (:func:`build_plan`)."""
+    dp_mode = algorithm in ("data_parallel", "stand_alone")
+    # a region returns its user outputs, then the new value of every state input (the "param" inputs, first)
+    n_state = sum(i.kind == "param" for i in inputs)
+    n_user = len(closed.jaxpr.outvars) - n_state
+    state = [(n_user + j, j) for j in range(n_state)] if n_user >= 0 else []
+    traced: list[TraceResult] = []
+
+    def trace_on(mesh: RegionMesh) -> TraceResult:
+        # the region's one operator graph: axis assignment finds where user splits meet on it, the search runs on it
+        if not traced:
+            traced.append(jaxpr_to_graph(closed, _device_mesh(mesh), [i.kind for i in inputs],
+                                         [i.name for i in inputs], state, primitives=True))
+        return traced[0]
+
+    base = plan_region(closed, inputs, mode=algorithm if dp_mode else "semi_auto_parallel",
+                       device_num=ctx.devices if algorithm != "stand_alone" else 1,
+                       dataset_strategy=ctx.dataset_strategy, param_plans=param_plans, trace=trace_on)
+    hooked_before = (dp_mode or algorithm == "semi_auto" or ctx.pipeline_stages > 1) and input_layout_hook is not None
+    if hooked_before:
+        hooked = list(input_layout_hook(inputs, base))
+        base.user_inputs = set(base.user_inputs) | {i for i, (a, b) in enumerate(zip(hooked, base.inputs)) if a != b}
+        base.inputs = hooked
+    mesh = base.mesh
+    cm = ctxmod.get_cost_model_context()
+    params = CostParams(alpha=cm.costmodel_alpha, beta=cm.costmodel_beta, gamma=cm.costmodel_gamma,
+                        device_memory_capacity=cm.device_memory_capacity)
+    trace = trace_on(mesh)
+    _mark_graph(trace.graph, n_user)
+    _fix_user_layouts(trace, base, inputs, algorithm)
+    notes: list[str] = list(base.notes)
+    load = ctx.strategy_ckpt_config.get("load_file")
+    if load:
+        notes.append(_apply_strategy_file(load, trace, inputs, mesh))
+    searcher = SEARCHERS["data_parallel"] if dp_mode else SEARCHERS.get(algorithm)
+    if searcher is None:
+        notes.append(f"search_mode {algorithm!r} is not available yet; used sharding_propagation")
+        searcher, algorithm = SEARCHERS["sharding_propagation"], "sharding_propagation"
+    algo = ctxmod.get_algo_parameters()
+    opts = {"fully_use_devices": algo.fully_use_devices,
+            "elementwise_op_strategy_follow": algo.elementwise_op_strategy_follow}
+    hold = input_layout_hook if not hooked_before else None
+    result = _search(searcher, trace, params, opts, inputs, base, hold, notes)
+    layouts, eqn_out, eqn_in = _emit_layouts(trace, result.strategies, base)
+    plan = build_plan(trace, result.strategies, result, params, mesh, inputs, base, notes, algorithm)
+    return Planned(plan, layouts, eqn_out, eqn_in)
+
+
+def _mark_graph(graph: Graph, n_user: int) -> None:
+    """What the searchers treat apart: a step's backward and update (derived, free of ``fully_use_devices``), a
+    returned gradient's backward (derived), what no data reaches, and the gradient all-reduces XLA merges."""
+    _free_derived(graph, n_user)
+    _derive_backward(graph)
+    _free_data_free(graph)
+    mark_merged_reductions(graph)        # a step's gradient all-reduces: XLA combines them into one
+
+
+def _fix_user_layouts(trace: TraceResult, base: RegionLayouts, inputs: Sequence[InputInfo], algorithm: str) -> None:
+    """Fix the ops whose layout the user (or the data-parallel default) decides: user inputs (data,
+    ``parameter_plan``), every input in data_parallel / stand_alone, a parameter semi_auto slices as its first
+    annotated use asks, and the marks of annotated primitive objects and shard-wrapped functions."""
+    graph, mesh = trace.graph, base.mesh
+    dp_mode = algorithm in ("data_parallel", "stand_alone")
+    for i in range(len(inputs)):
+        sliced = algorithm == "semi_auto" and inputs[i].kind == "param" and any(base.inputs[i])
+        if i in base.user_inputs or sliced or dp_mode:
+            op = graph.ops[trace.input_ops[i]]
+            op.fixed = _strategy_from_layout(op, base.inputs[i], mesh)
+    for te in trace.eqns:
+        if te.group:
+            _fix_group(te, graph.ops[te.op], base, mesh)
+        elif te.eqn.primitive is mark_p:
+            lay = base.marks.get(mark_key(te.eqn))
+            if lay is not None:
+                op = graph.ops[te.op]
+                op.fixed = _strategy_from_layout(op, _batched(lay, te.eqn, len(op.out_dims[0])), mesh)
+
+
+def _apply_strategy_file(load: str, trace: TraceResult, inputs: Sequence[InputInfo], mesh: RegionMesh) -> str:
+    """Fix what a saved strategy file says (``strategy_ckpt_config['load_file']``) on ops not fixed yet: op
+    strategies by op name, parameter layouts by name, and data laid out as the saved region's was; the plan's
+    note on what was applied."""
+    graph = trace.graph
+    loaded = load_plan(load)
+    if loaded.mesh != mesh:
+        return f"strategy file {load} is for mesh {loaded.mesh}, not {mesh}: not applied"
+    applied = 0
+    for op in graph.ops:
+        axes = loaded.graph_axes.get(op.name)
+        if axes is not None and len(axes) == len(op.dims) and op.fixed is None:
+            op.fixed = tuple(tuple(mesh.names.index(a) for a in ax) for ax in axes)
+            applied += 1
+    stored = 0
+    for i, info in enumerate(inputs):     # the parameters are stored as the file says
+        spec = loaded.param_specs.get(info.name) if info.kind == "param" else None
+        op = graph.ops[trace.input_ops[i]]
+        if spec is not None and op.fixed is None:
+            op.fixed = _strategy_from_layout(op, dims_of(spec, len(info.shape)), mesh)
+            stored += 1
+        axes = loaded.graph_axes.get(op.name) if info.kind == "data" and info.strategy is None else None
+        if axes is not None and len(axes) == len(op.dims):   # data laid out as the saved region's was
+            op.fixed = tuple(tuple(mesh.names.index(a) for a in ax) for ax in axes)
+    return f"strategy file {load}: {applied} op strategies and {stored} parameter layouts loaded"
+
+
+def _search(searcher, trace: TraceResult, params: CostParams, opts: dict, inputs: Sequence[InputInfo],
+            base: RegionLayouts, hold: Callable | None, notes: list[str]):
+    """Run ``searcher`` on the region's graph, and again where stored state must keep a layout the first search
+    did not give it: optimizer state in its parameter's layout (``hold``, the step's layout hook), updated state
+    in its input's (a greedy searcher's write-back ties); then marked operands read again take the layout their op
+    computed them in. Appends the notes; returns the search's result."""
+    graph, mesh = trace.graph, base.mesh
+    result = searcher.search(graph, params, opts)
+    if hold is not None:
+        # a training step stores each optimizer-state leaf that mirrors a parameter in the parameter's layout (the
+        # hook), whatever the search gave the leaf: held there, the search is run again, so the update computes the
+        # leaf where it is stored (else the program gathers it whole to compute and slices it to store)
+        searched = [result_layout(graph.ops[trace.input_ops[i]], result.strategies[trace.input_ops[i]], 0)
+                    for i in range(len(inputs))]
+        want = list(hold(inputs, dataclasses.replace(base, inputs=[_names(x, mesh) for x in searched])))
+        held = 0
+        for i, lay in enumerate(want):
+            op = graph.ops[trace.input_ops[i]]
+            if _names(searched[i], mesh) != lay and op.fixed is None:
+                op.fixed = _strategy_from_layout(op, lay, mesh)
+                held += 1
+        if held:
+            first = result.seconds
+            result = searcher.search(graph, params, opts)
+            result = dataclasses.replace(result, seconds=result.seconds + first)
+            notes.append(f"optimizer state is stored in its parameter's layout: searched again with {held} state "
+                         f"leaves held there")
+    if searcher.ties_exactly:
+        if any(op.kind == "writeback" for op in graph.ops):
+            notes.append("updated state is stored in its input's layout: every write-back was tied to its input "
+                         "in the search")
+    elif searcher.holds_state and _hold_state(graph, result.strategies):
+        # updated state is stored in its input's layout: a greedy searcher applies the writeback ties only after
+        # its search, so a second search with every state input held at the layout the first one gave it prices
+        # the update's layout against that (the writeback ops)
+        first = result.seconds
+        result = searcher.search(graph, params, opts)
+        result = dataclasses.replace(result, seconds=result.seconds + first, notes=list(result.notes) + [
+            "updated state is stored in its input's layout: searched again with every updated input held at the "
+            "layout the first search gave it"])
+    if graph.operand_ties:      # marked operands read again keep the layout their op computed them in
+        tied = dict(result.strategies)
+        for oid in sorted(graph.operand_ties):
+            tied[oid] = operand_tied_strategy(graph, graph.ops[oid], tied) or tied[oid]
+        if tied != result.strategies:
+            result = dataclasses.replace(result, strategies=tied, cost=graph_cost(graph, tied, params))
+    notes.extend(result.notes)
+    return result
+
+
+def _emit_layouts(trace: TraceResult, strategies, base: RegionLayouts
+                  ) -> tuple[RegionLayouts, dict[EqnKey, tuple], dict[EqnKey, tuple]]:
+    """The layouts the program is emitted with: every input's, every mark's (a primitive object's operands and
+    results as it computes), and per equation its results' layouts and the operands it reads in another layout
+    than their producer gave them (None where it reads them as they are)."""
+    graph, mesh = trace.graph, base.mesh
+    layouts = RegionLayouts(mesh, list(base.inputs), dict(base.marks), base.op_names, honour_marks=True,
+                            user_inputs=set(base.user_inputs), strategy_inputs=list(base.inputs))
+    for i, oid in enumerate(trace.input_ops):
+        op = graph.ops[oid]
+        layouts.inputs[i] = _names(result_layout(op, strategies[op.id], 0), mesh)
+    eqn_out: dict[EqnKey, tuple] = {}
+    eqn_in: dict[EqnKey, tuple] = {}
+    # a tensor computed from constants alone (the ones a sum's gradient broadcasts, a ReLU gradient's zeros, a
+    # causal mask) is priced free between layouts (graph_cost(shared=True)): the ops computing it are left
+    # unconstrained and each other reader constrains it to the layout it reads, so XLA broadcasts it there; pinned
+    # at its producer's layout, XLA moves it (an all-to-all and a collective-permute for a (32, 64) one)
+    free = constant_tensors(graph)
+    for te in trace.eqns:
+        op = graph.ops[te.op]
+        s = strategies[op.id]
+        if te.group:               # a primitive object: its marks pin its operands and results as it computes
+            for e in te.group:
+                if e.primitive is mark_p:
+                    idx = e.params["index"]
+                    lay = operand_layout(op, s, idx) if e.params["role"] == "in" else result_layout(op, s, idx)
+                    layouts.marks[mark_key(e)] = _names(lay, mesh)
+            continue
+        if te.eqn.primitive is mark_p:
+            layouts.marks[exact_mark_key(te.eqn)] = _names(result_layout(op, s, 0), mesh)
+            continue
+        if op.outputs and all(t in free for t in op.outputs):
+            continue
+        eqn_out[eqn_key(te)] = tuple(_names(result_layout(op, s, j), mesh) for j in range(len(op.outputs)))
+        ins = []
+        for i, tid in enumerate(op.inputs):
+            prod = graph.producer(tid)
+            have = result_layout(prod, strategies[prod.id], prod.outputs.index(tid))
+            want = operand_layout(op, s, i)
+            moved = have != want or (tid in free and any(want))
+            ins.append(_names(want, mesh) if moved and prod.kind != "const" else None)
+        if any(x is not None for x in ins):
+            eqn_in[eqn_key(te)] = tuple(ins)
+    return layouts, eqn_out, eqn_in
+
+
+def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh: RegionMesh,
+               inputs: Sequence[InputInfo], base: RegionLayouts, notes: list[str], algorithm: str) -> Plan:
+    graph = trace.graph
+    groups = _groups(trace)
+    costs = {op.id: op_cost(op, strategies[op.id], graph, params) for op in graph.ops}
+    owner: dict[int, str] = {}          # graph op id -> the plan entry it belongs to
+    groups_by_name: dict[str, OpNote] = {}
+    entries: dict[str, dict] = {}       # plan entry name -> its fields, in program order
+    for te in trace.eqns:
+        op = graph.ops[te.op]
+        if te.group:
+            note = te.eqn.params["note"]
+            name = base.op_names.get(note.uid, note.kind)
+            entries[name] = dict(kind=note.kind, strategy=_group_strategy(te, op, strategies[op.id], graph.mesh),
+                                 fixed=op.fixed is not None, ids=[op.id])
+        elif (note := groups.get(op.id)) is not None:   # a primitive object traced op by op (not self-contained)
+            name = base.op_names.get(note.uid, note.kind)
+            groups_by_name[name] = note
+            e = entries.setdefault(name, dict(kind=note.kind, strategy=[], fixed=False, ids=[]))
+            e["ids"].append(op.id)
+            if te.eqn.primitive is mark_p and te.eqn.params["role"] == "in":
+                idx = te.eqn.params["index"]
+                lay = list(_names(result_layout(op, strategies[op.id], 0), mesh))
+                extra = len(lay) - len(note.in_dims[idx])
+                if te.eqn.params.get("bdim") is not None and extra == 1:
+                    del lay[te.eqn.params["bdim"]]         # the replica dim is not the op's
+                elif extra > 0:
+                    del lay[:extra]                        # batched by a vmap that did not say where: jax.vmap's
+                                                           # default puts the batch dims first
+                e["layouts"] = e.get("layouts", {}) | {idx: tuple(lay)}
+                e["fixed"] = e["fixed"] or note.in_strategy[idx] is not None
+        elif te.eqn.primitive is mark_p:
+            continue
+        else:
+            name = te.name
+            entries[name] = dict(kind=op.kind, strategy=ms_strategy(op, strategies[op.id], graph.mesh),
+                                 fixed=op.fixed is not None, ids=[op.id])
+        owner[op.id] = name
+    redistributions = []
+    done: set = set()
+    free = constant_tensors(graph)
+    ran: dict[int, list] = {}
+    for op in graph.ops:   # redistribution into each op is charged to it, and listed on its own line
+        for i, tid in enumerate(op.inputs):
+            prod, t = graph.producer(tid), graph.tensors[tid]
+            have = result_layout(prod, strategies[prod.id], prod.outputs.index(tid))
+            want = operand_layout(op, strategies[op.id], i)
+            if (tid, want) in done or tid in free:
+                continue           # XLA reshards a value once per layout (the first reader is charged), and
+                                   # re-broadcasts a tensor computed from constants alone where it is read
+            done.add((tid, want))
+            reused = reshard_once(ran, tid, have, want, graph.mesh)    # XLA runs a collective on a value once
+            c = redistribution_cost(have, want, t.shape, t.itemsize, graph.mesh, params, reused)
+            costs[op.id] = costs[op.id] + c
+            if have != want and prod.kind != "const" and op.id in owner:
+                redistributions.append(Redistribution(
+                    owner[op.id], i, t.shape, tuple(graph.mesh.count(a) for a in have),
+                    tuple(graph.mesh.count(a) for a in want), _names(have, mesh), _names(want, mesh),
+                    {k: float(v) for k, v in c.comm_bytes.items() if v}, reused))
+    for name, e in entries.items():       # traced op by op: its inputs' layouts merged into one strategy
+        if "layouts" in e:
+            e["strategy"] = _merged_strategy(groups_by_name[name], e["layouts"], mesh)
+    plan_ops = tuple(PlanOp(name, e["kind"], tuple(tuple(x) for x in e["strategy"]), e["fixed"],
+                            PlanCost.of(Cost.sum([costs[i] for i in e["ids"]])), tuple(e["ids"]))
+                     for name, e in entries.items())
+    _check_reported(trace, plan_ops, mesh)
+    param_specs = {}
+    for i, info in enumerate(inputs):
+        if info.kind == "param":
+            op = graph.ops[trace.input_ops[i]]
+            param_specs[info.name] = spec_of(_names(result_layout(op, strategies[op.id], 0), mesh))
+    graph_axes = {op.name: [[mesh.names[a] for a in ax] for ax in strategies[op.id]] for op in graph.ops
+                  if not op.is_source or op.kind == "data"}
+    program = graph_cost(graph, strategies, params, shared=True)     # what the compiled program runs
+    return Plan(mesh, plan_ops, param_specs, PlanCost.of(program), algorithm, result.seconds, tuple(notes),
+                graph_axes, tuple(redistributions), _Explainer(graph, strategies, params, mesh))
+
+
+def _check_reported(trace: TraceResult, plan_ops, mesh: RegionMesh) -> None:
+    """Invariant 3: every reported strategy passes the check a user's strategy passes
+    (:func:`mshard._src.values.layout.check_strategy`): a primitive object's over its own dims, any other op's over its
+    iteration space. A failure is a planner bug, raised, never a silent report."""
+    graph = trace.graph
+    entry_of = {i: p for p in plan_ops for i in p.op_ids}
+    groups = _groups(trace)
+    seen: set[str] = set()
+    for te in trace.eqns:
+        entry = entry_of.get(te.op)
+        if entry is None or entry.name in seen:
+            continue
+        seen.add(entry.name)
+        op = graph.ops[te.op]
+        note = te.eqn.params["note"] if te.group else groups.get(op.id)
+        if note is not None:
+            shapes, dims, fixed = note.in_shapes, note.in_dims, note.fixed
+        else:
+            shapes, dims, fixed = [graph.tensors[t].shape for t in op.inputs], op.in_dims, op.unsplittable
+        if len(entry.strategy) != len(shapes):
+            continue                  # a primitive object traced op by op whose marks were not all searched
+        try:
+            check_strategy(entry.name, entry.kind, shapes, dims, frozenset(fixed),
+                           [TensorStrategy(tuple(c)) for c in entry.strategy], mesh.size)
+        except StrategyError as e:
+            raise PlanError(f"mshard planner: the plan would report {entry.name} with {entry.strategy}, which is "
+                            f"not a valid strategy ({e}); please report this.") from e
+
+
+class _Explainer:
+    def __init__(self, graph: Graph, strategies, params: CostParams, mesh: RegionMesh):
+        self.graph, self.strategies, self.params, self.mesh = graph, strategies, params, mesh
+
+    def local(self, op, s):
+        """The op's own cost plus redistribution against its decided neighbours, under strategy ``s``."""
+        g, st = self.graph, self.strategies
+        c = op_cost(op, s, g, self.params)
+        for i, tid in enumerate(op.inputs):
+            prod, t = g.producer(tid), g.tensors[tid]
+            c = c + redistribution_cost(result_layout(prod, st[prod.id], prod.outputs.index(tid)),
+                                        operand_layout(op, s, i), t.shape, t.itemsize, g.mesh, self.params)
+        for j, tid in enumerate(op.outputs):
+            t = g.tensors[tid]
+            for cid in dict.fromkeys(t.consumers):
+                cons = g.ops[cid]
+                for i, x in enumerate(cons.inputs):
+                    if x == tid:
+                        c = c + redistribution_cost(result_layout(op, s, j), operand_layout(cons, st[cid], i),
+                                                    t.shape, t.itemsize, g.mesh, self.params)
+        return c
+
+    def __call__(self, pop: PlanOp, alternatives: int) -> str:
+        lines = [f"{pop.name} ({pop.kind}): strategy {pop.strategy}"
+                 f"{' — fixed by the user' if pop.fixed else ''}"]
+        for oid in pop.op_ids[:4]:
+            op = self.graph.ops[oid]
+            chosen = self.strategies[oid]
+            c = self.local(op, chosen)
+            lines.append(f"  {op.name}: loop dims {dict(op.dims)} axes "
+                         f"{[[self.mesh.names[a] for a in ax] for ax in chosen]}: {_fmt(c)}")
+            if op.fixed is not None:
+                continue
+            alts = []
+            for s in enumerate_strategies(op, self.graph.mesh, max_candidates=256):
+                if s == chosen:
+                    continue
+                alts.append((self.local(op, s).total, s))
+            alts.sort(key=lambda a: a[0])
+            for _, s in alts[:alternatives]:
+                lines.append(f"    alternative {ms_strategy(op, s, self.graph.mesh)} axes "
+                             f"{[[self.mesh.names[a] for a in ax] for ax in s]}: {_fmt(self.local(op, s))}")
+        return "\n".join(lines)
+
+
+def _fmt(c) -> str:
+    comm = {k: round(v) for k, v in c.comm_bytes.items() if v}
+    return f"total {c.total:.4g} (compute {c.compute:.3g} s, comm {comm} B, comm time {c.comm_time:.3g} s, " \
+           f"memory {c.memory:,.0f} B)"

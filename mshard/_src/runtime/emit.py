@@ -1,0 +1,136 @@
+"""Re-emit a traced region with its planned layouts.
+
+The jaxpr is evaluated primitive by primitive (as ``jax.core.eval_jaxpr`` does); each
+``mshard_mark`` becomes ``jax.lax.with_sharding_constraint`` to its planned layout, or nothing.
+With a searched plan (``eqn_out``/``eqn_in``), every op's results are constrained to the plan's
+layouts, and its operands where the plan redistributes them.
+
+Nested jaxprs: call-like eqns (jit/pjit, custom_jvp/vjp, closed_call) are inlined when their body
+holds marks or planned ops — the same structure :mod:`mshard._src.jaxpr.op_graph` walks — so a custom JVP/VJP
+rule inside a region is replaced by differentiation of its body if the region itself is
+differentiated from outside. checkpoint/remat bodies, and scan/while/cond bodies holding marks,
+are rebuilt with re-emitted bodies, keeping remat. Everything else is bound unchanged, so XLA
+sees the user's program plus the constraints, and its SPMD partitioner inserts the collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+from jax.sharding import NamedSharding
+
+from mshard._src.jaxpr.marks import mark_p
+from mshard._src.jaxpr.walk import CALLS, REMAT, jaxpr_params
+from mshard._src.jaxpr.walk import has_marks as _has_marks
+from mshard._src.planning.axis_assignment import RegionLayouts, exact_mark_key, mark_key
+from mshard._src.values.layout import replica_layout, spec_of
+
+INLINE = frozenset(CALLS) - REMAT     # inlined where the body holds marks or planned ops
+REBUILD = REMAT                       # kept, around their re-emitted body, so the recomputation survives
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return None
+
+
+class Emitter:
+    def __init__(self, layouts: RegionLayouts, eqn_out: dict | None = None, eqn_in: dict | None = None):
+        self.layouts = layouts
+        self.mesh = layouts.mesh.jax_mesh()
+        self.eqn_out = eqn_out or {}
+        self.eqn_in = eqn_in or {}
+        self.planned = bool(eqn_out)
+
+    def wsc(self, x, lay):
+        if lay is None or not hasattr(x, "shape") or len(lay) != len(x.shape):
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec_of(lay)))
+
+    def eval(self, jaxpr: jcore.Jaxpr, consts, *args, path: tuple = ()):
+        env: dict[Any, Any] = {}
+
+        def read(v):
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            outs = self.eqn(eqn, invals, path)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+            for v, x in zip(eqn.outvars, outs):
+                env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def eqn(self, eqn, invals, path: tuple):
+        prim = eqn.primitive
+        if prim is mark_p:
+            if not self.layouts.honour_marks:
+                return invals[0]
+            lay = self.layouts.marks.get(exact_mark_key(eqn), self.layouts.marks.get(mark_key(eqn)))
+            first = self.layouts.staged.get(exact_mark_key(eqn))
+            if eqn.params.get("bdim") is not None:
+                lay, first = (replica_layout(x, eqn.params["bdim"], eqn.params["replica_axes"])
+                              if x is not None and len(x) == len(invals[0].shape) - 1 else x for x in (lay, first))
+            x = invals[0] if first is None else self.wsc(invals[0], first)
+            return self.wsc(x, lay)
+        params = eqn.params
+        # a shard_map is a fixed boundary of the plan (mshard._src.jaxpr.op_graph): its body (manual axes, e.g. a pipeline's
+        # stages) is bound as traced, only its operands and results are constrained
+        has = prim.name != "shard_map" and (self.planned or any(_has_marks(j) for j in jaxpr_params(params)))
+        inner = path + (id(eqn),)
+        if has and prim.name in INLINE:
+            body = params[CALLS[prim.name]]
+            if isinstance(body, jcore.ClosedJaxpr):
+                return self.eval(body.jaxpr, body.consts, *invals, path=inner)
+            return self.eval(body, (), *invals, path=inner)
+        if has and (prim.name in REBUILD or any(_has_marks(j) for j in jaxpr_params(params))):
+            params = {k: self.rewrite(v, inner) for k, v in params.items()}
+        key = (path, id(eqn))
+        ins = self.eqn_in.get(key)
+        if ins is not None:
+            invals = [self.wsc(x, lay) for x, lay in zip(invals, ins)]
+        scope = str(eqn.source_info.name_stack)
+        with jax.named_scope(scope) if scope else _null(), eqn.ctx.manager:
+            out = prim.bind(*invals, **prim.get_bind_params(params))
+        outs_lay = self.eqn_out.get(key)
+        if outs_lay is not None:
+            if prim.multiple_results:
+                out = [self.wsc(x, lay) for x, lay in zip(out, outs_lay)]
+            else:
+                out = self.wsc(out, outs_lay[0])
+        return out
+
+    def rewrite(self, v, path: tuple):
+        """A jaxpr param -> the same jaxpr with marks/planned ops re-emitted with constraints."""
+        if isinstance(v, (tuple, list)):
+            return type(v)(self.rewrite(x, path) for x in v)
+        if isinstance(v, jcore.ClosedJaxpr):
+            avals = [x.aval for x in v.jaxpr.invars]
+            fn = lambda *a: self.eval(v.jaxpr, v.consts, *a, path=path)
+            return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+        if isinstance(v, jcore.Jaxpr):
+            avals = [x.aval for x in v.invars]
+            fn = lambda *a: self.eval(v, (), *a, path=path)
+            closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+            if closed.consts:
+                raise NotImplementedError("mshard: a re-emitted open jaxpr gained constants")
+            return closed.jaxpr
+        return v
+
+
+def emit(closed: jcore.ClosedJaxpr, layouts: RegionLayouts, eqn_out: dict | None = None,
+         eqn_in: dict | None = None) -> Callable[..., list]:
+    """A function of the region's flat inputs that evaluates ``closed`` with planned constraints."""
+    em = Emitter(layouts, eqn_out, eqn_in)
+    return lambda *args: em.eval(closed.jaxpr, closed.consts, *args)

@@ -1,0 +1,2 @@
+"""Pipeline parallel: stage cutting, balance, schedules, the SPMD pipeline program, parameter storage, reports and
+the ``PipelineCell`` / ``Pipeline`` Cells."""
