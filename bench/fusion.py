@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 import mshard as ms
+from mshard._src.values.layout import jax_mesh
 
 CFG = dict(vocab=256, hidden=128, heads=4, ffn=512, seq=32, layers=2)
 SMOKE_CFG = dict(vocab=64, hidden=32, heads=4, ffn=64, seq=8, layers=1)
@@ -58,7 +59,7 @@ def build(mode, search, megatron, fused):
 def replica_groups(step) -> set[frozenset[int]]:
     """The data-parallel replica groups of a fused step (devices that differ only along its replica axes)."""
     plan = step._rt.last
-    mesh = plan.mesh.jax_mesh()
+    mesh = jax_mesh(plan.mesh)
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
     over = [mesh.axis_names.index(a) for a in plan.replicas]
     keep = [i for i in range(ids.ndim) if i not in over]

@@ -53,32 +53,32 @@ BUGS = [
         "        result = dataclasses.replace(result, strategies={\n"
         "            op.id: result.strategies[op.id] if op.fixed is not None else _replicated(op) for op in graph.ops})\n"
         "    if searcher.ties_exactly:",
-        ("tests/test_searchers_e2e.py", "tests/test_plan_program.py")),
+        ("tests/e2e/search/test_searchers_on_models.py", "tests/e2e/search/test_plan_program.py")),
     Bug("constraint_dropped", "the planned layout of every dot_general's output is not emitted",
         "mshard/_src/runtime/emit.py",
         "        outs_lay = self.eqn_out.get(key)\n",
         "        outs_lay = self.eqn_out.get(key) if prim.name != \"dot_general\" else None\n",
-        ("tests/test_plan_program.py", "tests/test_strategies.py")),
+        ("tests/e2e/search/test_plan_program.py", "tests/e2e/strategies/test_strategies.py")),
     Bug("grad_doubled", "the data-parallel gradient reduction counts every replica twice",
         "mshard/_src/training/train_cells.py",
         "        reduced = [g / dp for g in reduced]       # the mean over the replicas",
         "        reduced = [2 * g / dp for g in reduced]       # the mean over the replicas",
-        ("tests/test_train.py",)),
+        ("tests/e2e/training/test_train.py",)),
     Bug("checksum_passes", "a checkpoint's content checksum accepts any data",
         "mshard/_src/edges/checkpoint/api.py",
         "        if np.array_equal(total(w), want):\n",
         "        if True:\n",
-        ("tests/test_checkpoint.py",)),
+        ("tests/unit/edges/test_checkpoint.py",)),
     Bug("pipeline_wrong_microbatch", "a stage stores the activation it receives under the next micro-batch's slot",
         "mshard/_src/training/pipeline/run.py",
         "            ring_f = store(ring_f, recv_f, ok_f, jnp.where(s == 0, c_f + 1, c_f), i_f)\n",
         "            ring_f = store(ring_f, recv_f, ok_f, jnp.where(s == 0, c_f + 1, c_f), i_f + 1)\n",
-        ("tests/test_pipeline.py",)),
+        ("tests/e2e/pipeline/test_pipeline.py",)),
     Bug("zero_stale_shard", "optimizer parallel gathers each parameter's shard from before the update",
         "mshard/_src/training/train_cells.py",
         "                out, token = fusion.all_gather_buckets([new[i] for i in key], buckets, mesh,\n",
         "                out, token = fusion.all_gather_buckets([p_in[i] for i in key], buckets, mesh,\n",
-        ("tests/test_train.py",)),
+        ("tests/e2e/training/test_train.py",)),
     Bug("dataset_off_by_one", "each device's rows of a host batch are the next device's (the last keeps its own)",
         "mshard/dataset.py",
         "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])\n",
@@ -88,7 +88,7 @@ BUGS = [
         "            a2 = min(b, host.shape[0] - (b - a))\n"
         "            return (slice(a2, a2 + b - a),) + tuple(idx[1:])\n"
         "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[_next(idx)])\n",
-        ("tests/test_train_data.py", "tests/test_train.py")),
+        ("tests/e2e/training/test_train_data.py", "tests/e2e/training/test_train.py")),
 ]
 
 

@@ -5,7 +5,7 @@
     .venv/bin/python bench/plans_vs_baselines.py --smoke     # the MLP only: that it runs and writes its JSON
 
 Models: the MLP, transformer block, conv net and embedding classifier of ``examples/models.py``, the embedding GPT
-of ``examples/train_gpt.py`` (1 block) and the plain flax MiniGPT of ``tests/test_plain_models_train.py``. For each,
+of ``examples/train_gpt.py`` (1 block) and the plain flax MiniGPT of ``tests/e2e/training/test_plain_models_train.py``. For each,
 the forward (``ms.jit``) and one training step (``nn.TrainOneStepCell``, SGD) on 8 simulated CPU devices, with
 ``dataset_strategy`` "data_parallel" and "full_batch", planned as:
 

@@ -64,7 +64,7 @@ def main() -> None:
             def spec(lay, names=names):
                 return P(*[tuple(names[a] for a in ax) if ax else None for ax in lay])
             # the value constrained to dst, as the executor constrains an op's operand (a jit's out_shardings
-            # goes through XLA's sharding merge first: another path, see tests/test_reshard_model.py)
+            # goes through XLA's sharding merge first: another path, see tests/e2e/search/test_reshard_model.py)
             target = NamedSharding(mesh, spec(d))
             f = jax.jit(lambda x, t=target: jax.lax.with_sharding_constraint(x * 2, t),
                         in_shardings=NamedSharding(mesh, spec(s)))

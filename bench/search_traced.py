@@ -4,7 +4,7 @@
     .venv/bin/python bench/search_traced.py --smoke     # 1 run each: that it runs and writes its JSON
 
 The graph is the one mshard's planner searches for the forward of the plain flax MiniGPT of
-``tests/test_plain_models_train.py`` (2 blocks) under auto_parallel with a data-parallel batch on 8 devices: a
+``tests/e2e/training/test_plain_models_train.py`` (2 blocks) under auto_parallel with a data-parallel batch on 8 devices: a
 searcher swapped in for one planning run captures it. Each searcher then runs on it with the cache off, ``--repeat``
 times (the least time counts): dynamic_programming, ilp, and ilp with ``eliminate=False`` (the whole integer
 program, as before the elimination fast path). JSON: ``bench/out/search_traced.json`` (``--out``; seconds,

@@ -30,7 +30,7 @@ import numpy as np
 import mshard as ms
 from mshard._src.planning import search as planner
 from searchers.cache import SEARCH_CACHE
-from searchers.factor import Problem
+from searchers.pairwise_problem import PairwiseProblem
 
 CFG = dict(vocab=64, hidden=64, heads=4, ffn=128, seq=16, layers=1)
 BATCH = 16
@@ -55,18 +55,18 @@ def variant(tag):
     """``untied``: no write-back ties in the exact searchers, and their second search back; ``once``: no
     second search."""
     SEARCH_CACHE.clear()                     # every variant searches afresh (the cache keys on the graph only)
-    saved = planner._hold_state, dict(planner.SEARCHERS), Problem.tie_operands
+    saved = planner._hold_state, dict(planner.SEARCHERS), PairwiseProblem.tie_operands
     if tag == "untied":
         for name, s in saved[1].items():
             if s.ties_exactly:
                 planner.SEARCHERS[name] = dataclasses.replace(s, ties_exactly=False, holds_state=True)
-        Problem.tie_operands = lambda self: 0
+        PairwiseProblem.tie_operands = lambda self: 0
     if tag == "once":
         planner._hold_state = lambda graph, strategies: False
     try:
         yield
     finally:
-        planner._hold_state, Problem.tie_operands = saved[0], saved[2]
+        planner._hold_state, PairwiseProblem.tie_operands = saved[0], saved[2]
         planner.SEARCHERS.clear()
         planner.SEARCHERS.update(saved[1])
 

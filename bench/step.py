@@ -118,7 +118,7 @@ def make_step(cfg, mode, n, *, megatron=False, recompute=False, micro=None, zero
 
 def stage_cells(net, stages):
     """``net``'s cells on ``stages`` pipeline stages: the embeddings on the first, the blocks split evenly, the final
-    norm and the head on the last (as tests/test_pipeline.py's staged GPT)."""
+    norm and the head on the last (as tests/e2e/pipeline/test_pipeline.py's staged GPT)."""
     net.embedding.pipeline_stage = net.position.pipeline_stage = 0
     for i, block in enumerate(net.blocks):
         block.pipeline_stage = i * stages // len(net.blocks)

@@ -1,8 +1,8 @@
 """mshard: MindSpore's parallel vocabulary over JAX (meshes, PartitionSpecs, jit regions).
 
 >>> import mshard as ms
->>> ms.ParallelMode.SEMI_AUTO_PARALLEL
-'semi_auto_parallel'
+>>> ms.ParallelMode.SEMI_AUTO_PARALLEL == "semi_auto_parallel"
+True
 """
 
 from mshard import checkpoint as checkpoint

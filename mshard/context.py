@@ -2,16 +2,18 @@
 
 >>> import mshard as ms
 >>> with ms.context.parallel_context(parallel_mode="data_parallel") as ctx:
-...     ctx.parallel_mode
-'data_parallel'
+...     ctx.parallel_mode == "data_parallel"
+True
 """
 
 from mshard._src.values.context import OPTIMIZER_LEVELS as OPTIMIZER_LEVELS
 from mshard._src.values.context import SEARCH_MODES as SEARCH_MODES
 from mshard._src.values.context import AlgoParameters as AlgoParameters
 from mshard._src.values.context import CostModelContext as CostModelContext
+from mshard._src.values.context import OptimizerLevel as OptimizerLevel
 from mshard._src.values.context import ParallelContext as ParallelContext
 from mshard._src.values.context import ParallelMode as ParallelMode
+from mshard._src.values.context import SearchMode as SearchMode
 from mshard._src.values.context import get_algo_parameters as get_algo_parameters
 from mshard._src.values.context import get_auto_parallel_context as get_auto_parallel_context
 from mshard._src.values.context import get_cost_model_context as get_cost_model_context
@@ -28,8 +30,10 @@ __all__ = [
     "SEARCH_MODES",
     "AlgoParameters",
     "CostModelContext",
+    "OptimizerLevel",
     "ParallelContext",
     "ParallelMode",
+    "SearchMode",
     "get_algo_parameters",
     "get_auto_parallel_context",
     "get_cost_model_context",

@@ -35,7 +35,7 @@ allowed.
 >>> from searchers.graph import DeviceMesh
 >>> g = mlp_chain(2, 64, 64, DeviceMesh((2, 4)))
 >>> sorted(baseline_plans(g, CostParams(), fully_use_devices=False))
-['data parallel', 'data parallel (per op)', 'replicated', 'semi_auto']
+['data parallel', 'data parallel (per op)', 'replicated', 'user strategies + follow']
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import Any, cast
 from .cost import Cost, CostParams
 from .follow import follow_operands, follow_strategies
 from .graph import Graph, Op, Strategy, pinned_strategy, replicated
-from .plan_cost import PlanIndex
+from .graph_index import GraphIndex
 from .result import SearchResult
 from .strategies import data_parallel_strategy, enumerate_strategies
 
@@ -68,7 +68,7 @@ def _with_data_split(graph: Graph, held: list[Op], make: Callable[[], list[Strat
             op.fixed = f
 
 
-def _per_op(graph: Graph, ix: PlanIndex, pick: Callable[[Op], Strategy]) -> list[Strategy]:
+def _per_op(graph: Graph, ix: GraphIndex, pick: Callable[[Op], Strategy]) -> list[Strategy]:
     """Fixed ops as fixed, ties as tied, every other op ``pick(op)`` (asked once per op shape and kind)."""
     ops = graph.ops
     picks = [pick(ops[v]) for v in ix.first_of_kind.tolist()]
@@ -104,10 +104,10 @@ def data_parallel(graph: Graph, params: CostParams, **_: Any) -> SearchResult:
 
 
 def baseline_plans(graph: Graph, params: CostParams, *, fully_use_devices: bool,
-                   index: PlanIndex | None = None) -> dict[str, list[Strategy]]:
+                   index: GraphIndex | None = None) -> dict[str, list[Strategy]]:
     """The baselines of the module doc, by name (a strategy per op id); ``index``: the graph's
-    :class:`~searchers.plan_cost.PlanIndex`, if at hand. ``params`` is accepted for the searcher signature."""
-    ix = PlanIndex(graph) if index is None else index
+    :class:`~searchers.graph_index.GraphIndex`, if at hand. ``params`` is accepted for the searcher signature."""
+    ix = GraphIndex(graph) if index is None else index
     semi_auto = follow_strategies(graph, ix)
     unfixed = [op for op in graph.ops if op.kind == "data" and op.fixed is None]
     plans = {
@@ -116,7 +116,7 @@ def baseline_plans(graph: Graph, params: CostParams, *, fully_use_devices: bool,
                           if unfixed else semi_auto),
         "data parallel (per op)": _per_op(graph, ix, lambda op: (replicated(op) if op.is_source and op.kind != "data"
                                                                  else data_parallel_strategy(op, graph.mesh))),
-        "semi_auto": semi_auto,
+        "user strategies + follow": semi_auto,
     }
     whole = [op for op in graph.ops if op.kind == "data" and op.fixed is not None and not any(op.fixed)]
     if whole:       # follow with the whole data taken as split, then the data given back its own (whole) layout
@@ -140,14 +140,14 @@ def admissible(graph: Graph, strategies: Sequence[Strategy] | Mapping[int, Strat
 
 
 def no_worse_than_baselines(graph: Graph, params: CostParams, result: SearchResult, *,
-                            fully_use_devices: bool, index: PlanIndex | None = None, swap: bool = True) -> SearchResult:
+                            fully_use_devices: bool, index: GraphIndex | None = None, swap: bool = True) -> SearchResult:
     """``result``, or the cheapest baseline where it costs less on the same cost model (noted); its ``seconds``
-    include the check. ``index``: the graph's :class:`~searchers.plan_cost.PlanIndex`, if the searcher has one.
+    include the check. ``index``: the graph's :class:`~searchers.graph_index.GraphIndex`, if the searcher has one.
     ``swap=False`` (sharding_propagation, MindSpore's algorithm): ``result`` itself, with a note giving both figures
     where a baseline is cheaper."""
     t0 = time.perf_counter()
     best: tuple[float, str, list[Strategy], Cost] | None = None
-    ix = PlanIndex(graph) if index is None else index
+    ix = GraphIndex(graph) if index is None else index
     priced: dict[int, Cost] = {}                            # a baseline that is another's plan is priced once
     cheaper = []
     for name, plan in baseline_plans(graph, params, fully_use_devices=fully_use_devices, index=ix).items():
@@ -161,7 +161,7 @@ def no_worse_than_baselines(graph: Graph, params: CostParams, result: SearchResu
         if not admissible(graph, plan, fully_use_devices=fully_use_devices):
             continue
         # the summed memory of every op counts each tensor at least once, so it bounds the peak: within the capacity,
-        # the baseline fits without its profile (PlanIndex.peak: 0.2-0.3 s for the first two at 100k ops)
+        # the baseline fits without its profile (GraphIndex.peak: 0.2-0.3 s for the first two at 100k ops)
         if cost.memory <= params.device_memory_capacity:
             best = (total, name, plan, cost)
             break

@@ -1,7 +1,7 @@
 """dynamic_programming: MindSpore's graph eliminations (ALGORITHMS §4).
 
 Every op lists its candidate strategies with a cost vector; every pair of adjacent ops gets a
-redistribution cost matrix (:mod:`searchers.factor`; parallel edges are summed — *edge
+redistribution cost matrix (:mod:`searchers.pairwise_problem`; parallel edges are summed — *edge
 elimination*). Ops with one candidate (user strategies) are folded into their neighbours.
 Then the graph is shrunk, each step recorded:
 
@@ -64,11 +64,11 @@ import numpy as np
 from .baselines import no_worse_than_baselines
 from .cache import cached_search
 from .cost import CostParams, graph_cost
-from .factor import Problem
 from .graph import Graph, Strategy
+from .graph_index import GraphIndex
 from .memory import peak_memory
 from .pairwise import solve_pairwise
-from .plan_cost import PlanIndex
+from .pairwise_problem import PairwiseProblem
 from .progress import Progress
 from .result import SearchResult
 from .spread import propagate
@@ -101,12 +101,12 @@ def _series(mh: np.ndarray, c: np.ndarray, mj: np.ndarray) -> tuple[np.ndarray, 
 
 
 class _Eliminator:
-    """Runs the eliminations on a :class:`~searchers.factor.Problem` (mutating it).
+    """Runs the eliminations on a :class:`~searchers.pairwise_problem.PairwiseProblem` (mutating it).
 
     ``values``: when given, star elimination fixes an op to its value there instead of the
     greedy choice, and prefers ops outside ``taboo`` (see :func:`dynamic_programming`)."""
 
-    def __init__(self, prob: Problem, bar: Progress, memo: dict[int, tuple], *,
+    def __init__(self, prob: PairwiseProblem, bar: Progress, memo: dict[int, tuple], *,
                  values: dict[int, int] | None = None, taboo: frozenset[int] = frozenset()):
         self.p, self.bar, self.memo = prob, bar, memo
         self.values, self.taboo = values, taboo
@@ -226,7 +226,7 @@ class _Pass:
     misses: int
 
 
-def _one_pass(base: Problem, memo: dict[int, tuple], bar: Progress, *, values: dict[int, int] | None,
+def _one_pass(base: PairwiseProblem, memo: dict[int, tuple], bar: Progress, *, values: dict[int, int] | None,
               taboo: frozenset[int], exact_limit: int, core_ilp_limit: int, core_time_limit: float) -> _Pass:
     """Eliminate everything on a copy of ``base`` and replay: a choice for every live node of ``base``."""
     prob = base.normalised()
@@ -264,7 +264,7 @@ def _one_pass(base: Problem, memo: dict[int, tuple], bar: Progress, *, values: d
     return _Pass(choice, el.fixed_approx, notes, el.hits, el.misses)
 
 
-def exact_choice(prob: Problem, bar: Progress, time_limit: float) -> dict[int, int] | None:
+def exact_choice(prob: PairwiseProblem, bar: Progress, time_limit: float) -> dict[int, int] | None:
     """The optimal choice for every live node of ``prob``, by exact eliminations and an integer program (within
     ``time_limit`` s) on the core they leave; ``None`` where that is not proven (the integer program ran out of
     time, and star elimination, which is not exact, would decide the rest). Eliminating a leaf or a chain node is
@@ -275,7 +275,7 @@ def exact_choice(prob: Problem, bar: Progress, time_limit: float) -> dict[int, i
     return None if p.fixed or p.notes else p.choice
 
 
-def _enumerate(prob: Problem, nodes: list[int]) -> dict[int, int]:
+def _enumerate(prob: PairwiseProblem, nodes: list[int]) -> dict[int, int]:
     """Exact minimum over the live ``nodes`` by enumeration (chunked, vectorised)."""
     sizes = tuple(len(prob.cands[v]) for v in nodes)
     pairs = prob.pair_list({v: k for k, v in enumerate(nodes)})
@@ -296,7 +296,7 @@ def _enumerate(prob: Problem, nodes: list[int]) -> dict[int, int]:
     return {v: int(pick[k]) for k, v in enumerate(nodes)}
 
 
-def _polish(prob: Problem, nodes: list[int], choice: dict[int, int], sweeps: int = 8) -> int:
+def _polish(prob: PairwiseProblem, nodes: list[int], choice: dict[int, int], sweeps: int = 8) -> int:
     """Iterated conditional modes on ``prob`` (not yet eliminated): re-choose each node against its
     neighbours' choices until no node improves (at most ``sweeps`` rounds); returns the changes."""
     changed = 0
@@ -317,7 +317,7 @@ def _polish(prob: Problem, nodes: list[int], choice: dict[int, int], sweeps: int
     return changed
 
 
-def _seeds(graph: Graph, params: CostParams, prob: Problem, live: list[int], fully: bool,
+def _seeds(graph: Graph, params: CostParams, prob: PairwiseProblem, live: list[int], fully: bool,
            max_candidates: int | None) -> Iterator[tuple[str, dict[int, int]]]:
     """Starting plans for the passes after a star elimination: every op replicated (or its first
     candidate), MindSpore's data-parallel default, and the propagation's plan (:func:`searchers.spread.propagate`
@@ -334,7 +334,7 @@ def _seeds(graph: Graph, params: CostParams, prob: Problem, live: list[int], ful
 
     yield "replicated", {v: 0 for v in live}
     yield "data parallel", {v: pick(v, data_parallel_strategy(graph.ops[v], graph.mesh)) for v in live}
-    sp = propagate(graph, params, max_candidates, PlanIndex(graph)).strategies
+    sp = propagate(graph, params, max_candidates, GraphIndex(graph)).strategies
     yield "sharding_propagation", {v: pick(v, sp[v]) for v in live}
 
 
@@ -356,7 +356,7 @@ def dynamic_programming(graph: Graph, params: CostParams, *, fully_use_devices: 
     """
     t0 = time.perf_counter()
     notes: list[str] = []
-    prob = Problem.prepared(graph, params, notes, fully_use_devices=fully_use_devices,
+    prob = PairwiseProblem.prepared(graph, params, notes, fully_use_devices=fully_use_devices,
                             max_candidates=max_candidates,
                             elementwise_op_strategy_follow=elementwise_op_strategy_follow)
     return solve_problem(graph, params, prob, notes, t0, fully_use_devices=fully_use_devices,
@@ -365,11 +365,11 @@ def dynamic_programming(graph: Graph, params: CostParams, *, fully_use_devices: 
                          improve_seconds=improve_seconds, polish=polish)
 
 
-def solve_problem(graph: Graph, params: CostParams, prob: Problem, notes: list[str], t0: float, *,
+def solve_problem(graph: Graph, params: CostParams, prob: PairwiseProblem, notes: list[str], t0: float, *,
                   fully_use_devices: bool = False, max_candidates: int | None = None, exact_limit: int = 200_000,
                   core_ilp_limit: int = 200_000, core_time_limit: float = 1.0, improve_passes: int = 12,
                   improve_seconds: float = 10.0, polish: bool = True, label: str = ALGORITHM) -> SearchResult:
-    """:func:`dynamic_programming` on ``prob``, the graph's :meth:`~searchers.factor.Problem.prepared` problem under
+    """:func:`dynamic_programming` on ``prob``, the graph's ``PairwiseProblem.prepared`` problem under
     ``params`` and the same options (not modified: every pass works on a copy). ilp hands over the problem it has
     already built, one representation for both exact searchers. ``notes`` and ``t0``: the search's so far; ``label``:
     the searcher its progress lines name (ilp's fallback says so)."""

@@ -30,7 +30,7 @@ from typing import cast
 
 from .cost import CostParams
 from .graph import Graph, Strategy, TensorLayout, operand_layout, pinned_strategy, replicated
-from .plan_cost import PlanIndex
+from .graph_index import GraphIndex
 from .result import SearchResult
 from .spec import OpSpec, layout_of
 
@@ -41,15 +41,15 @@ def follow_operands(graph: Graph, params: CostParams, *, fully_use_devices: bool
     semi_auto splits only what the user asked for. ``first_operand_first`` takes the operands' axes in operand
     order instead (MindSpore's data parallel: an op follows the batch split of its first operand)."""
     t0 = time.perf_counter()
-    ix = PlanIndex(graph)
+    ix = GraphIndex(graph)
     strategies = dict(enumerate(follow_strategies(graph, ix, first_operand_first=first_operand_first)))
-    return SearchResult(strategies, ix.cost(strategies, params), "semi_auto", time.perf_counter() - t0,
-                        ["semi_auto: ops without a user strategy compute in the layout their operands arrive in "
+    return SearchResult(strategies, ix.cost(strategies, params), "follow_operands", time.perf_counter() - t0,
+                        ["follow_operands: ops without a user strategy compute in the layout their operands arrive in "
                          "(nothing new is split; the batch stays data parallel)"])
 
 
-def follow_strategies(graph: Graph, ix: PlanIndex, *, first_operand_first: bool = False) -> list[Strategy]:
-    """:func:`follow_operands`' strategies, one per op id, on the graph's :class:`~searchers.plan_cost.PlanIndex`
+def follow_strategies(graph: Graph, ix: GraphIndex, *, first_operand_first: bool = False) -> list[Strategy]:
+    """:func:`follow_operands`' strategies, one per op id, on the graph's :class:`~searchers.graph_index.GraphIndex`
     (ops of one shape whose operands arrive alike are decided once)."""
     shape = graph.mesh.shape
     ops = graph.ops

@@ -20,7 +20,7 @@ A *strategy* of an op assigns mesh axes to its loop dims: a tuple with one entry
 (in ``dims`` order), each entry a tuple of mesh-axis indices (``()`` = not split). An axis is
 used by at most one loop dim of an op. The split count of a loop dim is the product of its
 axes' sizes; MindSpore's strategy tuple of operand ``i`` is, per tensor dim, the split count
-of the loop dim it maps to (:func:`ms_strategy`). The layout of a tensor under a strategy is,
+of the loop dim it maps to (:func:`split_counts`). The layout of a tensor under a strategy is,
 per tensor dim, the axes of its loop dim (:func:`operand_layout`).
 """
 
@@ -71,9 +71,18 @@ class DeviceMesh:
     def size(self) -> int:
         return math.prod(self.shape)
 
-    def count(self, axes: Iterable[int]) -> int:
-        """Number of devices spanned by ``axes``."""
-        return math.prod(self.shape[a] for a in axes)
+    def count(self, axes: Iterable[int | str]) -> int:
+        """Number of devices spanned by ``axes`` (axis indices or names)."""
+        return math.prod(self.shape[a if isinstance(a, int) else self.names.index(a)] for a in axes)
+
+    def axis_size(self, name: str) -> int:
+        """The size of the axis called ``name``."""
+        return self.shape[self.names.index(name)]
+
+    @property
+    def all_prime(self) -> bool:
+        """Every axis has a prime size: any split whose product divides the size fits in any order."""
+        return all(s == 1 or prime_factors(s) == [s] for s in self.shape)
 
     @staticmethod
     def prime(n: int) -> DeviceMesh:
@@ -408,7 +417,7 @@ def partial_axes(op: Op, strategy: Strategy) -> Axes:
     return tuple(sorted(a for d in op.reduction_dims for a in where[d]))
 
 
-def ms_strategy(op: Op, strategy: Strategy, mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
+def split_counts(op: Op, strategy: Strategy, mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
     """MindSpore's strategy tuple: per operand, the split count of each tensor dim."""
     return tuple(tuple(mesh.count(ax) for ax in operand_layout(op, strategy, i))
                  for i in range(len(op.inputs)))

@@ -7,7 +7,7 @@ redistribution ``R_ab[s, t]`` of the chosen pair — linearised with Alpa's edge
 exact: candidates of an op whose rows (columns) of ``R`` are equal share one edge index
 (strategies that give a tensor the same layout), and a matrix that depends on one side only
 becomes a vector on that side; ops with one candidate (user strategies) are folded into their
-neighbours (:mod:`searchers.factor`). With ``elementwise_op_strategy_follow`` an elementwise
+neighbours (:mod:`searchers.pairwise_problem`). With ``elementwise_op_strategy_follow`` an elementwise
 op shares its consumer's variables.
 
 Memory: at every step (op, in program order) the live tensors, at the layout their producer
@@ -48,12 +48,12 @@ from .cost import CostParams, graph_cost
 from .cost_vectors import candidate_tables
 from .dynamic_programming import dynamic_programming, exact_choice, solve_problem
 from .errors import SearchLimitError
-from .factor import Problem
 from .graph import Graph
+from .graph_index import GraphIndex
 from .memory import death_steps, live_ranges
 from .memory_fit import fit_memory, fits_memory
 from .pairwise import PairwiseSolution, solve_pairwise
-from .plan_cost import PlanIndex
+from .pairwise_problem import PairwiseProblem
 from .progress import Progress
 from .recursive_programming import recursive_programming
 from .result import SearchResult
@@ -62,7 +62,7 @@ from .spec import op_spec
 ALGORITHM = "ilp"
 
 # -- memory rows ----------------------------------------------------------------------------------
-def memory_rows(graph: Graph, prob: Problem, capacity: float, index: dict[int, int], *,
+def memory_rows(graph: Graph, prob: PairwiseProblem, capacity: float, index: dict[int, int], *,
                 max_nonzeros: int | None = None) -> list[tuple[dict[int, np.ndarray], float]] | None:
     """Rows ``sum bytes <= capacity`` for the steps that could exceed ``capacity`` (see the module
     doc), over the live nodes numbered by ``index``. Raises ``ValueError`` when even the smallest
@@ -162,7 +162,7 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
     notes: list[str] = []
     dp_first: tuple[SearchResult | None, list[str]] | None = None
     with Progress(f"ilp: {len(graph)} ops", None) as bar:
-        prob = Problem.prepared(graph, params, notes, fully_use_devices=fully_use_devices,
+        prob = PairwiseProblem.prepared(graph, params, notes, fully_use_devices=fully_use_devices,
                                 max_candidates=max_candidates,
                                 elementwise_op_strategy_follow=elementwise_op_strategy_follow)
         live = prob.live()
@@ -249,7 +249,7 @@ def ilp(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
                                    index=prob.index)
 
 
-def _dp_within_memory(graph: Graph, params: CostParams, prob: Problem, share: bool, fully_use_devices: bool,
+def _dp_within_memory(graph: Graph, params: CostParams, prob: PairwiseProblem, share: bool, fully_use_devices: bool,
                       follow: bool, memory_limit: bool, improve_seconds: float = 10.0
                       ) -> tuple[SearchResult | None, list[str]]:
     """What ilp returns or compares with where HiGHS gives no proven answer: dynamic_programming's plan (on ilp's own
@@ -263,7 +263,7 @@ def _dp_within_memory(graph: Graph, params: CostParams, prob: Problem, share: bo
 
 
 def _fit(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool,
-         first: SearchResult, index: PlanIndex | None = None) -> tuple[SearchResult | None, list[str]]:
+         first: SearchResult, index: GraphIndex | None = None) -> tuple[SearchResult | None, list[str]]:
     """A plan with memory priced until it fits (:func:`~searchers.memory_fit.fit_memory`): the weight is searched
     with recursive_programming (0.2 s a search on a GPT-1.3B-shaped training graph of 2,678 ops, against 3-4 s for
     dynamic_programming), then dynamic_programming runs once at the weight found. ``first``: dynamic_programming's plan
@@ -274,7 +274,7 @@ def _fit(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool
 
 
 def _dp_plan(graph: Graph, params: CostParams, fully_use_devices: bool, follow: bool,
-             prob: Problem | None = None, improve_seconds: float = 10.0) -> SearchResult:
+             prob: PairwiseProblem | None = None, improve_seconds: float = 10.0) -> SearchResult:
     """dynamic_programming's plan, what ilp falls back to or compares with when HiGHS stops at its time limit;
     ``prob``: ilp's own prepared problem under ``params`` (its default candidates), where it has one."""
     if prob is None:

@@ -32,14 +32,14 @@ from collections.abc import Callable
 
 from .cost import CostParams
 from .graph import Graph
+from .graph_index import GraphIndex
 from .memory import peak_memory
-from .plan_cost import PlanIndex
 from .result import SearchResult
 
 
-def fits_memory(graph: Graph, strategies, capacity: float, index: PlanIndex | None = None) -> bool:
-    """Whether the peak of ``strategies`` (:func:`~searchers.memory.peak_memory`; :meth:`PlanIndex.peak
-    <searchers.plan_cost.PlanIndex.peak>` where the graph's ``index`` is given) is within ``capacity`` (1e-12
+def fits_memory(graph: Graph, strategies, capacity: float, index: GraphIndex | None = None) -> bool:
+    """Whether the peak of ``strategies`` (:func:`~searchers.memory.peak_memory`; :meth:`GraphIndex.peak
+    <searchers.graph_index.GraphIndex.peak>` where the graph's ``index`` is given) is within ``capacity`` (1e-12
     relative: byte sums in float64, a few roundings of ~1e-16 each)."""
     peak = peak_memory(graph, strategies)[0] if index is None else index.peak(strategies)
     return peak <= capacity * (1 + 1e-12)
@@ -48,14 +48,14 @@ def fits_memory(graph: Graph, strategies, capacity: float, index: PlanIndex | No
 def fit_memory(graph: Graph, params: CostParams, search: Callable[[CostParams], SearchResult], *,
                refine: Callable[[CostParams], SearchResult] | None = None, first: SearchResult | None = None,
                factor: float = 8.0, tries: int = 12, bisect: int = 4,
-               index: PlanIndex | None = None) -> tuple[SearchResult | None, list[str]]:
+               index: GraphIndex | None = None) -> tuple[SearchResult | None, list[str]]:
     """(the cheapest plan found whose peak fits ``params.device_memory_capacity``, or None; notes): ``search`` is
     rerun with ``gamma`` raised by ``factor`` at most ``tries`` times from the weight at which the first plan's
     memory term equals its cost, then ``bisect`` geometric bisections (module doc). ``refine``, a slower and
     better searcher, then runs once at the weight of the best plan found, and its plan counts where it fits.
     ``first``: a plan the caller already has at its own weights, known not to fit (the search there is skipped).
-    ``index``: the graph's :class:`~searchers.plan_cost.PlanIndex`, which prices each plan and its peak in numpy."""
-    ix = PlanIndex(graph) if index is None else index
+    ``index``: the graph's :class:`~searchers.graph_index.GraphIndex`, which prices each plan and its peak in numpy."""
+    ix = GraphIndex(graph) if index is None else index
     cap = params.device_memory_capacity
     best: tuple[float, SearchResult, float] | None = None          # (cost, result, gamma)
     runs = 0

@@ -56,7 +56,7 @@ from .cache import cached_search
 from .cost import CostParams
 from .dynamic_programming import dynamic_programming
 from .graph import DeviceMesh, Graph
-from .plan_cost import PlanIndex
+from .graph_index import GraphIndex
 from .result import SearchResult
 from .spread import State, propagate
 
@@ -76,7 +76,7 @@ def sharding_propagation(graph: Graph, params: CostParams, *, fully_use_devices:
     gc.disable()
     try:
         t0 = time.perf_counter()
-        ix = PlanIndex(graph)
+        ix = GraphIndex(graph)
         res = propagate(graph, params, max_candidates, ix, derive=_derive)
         res = dataclasses.replace(res, seconds=time.perf_counter() - t0)        # the index's time included
         return (no_worse_than_baselines(graph, params, res, fully_use_devices=fully_use_devices, index=ix, swap=False)

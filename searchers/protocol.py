@@ -43,8 +43,8 @@ class SearchFn(Protocol):
 class Searcher:
     """A search_mode: its function and capabilities.
 
-    ``ties_exactly``: searches under the write-back ties (``Op.follow_operand``, :meth:`searchers.factor.Problem.
-    tie_operands`), so one search prices a training step's updated state in its stored layout. ``holds_state``:
+    ``ties_exactly``: searches under the write-back ties (``Op.follow_operand``, ``PairwiseProblem.tie_operands``),
+    so one search prices a training step's updated state in its stored layout. ``holds_state``:
     a searcher without exact ties that the planner runs a second time with every updated input held at the layout
     the first search gave it (a greedy search). ``options``: the keyword options it takes besides
     ``fully_use_devices`` (others given to :meth:`search` are not passed)."""
@@ -65,7 +65,7 @@ _FOLLOW = frozenset({"elementwise_op_strategy_follow"})
 
 SEARCHERS: dict[str, Searcher] = {
     "sharding_propagation": Searcher("sharding_propagation", sharding_propagation),
-    "semi_auto": Searcher("semi_auto", follow_operands),
+    "follow_operands": Searcher("follow_operands", follow_operands),
     "data_parallel": Searcher("data_parallel", data_parallel, holds_state=True),
     "dynamic_programming": Searcher("dynamic_programming", dynamic_programming, ties_exactly=True, options=_FOLLOW),
     "recursive_programming": Searcher("recursive_programming", recursive_programming, holds_state=True,

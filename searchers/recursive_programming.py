@@ -68,7 +68,7 @@ from .cache import cached_search
 from .cost import CostParams
 from .cost_vectors import layout_cost_matrix
 from .graph import SOURCE_KINDS, Graph, Op, Strategy, Tensor, tied_strategy
-from .plan_cost import PlanIndex
+from .graph_index import GraphIndex
 from .progress import Progress
 from .result import SearchResult
 from .rp_levels import LevelBatch
@@ -432,9 +432,9 @@ class _Search:
             notes.append(f"elementwise_op_strategy_follow: {followers} elementwise op(s) take their consumer's layout")
         return chosen, notes
 
-    def index(self) -> PlanIndex:
-        """The graph's :class:`~searchers.plan_cost.PlanIndex`, from the tables at hand (the baseline check)."""
-        return PlanIndex(self.graph, flat=self.flat, spec_keys=self.keys, slots=self.sl)
+    def index(self) -> GraphIndex:
+        """The graph's :class:`~searchers.graph_index.GraphIndex`, from the tables at hand (the baseline check)."""
+        return GraphIndex(self.graph, flat=self.flat, spec_keys=self.keys, slots=self.sl)
 
 
 def _levels(movable: list[int], sl: Slots, sids: list[int], tab: Tables, rounds_of: Callable[[int], _Rounds],

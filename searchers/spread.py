@@ -17,7 +17,7 @@ import numpy as np
 from .cost import CostParams
 from .follow import follow_layouts
 from .graph import OPAQUE_KINDS, Graph, Strategy, tied_strategy
-from .plan_cost import PlanIndex
+from .graph_index import GraphIndex
 from .result import SearchResult
 from .spec import layout_of
 from .strategies import data_parallel_strategy
@@ -81,7 +81,7 @@ class _Tables(Tables):
         return v
 
 
-def propagate(graph: Graph, params: CostParams, max_candidates: int | None, ix: PlanIndex,
+def propagate(graph: Graph, params: CostParams, max_candidates: int | None, ix: GraphIndex,
               derive: Callable[..., None] | None = None) -> SearchResult:
     """The propagation's plan of every op (module doc). ``derive(graph, params, state, derived, set_strategy)``
     decides the derived ops once the forward is decided (``state.chosen``: the strategies so far, per op id)."""

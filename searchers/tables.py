@@ -1,6 +1,6 @@
 """The search tables every searcher reads: per op shape its candidates, their cost and their layouts.
 
-One :class:`Tables` per search, on top of the graph's :class:`~searchers.plan_cost.PlanIndex` (the op shapes and
+One :class:`Tables` per search, on top of the graph's :class:`~searchers.graph_index.GraphIndex` (the op shapes and
 edges). ``sid`` numbers the distinct :class:`~searchers.spec.OpSpec` (structure + tensor sizes) in order of first
 use; what depends on the structure alone (the candidate strategies, the layout of every operand and result under
 each, the cost factors of :func:`~searchers.cost_vectors.candidate_tables`) is built once per structure and shared
@@ -14,7 +14,7 @@ What each searcher reads:
   allowed), each with its own-cost vector (``own[sid]``) and its redistribution against one neighbour's layout
   (:meth:`Tables.vector`, from the memory-weight-free :func:`~searchers.cost_vectors.unweighted_affine`);
 - recursive_programming's final strategies and the pairwise problem of dynamic_programming and ilp
-  (:class:`~searchers.factor.Problem`): the candidates that use every device where ``fully_use_devices`` asks
+  (:class:`~searchers.pairwise_problem.PairwiseProblem`): the candidates that use every device where ``fully_use_devices`` asks
   (:meth:`Tables.candidates`), their cost (:meth:`Tables.unary`) and the layouts of a tensor under them
   (:meth:`Tables.layout_list`), from which :func:`~searchers.cost_vectors.layout_cost_matrix` builds an edge's
   matrix.

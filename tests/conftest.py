@@ -7,7 +7,7 @@ import os
 # level 0), and compile time is most of the suite's time. The HLO program, its collectives and its buffer assignment
 # (the memory tests' figures) are XLA's, unchanged by the flag. Level 0 is NOT used: the fuzzer found that it
 # computes the jitted gradient of a max wrongly (values ~3e38 or inf, plain JAX on one device;
-# tests/test_fuzz.py::test_the_suites_xla_flags_compute_a_max_gradient keeps the suite's level honest).
+# tests/e2e/fuzz/test_fuzz.py::test_the_suites_xla_flags_compute_a_max_gradient keeps the suite's level honest).
 # bench/ measures speed and does not set it; MSHARD_TEST_XLA_OPT=1 compiles as users do.
 # The test's subprocesses (examples, multi-process workers) add MSHARD_TEST_XLA_EXTRA to their own XLA_FLAGS.
 os.environ["MSHARD_TEST_XLA_EXTRA"] = ("" if os.environ.get("MSHARD_TEST_XLA_OPT") == "1"
@@ -18,7 +18,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import atexit
 import shutil
+import sys
 import tempfile
+
+# the examples' shared modules (reference, gpt, models, ...) import by name in every test folder
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Random small programs for the differential fuzzer (tests/test_fuzz.py, bench/fuzz.py).
+"""Random small programs for the differential fuzzer (tests/e2e/fuzz/test_fuzz.py, bench/fuzz.py).
 
 A *case* is plain data (a dict of tuples and numbers, so a failure replays as a standalone script): an input
 shape, a chain of steps over the primitive objects of ``mshard.ops`` (every one but the collectives) with random
@@ -77,7 +77,7 @@ class Draw(random.Random):
 
 
 def _separable(rnd: random.Random) -> bool:
-    """A generator may get a plain random.Random (tests/test_user_axes.py writes cases out with one): not separable."""
+    """A generator may get a plain random.Random (tests/unit/planning/test_axis_assignment.py writes cases out with one): not separable."""
     return getattr(rnd, "separable", False)
 
 

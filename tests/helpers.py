@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import pathlib
 import socket
 
 import jax
@@ -13,6 +14,10 @@ import pytest
 # relative each (worst case n * 2**-24: 4e-6 at n = 64, 1.5e-5 at n = 256); ATOL for outputs that cancel near 0
 RTOL = 1e-5
 ATOL = 1e-5
+
+TESTS = pathlib.Path(__file__).resolve().parent      # the suite's root folder
+ROOT = TESTS.parent                                   # the repository
+MP = TESTS / "mp"                                     # multi-process workers
 
 
 def xla_flags(devices: int) -> str:

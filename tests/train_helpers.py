@@ -1,18 +1,14 @@
 """Tiny models and a single-device optax reference for the training tests (no mshard training code inside)."""
 
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-from mshard import nn
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT
 from reference import train_one_device
+
+from mshard import nn
 
 # float32 training, 2-3 steps of Adam (lr 1e-2) or SGD on the MLP (16/64-term dot products, 32-row batch sums) or
 # TinyGPT (32/64-term): the partitioning reorders every gradient sum (~n * 2**-24 <= 4e-6 relative), compounded over

@@ -1,4 +1,4 @@
-"""A process of the multi-process checkpoint test (tests/test_checkpoint_multiprocess.py).
+"""A process of the multi-process checkpoint test (tests/e2e/multiprocess/test_checkpoint_multiprocess.py).
 
 argv: rank, port, phase, directory, processes, local devices. Phases:
 - save:    2 processes x 4 devices train 2 steps in dp x mp = 2 x 4 with optimizer parallel, save step 2, and write
@@ -30,7 +30,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-import mshard as ms
+import mshard as ms  # noqa: E402
 from mshard import nn  # noqa: E402
 from mshard._src.edges.checkpoint.leaves import leaves_of  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""A training script for `mshard run --dry_run` (tests/test_launch.py): examples/gpt.py's GPT with Megatron
+"""A training script for `mshard run --dry_run` (tests/unit/edges/test_launch.py): examples/gpt.py's GPT with Megatron
 strategies (mp 4, the rest data parallel) over however many devices the dry run simulates."""
 
 import os

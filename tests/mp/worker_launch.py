@@ -1,4 +1,4 @@
-"""A worker started by `mshard run` in tests/test_launch.py: data-parallel training of a small MLP over all the
+"""A worker started by `mshard run` in tests/unit/edges/test_launch.py: data-parallel training of a small MLP over all the
 job's devices, fed per rank through ms.dataset.shard_batch, checked against one device at the end.
 
 Env: FAULT = none | raise (rank 1 raises a ValueError at step 3) | batch (rank 1 feeds half as many rows) |

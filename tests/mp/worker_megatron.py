@@ -1,4 +1,4 @@
-"""One process of a 2-process x 4-device run (started by tests/test_multiprocess.py)."""
+"""One process of a 2-process x 4-device run (started by tests/e2e/multiprocess/test_multiprocess.py)."""
 
 import os
 import sys

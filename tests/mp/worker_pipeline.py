@@ -1,4 +1,4 @@
-"""One process of a 2-process x 4-device pipeline run (started by tests/test_pipeline_multiprocess.py).
+"""One process of a 2-process x 4-device pipeline run (started by tests/e2e/multiprocess/test_pipeline_multiprocess.py).
 
 The examples GPT in 2 stages (embeddings and the first two blocks, then the rest with the head and loss), one
 stage per process, 1F1B over 4 micro-batches, data parallel over the 4 devices of each stage; each process feeds
@@ -31,7 +31,7 @@ from train_gpt import LOSS, make_gpt, synthetic_batches  # noqa: E402
 
 assert jax.device_count() == 8 and jax.local_device_count() == 4
 data = synthetic_batches(3)                 # the same batches in both processes
-tx = optax.adamw(1e-3, eps=1e-3)            # tests/test_pipeline.py: eps = lr keeps the update Lipschitz in g
+tx = optax.adamw(1e-3, eps=1e-3)            # tests/e2e/pipeline/test_pipeline.py: eps = lr keeps the update Lipschitz in g
 init = make_gpt(nnx.Rngs(0), layers=4)
 ref, ref_opt, ref_losses = train_one_device(init, tx, data, LOSS, device=jax.local_devices()[0])
 
@@ -49,7 +49,7 @@ for x, y in data:
     bx, by = ms.dataset.shard_batch((x[half], y[half]))
     assert not bx.is_fully_addressable
     losses.append(float(step(bx, by)))
-# tests/test_pipeline.py's bounds: losses rtol 1e-4, parameters 1e-4 after 3 AdamW steps with eps = lr
+# tests/e2e/pipeline/test_pipeline.py's bounds: losses rtol 1e-4, parameters 1e-4 after 3 AdamW steps with eps = lr
 np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
 for got, want in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param)), strict=True):
     for shard in got.addressable_shards:

@@ -1,4 +1,4 @@
-"""One process of a 2-process x 4-device training run (started by tests/test_train_multiprocess.py).
+"""One process of a 2-process x 4-device training run (started by tests/e2e/multiprocess/test_train_multiprocess.py).
 
 Each process feeds its own half of every batch through ms.dataset.shard_batch; TrainOneStepCell trains
 data-parallel with optimizer parallel over all 8 devices. Every process also trains the same model on its

@@ -78,7 +78,7 @@ def test_split_dim_change_is_an_all_to_all():
 def test_a_split_that_changes_dim_and_axis_is_an_all_to_all_then_a_permute():
     # (2, 1) tiles -> (1, 2) tiles, each replicated 4 ways: under with_sharding_constraint (what the executor emits)
     # XLA moves the split to dim 1 with an all-to-all over axis 0 (half of the 4096 B local tensor leaves), then
-    # permutes the 4096 B tiles onto axis 1's devices (compiled HLO, tests/test_reshard_model.py). A jit's
+    # permutes the 4096 B tiles onto axis 1's devices (compiled HLO, tests/e2e/search/test_reshard_model.py). A jit's
     # out_shardings would instead slice to a merged sharding and gather: another path, not the executor's.
     c = redistribution_cost(((0,), ()), ((), (1,)), SHAPE, ITEM, MESH, P)
     assert_cost(c, bytes_={"all-to-all": 2048.0, "collective-permute": 4096.0},

@@ -8,17 +8,17 @@ import pytest
 
 from searchers.cost import CostParams, graph_cost
 from searchers.dynamic_programming import _series, dynamic_programming
-from searchers.factor import Problem
 from searchers.generators import mlp_chain, transformer_stack
 from searchers.graph import DeviceMesh
 from searchers.ilp import ilp
+from searchers.pairwise_problem import PairwiseProblem
 
 P = CostParams()
 
 
 def test_problem_total_is_graph_cost_for_any_choice():
     g = mlp_chain(1, 8, 4, DeviceMesh((2,)), backward=True)
-    prob = Problem.build(g, P)
+    prob = PairwiseProblem.build(g, P)
     rng = np.random.default_rng(0)
     for _ in range(20):
         choice = {v: int(rng.integers(len(c))) for v, c in enumerate(prob.cands)}
@@ -29,7 +29,7 @@ def test_problem_total_is_graph_cost_for_any_choice():
 @pytest.mark.parametrize("family", ["transformer", "conv", "random"])
 @pytest.mark.parametrize("fully", [False, True])
 def test_problem_built_from_the_shared_tables_is_the_cost_model_entry_by_entry(family, fully):
-    """Problem takes its candidates, vectors and layout lists from the search's Tables, where op shapes of several
+    """PairwiseProblem takes its candidates, vectors and layout lists from the search's Tables, where op shapes of several
     structures share layout lists: every node's vector must still be the cost model's own vector of that op
     (op_cost_vector), and every pair's matrix the sum of the cost model's matrices of the edges between the two ops
     (edge_cost_matrix), exactly: the same functions on the same layouts. Under fully_use_devices an op that must
@@ -39,7 +39,7 @@ def test_problem_built_from_the_shared_tables_is_the_cost_model_entry_by_entry(f
     from searchers.graph import split_count
     from searchers.spec import all_devices, op_spec
     g = graph_of_size(60, family, DeviceMesh.prime(8), fix_data=True)
-    prob = Problem.build(g, P, fully_use_devices=fully)
+    prob = PairwiseProblem.build(g, P, fully_use_devices=fully)
     for op, cands, vec in zip(g.ops, prob.cands, prob.unary, strict=True):
         np.testing.assert_array_equal(vec, op_cost_vector(op, cands, g, P))
         if op.fixed is not None:
@@ -63,8 +63,8 @@ def test_problem_built_from_the_shared_tables_is_the_cost_model_entry_by_entry(f
 def test_absorbing_fixed_ops_keeps_totals():
     g = mlp_chain(1, 8, 4, DeviceMesh((2, 2)))
     g.ops[0].fixed = ((0,), ())
-    full = Problem.build(g, P)
-    small = Problem.build(g, P)
+    full = PairwiseProblem.build(g, P)
+    small = PairwiseProblem.build(g, P)
     assert small.absorb_single() >= 1 and 0 in small.decided
     choice = {v: 0 for v in small.live()}
     dropped = sum(float(full.unary[v][c]) for v, c in small.decided.items())   # a constant

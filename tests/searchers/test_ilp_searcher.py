@@ -164,7 +164,7 @@ def test_eliminations_then_the_core_equal_the_whole_integer_program(family):
 
 @pytest.mark.parametrize("follow", [False, True])
 def test_the_fallback_on_ilps_own_problem_is_dynamic_programmings_plan(follow):
-    # a program too large to build: ilp hands the Problem it prepared to dynamic_programming's solver (no second
+    # a program too large to build: ilp hands the PairwiseProblem it prepared to dynamic_programming's solver (no second
     # build); the plan must be the one dynamic_programming finds from its own build of the same graph and options
     from searchers.dynamic_programming import dynamic_programming
     g = mlp_chain(2, 16, 8, DeviceMesh((2, 2, 2)), backward=True)

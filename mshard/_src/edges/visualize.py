@@ -84,9 +84,26 @@ class ShardingView:
 
 
 def visualize(x: Any, shape: tuple[int, ...] | None = None) -> ShardingView:
-    """The shards of ``x``: a ``jax.Array``, a ``jax.ShapeDtypeStruct`` with a sharding, or a
-    ``jax.sharding.Sharding`` with ``shape``. Returns a :class:`ShardingView` (prints nothing;
-    ``print(ms.visualize(w))`` in a script, a table in a notebook)."""
+    """Where a tensor lives: every distinct shard, its index ranges, the devices that hold it and their mesh
+    coordinates. Prints nothing: ``print(ms.visualize(w))`` in a script, a table in a notebook.
+
+    Not in MindSpore; unlike ``jax.debug.visualize_array_sharding`` it takes any rank and names the mesh axes.
+
+    Args:
+        x: a ``jax.Array``, a ``jax.ShapeDtypeStruct`` with a sharding, or a ``jax.sharding.Sharding``.
+        shape: the tensor's shape; required when ``x`` is a Sharding, ignored otherwise.
+
+    Returns:
+        A :class:`ShardingView`: ``shard_shape``, and ``rows`` (one per distinct shard: ``slices``, ``devices``,
+        ``coords``).
+
+    >>> import jax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> v = visualize(NamedSharding(mesh, P("dp")), shape=(16, 4))
+    >>> v.shard_shape, len(v.rows), v.rows[1]
+    ((2, 4), 8, {'slices': '[2:4, :]', 'devices': [1], 'coords': 'dp=1'})
+    """
     if isinstance(x, jax.sharding.Sharding):
         if shape is None:
             raise StrategyTypeError("ms.visualize: a Sharding needs the tensor's shape: visualize(sharding, shape=(...)).")

@@ -17,7 +17,8 @@ Differences from MindSpore: ``hsdp`` is optimizer parallel at MindSpore's levels
 the update, level2 is the same program (mshard's level1 already reduce-scatters the gradients), level3 also stores
 the weights sharded (FSDP);
 ``no_init_parameters_in_compile`` does nothing (flax creates parameters when the model is built);
-``pipeline`` records the stage count, which needs pipeline support (not built yet).
+``pipeline`` sets ``pipeline_stages`` only (its ``output_broadcast``, ``interleave`` and ``scheduler`` are ignored;
+the training step's network must be a PipelineCell, as with the context's ``pipeline_stages``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,26 @@ MODES = {"semi_auto": ("semi_auto_parallel", None),
 
 class AutoParallel:
     """``AutoParallel(network, parallel_mode="semi_auto")``: ``network`` (a Cell, a TrainOneStepCell, an
-    ``ms.jit`` region or any callable) run with its own parallel configuration on every device of the job."""
+    ``ms.jit`` region or any callable) run with its own parallel configuration on every device of the job.
+
+    MindSpore 2.6's methods (``dataset_strategy``, ``hsdp``, ``pipeline``, ``comm_fusion``, ...) set the
+    configuration; it lives in the wrapper (``settings``), and each call runs ``network`` under it
+    (``ms.parallel_context``), leaving the global context untouched. Other attributes are the network's.
+    Differences from MindSpore: ``hsdp`` is optimizer parallel (``level3``: weights stored sharded too),
+    ``pipeline`` sets only the stage count, ``no_init_parameters_in_compile`` does nothing.
+
+    Args:
+        network: what to run: a Cell, a TrainOneStepCell, an ``ms.jit`` region or any callable.
+        parallel_mode: ``"semi_auto"`` (the cells' strategies), ``"sharding_propagation"`` or
+            ``"recursive_programming"`` (searched strategies).
+
+    >>> import jax.numpy as jnp, mshard as ms
+    >>> from mshard.parallel import AutoParallel
+    >>> net = AutoParallel(ms.jit(lambda x: x * 2), parallel_mode="sharding_propagation")
+    >>> net.dataset_strategy("full_batch")
+    >>> net(jnp.ones((8, 4))).shape, net.settings["search_mode"], ms.get_auto_parallel_context("parallel_mode")
+    ((8, 4), 'sharding_propagation', 'stand_alone')
+    """
 
     def __init__(self, network: Callable, parallel_mode: str = "semi_auto"):
         if parallel_mode not in MODES:

@@ -31,7 +31,7 @@ from mshard._src.frontend.shard import module_strategies
 from mshard._src.jaxpr import marks
 from mshard._src.jaxpr.marks import CallSite
 from mshard._src.jaxpr.user_trace import call_in_user_trace
-from mshard._src.runtime.fusion import after
+from mshard._src.runtime.fusion import ordered_after
 from mshard._src.runtime.region import Region
 from mshard._src.values.errors import CellError, CellTypeError, ParameterPlanError, PipelineError, StrategyTypeError
 from mshard._src.values.layout import normalize_in_strategy
@@ -72,7 +72,7 @@ def _plain(self, call, args, kwargs):
     """A Cell's call outside any region, as plain JAX (recomputed where it asks, also when traced outside a
     region: a data-parallel replica, the user's own jax.jit / grad)."""
     policy = getattr(self, "_mshard_recompute", None)
-    if policy is not None and marks.traced(args):
+    if policy is not None and marks.has_tracers(args):
         return _remat(self, call, "", None, policy or None)(*args, **kwargs)
     return call(self, *args, **kwargs)
 
@@ -85,7 +85,7 @@ class _null:
         return None
 
 
-def register_paths(trace: marks.RegionTrace, module: nnx.Module, prefix: str) -> None:
+def register_paths(trace: marks.TraceRecord, module: nnx.Module, prefix: str) -> None:
     """Give a module re-made by ``nnx.merge`` inside a region (and its sub-Cells) their attribute paths."""
     for p, sub in nnx.iter_graph(module):
         if isinstance(sub, nnx.Module):
@@ -131,7 +131,7 @@ def _ordered_checkpoint(fn: Callable, policy) -> Callable:
     ``fn(state_leaves, *activations)``. jax.checkpoint orders the recomputation with an optimization barrier,
     which XLA:CPU expands before scheduling, so the recomputation can be hoisted into the forward pass and
     CSE'd away (no memory saved). Here the saved residuals other than the state (the activations, and the
-    values the policy saves) pass through :func:`mshard.fusion.after` with a cotangent element first, which
+    values the policy saves) pass through :func:`fusion.ordered_after` with a cotangent element first, which
     keeps each recomputation after its layer's cotangent on every backend.
     """
     ck = jax.checkpoint(fn, policy=policy)
@@ -155,7 +155,7 @@ def _ordered_checkpoint(fn: Callable, policy) -> Callable:
             # an element (reshape(-1)[0]) made XLA all-gather the whole cotangent of a batch-split activation
             t = jnp.sum(cts[0])
             leaves, tree = jax.tree.flatten(vjp)
-            leaves = [r if k or not jnp.issubdtype(r.dtype, jnp.floating) else after(r, t)
+            leaves = [r if k or not jnp.issubdtype(r.dtype, jnp.floating) else ordered_after(r, t)
                       for r, k in zip(leaves, keep)]
             vjp = jax.tree.unflatten(tree, leaves)
         return vjp(ct)
@@ -186,7 +186,35 @@ def cell_region(cell: Cell) -> Region:
 
 
 class Cell(nnx.Module):
-    """Base class of mshard models; subclass it like ``nnx.Module`` (or MindSpore's ``nn.Cell``)."""
+    """Base class of mshard models; subclass it like ``nnx.Module`` (or MindSpore's ``nn.Cell``).
+
+    Sub-Cells and ``nnx.Param`` variables are attributes, and parameter paths are attribute paths
+    (``"dense1.weight"``). MindSpore's methods: :meth:`shard` (input/output strategies and a ``parameter_plan``),
+    :meth:`recompute`, :meth:`set_train`, and the ``pipeline_stage`` / ``pipeline_segment`` properties. A Cell
+    with a shard configuration called outside a region runs as its own jitted region (MindSpore's PyNative shard).
+    Differences from MindSpore: a Cell is an ``nnx.Module`` (``nnx.split``/``merge``/``state`` work on it), its
+    forward is ``__call__`` (not ``construct``), and Dropout is active until ``set_train(False)``.
+
+    Args:
+        none: ``Cell`` itself takes no arguments; a subclass's ``__init__`` takes what it needs (often ``rngs``).
+
+    >>> import jax.numpy as jnp, mshard as ms
+    >>> from flax import nnx
+    >>> from mshard import nn
+    >>> class Net(nn.Cell):
+    ...     def __init__(self, rngs):
+    ...         self.dense1 = nn.Dense(4, 8, rngs=rngs)
+    ...     def __call__(self, x):
+    ...         return self.dense1(x)
+    >>> net = Net(nnx.Rngs(0))
+    >>> net(jnp.ones((2, 4))).shape, net.pipeline_stage
+    ((2, 8), 0)
+    >>> ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    >>> net = net.shard(((2, 1),), parameter_plan={"dense1.weight": (4, 1)})
+    >>> net(jnp.ones((8, 4))).shape, net.dense1.weight[...].sharding.shard_shape((8, 4))
+    ((8, 8), (2, 4))
+    >>> ms.reset_auto_parallel_context()
+    """
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -266,7 +294,17 @@ def recompute(module: nnx.Module, policy: Callable | str | None = None, **kwargs
 
     A plain ``nnx.Module`` becomes an instance of a subclass of its class whose ``__call__`` is checkpointed
     as a Cell's is (its parameters, paths and ``nnx.split``/``merge`` are unchanged). Anything that is not an
-    nnx module, or a module with no ``__call__``, raises ``CellTypeError``.
+    nnx module, or a module with no ``__call__``, raises ``CellTypeError``. ``cell.recompute(policy)`` calls it.
+
+    Args:
+        module: the Cell or ``nnx.Module`` whose ``__call__`` is recomputed.
+        policy: a ``jax.checkpoint_policies`` policy or its name (``"dots_saveable"``: keep the matmul outputs);
+            None saves nothing but the module's inputs.
+        **kwargs: MindSpore's ``mp_comm_recompute``, ``parallel_optimizer_comm_recompute`` and
+            ``recompute_slice_activation``: accepted, no effect (XLA decides which collectives to redo).
+
+    Returns:
+        ``module`` itself (a plain ``nnx.Module``'s class is switched to the recomputing subclass).
 
     >>> from flax import nnx
     >>> import mshard as ms

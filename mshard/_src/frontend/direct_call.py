@@ -12,7 +12,7 @@ Everything that could make a cached call stale switches the op back to its own c
 
 - the context, the algorithm or cost parameters, a strategy (``op.shard``, ``recompute``, any ``bump_epoch``):
   :func:`mshard.context._touch` calls :func:`revert_all`;
-- an mshard region being traced (a primitive inside a region is annotated, not run): ``annotate.tracing_region``;
+- an mshard region being traced (a primitive inside a region is annotated, not run): ``annotate.recording_into``;
 - any attribute set on the op.
 
 Measured by ``bench/eager.py`` (``eager_primitive`` against ``jax_jit_matmul``).

@@ -44,7 +44,24 @@ class Dense(Cell):
 
     ``weight`` is ``[out_channels, in_channels]`` and the matmul is ``ops.MatMul(transpose_b=True)``
     (``self.matmul``), as in MindSpore, so ``dense.matmul.shard(((2, 1), (4, 1)))`` is column parallel.
-    Inputs of rank > 2 are flattened to 2-D around the matmul.
+    Inputs of rank > 2 are flattened to 2-D around the matmul. Differences from MindSpore: the weight starts
+    LeCun normal (MindSpore's default initialiser differs), and ``rngs`` is required.
+
+    Args:
+        in_channels: size of the input's last dim.
+        out_channels: size of the output's last dim.
+        has_bias: add a ``bias`` parameter ``[out_channels]`` (zeros at first) through ``ops.BiasAdd``
+            (``self.bias_add``).
+        activation: applied last: ``"relu"``, ``"gelu"``, ``"tanh"``, ``"sigmoid"``, any callable, or None.
+        rngs: ``flax.nnx.Rngs``; its ``params`` stream draws ``weight``.
+        dtype: the parameters' dtype.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from mshard import nn
+    >>> d = nn.Dense(4, 2, rngs=nnx.Rngs(0))
+    >>> d.weight[...].shape, d(jnp.ones((3, 5, 4))).shape
+    ((2, 4), (3, 5, 2))
     """
 
     def __init__(self, in_channels: int, out_channels: int, has_bias: bool = True,
@@ -70,7 +87,13 @@ class Dense(Cell):
 
 
 class ReLU(Cell):
-    """``nn.ReLU()``."""
+    """``nn.ReLU()``: ``max(x, 0)`` element-wise, through ``ops.ReLU`` (``self.relu``, so ``relu.relu.shard(...)`` works).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import nn
+    >>> nn.ReLU()(jnp.array([-1.0, 2.0])).tolist()
+    [0.0, 2.0]
+    """
 
     def __init__(self):
         self.relu = ops.ReLU()
@@ -87,6 +110,21 @@ class Embedding(Cell):
     splits the ids, and ``((8, 1), (1, 1))`` splits the vocabulary (XLA masks and all-reduces).
     ``use_one_hot=True`` looks up by a one-hot matmul instead (``self.one_hot`` + ``self.matmul``).
     Initialised from N(0, 0.01**2) like MindSpore's ``'normal'``; ``padding_idx`` rows start at zero.
+
+    Args:
+        vocab_size: number of rows of ``embedding_table`` (ids are in ``[0, vocab_size)``).
+        embedding_size: size of each embedding vector (the output's last dim).
+        use_one_hot: look up by a one-hot matmul instead of a gather.
+        padding_idx: a row set to zero at initialisation, or None.
+        rngs: ``flax.nnx.Rngs``; its ``params`` stream draws the table.
+        dtype: the table's dtype.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from mshard import nn
+    >>> emb = nn.Embedding(10, 4, padding_idx=0, rngs=nnx.Rngs(0))
+    >>> emb(jnp.array([[0, 3]])).shape, emb.embedding_table[...][0].tolist()
+    ((1, 2, 4), [0.0, 0.0, 0.0, 0.0])
     """
 
     def __init__(self, vocab_size: int, embedding_size: int, use_one_hot: bool = False,
@@ -116,6 +154,20 @@ class LayerNorm(Cell):
     Parameters ``gamma`` (ones) and ``beta`` (zeros) of shape ``normalized_shape``; the op is
     ``ops.LayerNorm`` (``self.layer_norm``), whose normalised dims cannot be split.
     ``rngs`` is accepted for a uniform signature and unused.
+
+    Args:
+        normalized_shape: shape (or size) of the trailing dims ``gamma`` and ``beta`` cover.
+        begin_norm_axis: first axis the mean and variance are taken over (through the last).
+        begin_params_axis: first axis ``gamma`` and ``beta`` apply to.
+        epsilon: added to the variance before the square root.
+        rngs: unused; accepted so every layer takes ``rngs=``.
+        dtype: the parameters' dtype.
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import nn
+    >>> y = nn.LayerNorm(4)(jnp.arange(8.0).reshape(2, 4))
+    >>> y.shape, bool(jnp.allclose(y.mean(-1), 0, atol=1e-6))
+    ((2, 4), True)
     """
 
     def __init__(self, normalized_shape: Sequence[int] | int, begin_norm_axis: int = -1,
@@ -154,15 +206,25 @@ class Dropout(Cell):
     """``Dropout(keep_prob=None, p=None, *, rngs)``: zero each element with probability ``p`` (or
     ``1 - keep_prob``; default ``p=0.5``) and scale the rest by ``1 / (1 - p)``.
 
-    The mask comes from the ``'dropout'`` stream of ``rngs`` (a ``jax.random`` key), so a sharded
-    run draws exactly the same mask as one device. In a pure data-parallel step, where every
-    replica computes its own gradient (:class:`~mshard.nn.TrainOneStepCell`), a replica draws the
-    whole batch's mask and keeps its own rows: again the one-device mask. An input whose dim 0 is
-    not the replica's batch (inside a :class:`~mshard.nn.GradAccumulationCell`, say) gets the
-    replica number folded into the key: independent masks per replica, as MindSpore's per-device
-    seeds give. Differences from MindSpore: active unless ``deterministic`` is True — set by
-    ``cell.set_train(False)`` or nnx's ``cell.eval()`` — where MindSpore Cells start in inference
-    mode until ``set_train()``.
+    The mask comes from the ``'dropout'`` stream of ``rngs``, so a sharded run draws the same mask as one
+    device (how data-parallel replicas draw theirs: docs/cells.md). Differences from MindSpore: active
+    unless ``deterministic`` is True (``cell.set_train(False)`` or nnx's ``cell.eval()``), where MindSpore
+    Cells start in inference mode until ``set_train()``.
+
+    Args:
+        keep_prob: MindSpore's older argument, the probability of keeping an element (``p = 1 - keep_prob``).
+        p: the probability of zeroing an element, in ``[0, 1)``; wins over ``keep_prob``.
+        rngs: ``flax.nnx.Rngs``; its ``dropout`` stream (or its default one) draws the masks.
+        deterministic: start switched off (the input passes through unchanged).
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from mshard import nn
+    >>> d = nn.Dropout(p=0.5, rngs=nnx.Rngs(0))
+    >>> set(d(jnp.ones(8)).tolist()) <= {0.0, 2.0}
+    True
+    >>> d.set_train(False)(jnp.ones(3)).tolist()
+    [1.0, 1.0, 1.0]
     """
 
     def __init__(self, keep_prob: float | None = None, p: float | None = None, *, rngs: nnx.Rngs,
@@ -197,6 +259,25 @@ class Conv2d(Cell):
 
     The convolution is ``ops.Conv2D`` (``self.conv2d``): ``conv.conv2d.shard(((1, 1, 2, 4), (1, 1, 1, 1)))``
     splits H and W (pad_mode='same', stride 1; XLA exchanges the halos).
+
+    Args:
+        in_channels: channels of the input (dim 1).
+        out_channels: channels of the output.
+        kernel_size: ``kh`` = ``kw`` as an int, or ``(kh, kw)``.
+        stride: an int or ``(sh, sw)``.
+        pad_mode: ``"same"``, ``"valid"`` or ``"pad"`` (explicit ``padding``).
+        padding: under ``pad_mode="pad"``: an int for every side, or ``(top, bottom, left, right)``.
+        dilation: an int or ``(dh, dw)``.
+        group: number of channel groups; must divide ``in_channels`` and ``out_channels``.
+        has_bias: add a ``bias`` parameter ``[out_channels]`` (zeros at first).
+        rngs: ``flax.nnx.Rngs``; its ``params`` stream draws ``weight`` (normal, variance ``1 / fan_in``).
+        dtype: the parameters' dtype.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from mshard import nn
+    >>> nn.Conv2d(3, 8, 3, rngs=nnx.Rngs(0))(jnp.ones((2, 3, 16, 16))).shape
+    (2, 8, 16, 16)
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, pad_mode: str = "same",
@@ -222,7 +303,19 @@ class Conv2d(Cell):
 
 
 class MaxPool2d(Cell):
-    """``MaxPool2d(kernel_size=1, stride=1, pad_mode='valid')``, NCHW; the op is ``ops.MaxPool`` (``self.max_pool``)."""
+    """``MaxPool2d(kernel_size=1, stride=1, pad_mode='valid')``, NCHW; the op is ``ops.MaxPool`` (``self.max_pool``).
+
+    Args:
+        kernel_size: the window, an int or ``(kh, kw)``.
+        stride: the window's step, an int or ``(sh, sw)``.
+        pad_mode: ``"valid"`` (no padding) or ``"same"``.
+        data_format: only ``"NCHW"`` (anything else is refused).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import nn
+    >>> nn.MaxPool2d(2, 2)(jnp.arange(16.0).reshape(1, 1, 4, 4)).tolist()
+    [[[[5.0, 7.0], [13.0, 15.0]]]]
+    """
 
     def __init__(self, kernel_size=1, stride=1, pad_mode: str = "valid", data_format: str = "NCHW"):
         self.max_pool = ops.MaxPool(kernel_size, stride, pad_mode, data_format)
@@ -232,7 +325,16 @@ class MaxPool2d(Cell):
 
 
 class Flatten(Cell):
-    """``Flatten()``: [N, ...] -> [N, prod(...)]."""
+    """``Flatten()``: [N, ...] -> [N, prod(...)] (a reshape; the batch dim stays).
+
+    Args:
+        none: ``Flatten()`` takes no arguments.
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import nn
+    >>> nn.Flatten()(jnp.ones((2, 3, 4))).shape
+    (2, 12)
+    """
 
     def __call__(self, x):
         return x.reshape(x.shape[0], -1)
@@ -244,6 +346,22 @@ class MultiHeadAttention(Cell):
     ``query``/``key``/``value``/``projection`` are :class:`Dense`; the scores are ``ops.BatchMatMul``
     (``self.qk``, ``[b, heads, s, d] x [b, heads, s, d]^T``), ``ops.Softmax`` (``self.softmax``) and
     ``ops.BatchMatMul`` (``self.pv``). :meth:`shard_megatron` sets Megatron's strategies on all of them.
+
+    Args:
+        hidden_size: the input's and output's last dim.
+        num_heads: number of heads; must divide ``hidden_size``.
+        causal: mask each position from the later ones.
+        has_bias: whether the four Dense layers have biases.
+        attention_dropout_rate: Dropout probability on the attention weights.
+        rngs: ``flax.nnx.Rngs`` for the weights and the dropout masks.
+        dtype: the parameters' dtype.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from mshard import nn
+    >>> mha = nn.MultiHeadAttention(8, 2, rngs=nnx.Rngs(0)).shard_megatron(2, 4)
+    >>> mha(jnp.ones((2, 4, 8))).shape
+    (2, 4, 8)
     """
 
     def __init__(self, hidden_size: int, num_heads: int, *, causal: bool = True, has_bias: bool = True,
@@ -292,7 +410,25 @@ class MultiHeadAttention(Cell):
 
 
 class FeedForward(Cell):
-    """``FeedForward(hidden_size, ffn_hidden_size, activation='gelu')``: Dense -> activation -> Dense."""
+    """``FeedForward(hidden_size, ffn_hidden_size, activation='gelu')``: Dense -> activation -> Dense -> Dropout.
+
+    The Dense layers are ``self.mapping`` (``hidden_size -> ffn_hidden_size``, with the activation) and
+    ``self.projection`` (back to ``hidden_size``); :meth:`shard_megatron` makes them column / row parallel.
+
+    Args:
+        hidden_size: the input's and output's last dim.
+        ffn_hidden_size: the inner width.
+        activation: the inner activation: a name ``Dense`` takes (``"gelu"``, ``"relu"``, ...) or a callable.
+        dropout_rate: Dropout probability on the output.
+        rngs: ``flax.nnx.Rngs`` for the weights and the dropout masks.
+        dtype: the parameters' dtype.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from mshard import nn
+    >>> nn.FeedForward(8, 32, rngs=nnx.Rngs(0))(jnp.ones((2, 4, 8))).shape
+    (2, 4, 8)
+    """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str | Callable = "gelu", *,
                  dropout_rate: float = 0.0, rngs: nnx.Rngs, dtype: Any = jnp.float32):
@@ -319,6 +455,23 @@ class TransformerBlock(Cell):
     ``TransformerBlock(hidden_size, num_heads, ffn_hidden_size=4*hidden_size, *, causal=True,
     dropout_rate=0.0, layernorm_epsilon=1e-5, rngs)``; ``block.recompute()`` remats it,
     ``block.shard_megatron(dp, mp)`` sets Megatron strategies on attention and MLP.
+
+    Args:
+        hidden_size: the input's and output's last dim.
+        num_heads: attention heads; must divide ``hidden_size``.
+        ffn_hidden_size: the MLP's inner width (None: ``4 * hidden_size``).
+        causal: causal self-attention.
+        dropout_rate: Dropout probability on the attention weights, the attention output and the MLP output.
+        layernorm_epsilon: the LayerNorms' epsilon.
+        rngs: ``flax.nnx.Rngs`` for the weights and the dropout masks.
+        dtype: the parameters' dtype.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from mshard import nn
+    >>> block = nn.TransformerBlock(8, 2, rngs=nnx.Rngs(0))
+    >>> block(jnp.ones((2, 4, 8))).shape, block.output.mapping.weight[...].shape
+    ((2, 4, 8), (32, 8))
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int | None = None, *,
@@ -337,6 +490,7 @@ class TransformerBlock(Cell):
         return x + self.output(self.layernorm2(x))
 
     def shard_megatron(self, data_parallel: int, model_parallel: int) -> TransformerBlock:
+        """Megatron strategies on the attention and the MLP; the LayerNorms split on the batch only."""
         dp = data_parallel
         self.attention.shard_megatron(dp, model_parallel)
         self.output.shard_megatron(dp, model_parallel)

@@ -36,6 +36,19 @@ class SoftmaxCrossEntropyWithLogits(Cell):
 
     ``sparse=True`` takes integer class ids (any leading shape), else one-hot/probability labels.
     Use ``reduction='mean'`` for training (MindSpore's default is ``'none'``, per-sample losses).
+    The loss is computed in float32 whatever the logits' dtype.
+
+    Args:
+        sparse: labels are integer class ids (else one-hot or probability rows shaped like the logits).
+        reduction: ``"none"`` (one loss per row), ``"mean"`` or ``"sum"``.
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import nn
+    >>> logits, ids = jnp.zeros((2, 4)), jnp.array([0, 3])
+    >>> nn.SoftmaxCrossEntropyWithLogits(sparse=True)(logits, ids).shape
+    (2,)
+    >>> round(float(nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")(logits, ids)), 4)   # log(4)
+    1.3863
     """
 
     def __init__(self, sparse: bool = False, reduction: str = "none"):
@@ -52,7 +65,18 @@ class SoftmaxCrossEntropyWithLogits(Cell):
 
 
 class MSELoss(Cell):
-    """``MSELoss(reduction='mean')``: (x - y)**2, reduced."""
+    """``MSELoss(reduction='mean')``: ``(logits - labels) ** 2``, reduced; called as ``loss(logits, labels)``.
+
+    Args:
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (the element-wise squares).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import nn
+    >>> float(nn.MSELoss()(jnp.array([1.0, 3.0]), jnp.zeros(2)))
+    5.0
+    >>> nn.MSELoss(reduction="none")(jnp.array([1.0, 3.0]), jnp.zeros(2)).tolist()
+    [1.0, 9.0]
+    """
 
     def __init__(self, reduction: str = "mean"):
         self.reduction = _check(reduction, "MSELoss")

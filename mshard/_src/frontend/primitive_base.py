@@ -39,7 +39,32 @@ def _eager_sharded() -> bool:
 
 
 class Primitive:
-    """Base class; subclasses define ``compute`` and ``spec`` (and ``n_tensors`` if they take attributes)."""
+    """The base of every primitive op object (``ops.MatMul``, ...): one op of the plan, with MindSpore's ``shard``.
+
+    ``op.shard(in_strategy, out_strategy=None)`` sets the strategy (one split tuple, Layout call or PartitionSpec per
+    tensor input) and returns the op. Inside a region (``ms.jit``, a sharded Cell) a call checks the strategy against
+    the op's iteration space before JAX sees it; called eagerly in semi_auto/auto_parallel, an op with a strategy runs
+    as its own sharded region (MindSpore's PyNative ``shard``); otherwise it runs as plain JAX. An ``nnx.Variable``
+    argument is read as its value. A subclass defines ``compute(*tensors, *attrs)``, ``spec(shapes, attrs)`` ->
+    (loop dims per input dim, loop dims per output dim, loop dims that must not be split), and ``n_tensors`` when its
+    trailing arguments are attributes rather than tensors.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.MatMul(name="proj").shard(((2, 1), (1, 4)))
+    MatMul(proj).shard(((2, 1), (1, 4)))
+    >>> class Double(ops.Primitive):
+    ...     def compute(self, x):
+    ...         return 2 * x
+    ...     def spec(self, shapes, attrs):
+    ...         dims = tuple("abcdefgh"[:len(shapes[0])])
+    ...         return (dims,), (dims,), frozenset()
+    >>> Double()(jnp.arange(3)).tolist()
+    [0, 2, 4]
+    """
 
     n_tensors: int | None = None      # leading tensor arguments; the rest are attributes (None: all)
     _eager_fast = None                # the eager region's fast path (mshard._src.runtime.fastcall), set after an eager call

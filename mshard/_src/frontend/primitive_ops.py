@@ -37,20 +37,174 @@ def _elementwise(name: str, fn, doc: str) -> type:
     return type(name, (_Elementwise,), {"fn": staticmethod(fn), "__doc__": doc})
 
 
-Add = _elementwise("Add", jnp.add, "x + y with broadcasting; strategy ((a, b), (a, b)) or ((a, b), (b,)).")
-Sub = _elementwise("Sub", jnp.subtract, "x - y with broadcasting.")
-Mul = _elementwise("Mul", jnp.multiply, "x * y with broadcasting.")
-RealDiv = _elementwise("RealDiv", jnp.divide, "x / y with broadcasting.")
-Maximum = _elementwise("Maximum", jnp.maximum, "elementwise max.")
-Minimum = _elementwise("Minimum", jnp.minimum, "elementwise min.")
-ReLU = _elementwise("ReLU", jax.nn.relu, "max(x, 0).")
-GeLU = _elementwise("GeLU", jax.nn.gelu, "GELU (tanh approximation, as MindSpore's GeLU).")
-Tanh = _elementwise("Tanh", jnp.tanh, "tanh.")
-Sigmoid = _elementwise("Sigmoid", jax.nn.sigmoid, "logistic sigmoid.")
-Exp = _elementwise("Exp", jnp.exp, "exp.")
-Log = _elementwise("Log", jnp.log, "natural log.")
-Sqrt = _elementwise("Sqrt", jnp.sqrt, "square root.")
-Square = _elementwise("Square", jnp.square, "x * x.")
+Add = _elementwise("Add", jnp.add, """``Add()(x, y)``: ``x + y`` with numpy broadcasting, as MindSpore's Add.
+
+    Strategy: one split tuple per input, e.g. ``((a, b), (a, b))`` or ``((a, b), (b,))``; a broadcast (size-1) dim is not split.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Add()(jnp.ones((2, 3)), jnp.arange(3.0)).tolist()
+    [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]
+    """)
+Sub = _elementwise("Sub", jnp.subtract, """``Sub()(x, y)``: ``x - y`` with numpy broadcasting.
+
+    Strategy: one split tuple per input, e.g. ``((a, b), (a, b))``; a broadcast (size-1) dim of an input is not split.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Sub()(jnp.array([5, 7]), jnp.array([1, 2])).tolist()
+    [4, 5]
+    """)
+Mul = _elementwise("Mul", jnp.multiply, """``Mul()(x, y)``: ``x * y`` with numpy broadcasting.
+
+    Strategy: one split tuple per input, e.g. ``((a, b), (a, b))``; a broadcast (size-1) dim of an input is not split.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Mul()(jnp.array([2, 3]), jnp.array([4, 5])).tolist()
+    [8, 15]
+    """)
+RealDiv = _elementwise("RealDiv", jnp.divide, """``RealDiv()(x, y)``: ``x / y`` (true division) with numpy broadcasting.
+
+    Strategy: one split tuple per input, e.g. ``((a, b), (a, b))``; a broadcast (size-1) dim of an input is not split.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.RealDiv()(jnp.array([1.0, 3.0]), jnp.array([2.0, 4.0])).tolist()
+    [0.5, 0.75]
+    """)
+Maximum = _elementwise("Maximum", jnp.maximum, """``Maximum()(x, y)``: the elementwise maximum, with numpy broadcasting.
+
+    Strategy: one split tuple per input, e.g. ``((a, b), (a, b))``; a broadcast (size-1) dim of an input is not split.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Maximum()(jnp.array([1, 5]), jnp.array([3, 2])).tolist()
+    [3, 5]
+    """)
+Minimum = _elementwise("Minimum", jnp.minimum, """``Minimum()(x, y)``: the elementwise minimum, with numpy broadcasting.
+
+    Strategy: one split tuple per input, e.g. ``((a, b), (a, b))``; a broadcast (size-1) dim of an input is not split.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Minimum()(jnp.array([1, 5]), jnp.array([3, 2])).tolist()
+    [1, 2]
+    """)
+ReLU = _elementwise("ReLU", jax.nn.relu, """``ReLU()(x)``: ``max(x, 0)`` elementwise.
+
+    Strategy: one split tuple for ``x``, e.g. ``((a, b),)``; every dim may be split.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.ReLU()(jnp.array([-1.0, 2.0])).tolist()
+    [0.0, 2.0]
+    """)
+GeLU = _elementwise("GeLU", jax.nn.gelu, """``GeLU()(x)``: GELU elementwise, the tanh approximation (as MindSpore's GeLU).
+
+    Strategy: one split tuple for ``x``, e.g. ``((a, b),)``; every dim may be split.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.GeLU()(jnp.zeros(2)).tolist()
+    [0.0, 0.0]
+    """)
+Tanh = _elementwise("Tanh", jnp.tanh, """``Tanh()(x)``: ``tanh(x)`` elementwise.
+
+    Strategy: one split tuple for ``x``, e.g. ``((a, b),)``; every dim may be split.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Tanh()(jnp.zeros(2)).tolist()
+    [0.0, 0.0]
+    """)
+Sigmoid = _elementwise("Sigmoid", jax.nn.sigmoid, """``Sigmoid()(x)``: the logistic sigmoid ``1 / (1 + exp(-x))`` elementwise.
+
+    Strategy: one split tuple for ``x``, e.g. ``((a, b),)``; every dim may be split.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Sigmoid()(jnp.zeros(2)).tolist()
+    [0.5, 0.5]
+    """)
+Exp = _elementwise("Exp", jnp.exp, """``Exp()(x)``: ``exp(x)`` elementwise.
+
+    Strategy: one split tuple for ``x``, e.g. ``((a, b),)``; every dim may be split.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Exp()(jnp.zeros(2)).tolist()
+    [1.0, 1.0]
+    """)
+Log = _elementwise("Log", jnp.log, """``Log()(x)``: the natural logarithm elementwise.
+
+    Strategy: one split tuple for ``x``, e.g. ``((a, b),)``; every dim may be split.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Log()(jnp.ones(2)).tolist()
+    [0.0, 0.0]
+    """)
+Sqrt = _elementwise("Sqrt", jnp.sqrt, """``Sqrt()(x)``: the square root elementwise.
+
+    Strategy: one split tuple for ``x``, e.g. ``((a, b),)``; every dim may be split.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Sqrt()(jnp.array([4.0, 9.0])).tolist()
+    [2.0, 3.0]
+    """)
+Square = _elementwise("Square", jnp.square, """``Square()(x)``: ``x * x`` elementwise.
+
+    Strategy: one split tuple for ``x``, e.g. ``((a, b),)``; every dim may be split.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Square()(jnp.array([2, 3])).tolist()
+    [4, 9]
+    """)
 
 
 def _layout_format(op: str, data_format: str, allowed: tuple[str, ...] = ("NCHW",)) -> str:
@@ -62,9 +216,14 @@ def _layout_format(op: str, data_format: str, allowed: tuple[str, ...] = ("NCHW"
 
 
 class BiasAdd(Primitive):
-    """``BiasAdd(data_format="NCHW")``: x + bias, bias ``(C,)`` added along x's channel dim, as MindSpore's BiasAdd:
-    dim 1 for "NCHW" / "NCDHW" (for a 2-D ``[N, C]`` input that is the last dim), the last dim for "NHWC".
-    Strategy ((n, c, ...), (c,)): the bias splits as the channel dim.
+    """``BiasAdd(data_format="NCHW")(x, bias)``: ``x + bias``, the bias ``(C,)`` added along x's channel dim, as
+    MindSpore's BiasAdd: dim 1 for "NCHW" / "NCDHW" (for a 2-D ``[N, C]`` input that is the last dim), the last dim
+    for "NHWC". Strategy ``((n, c, ...), (c,))``: the bias splits as the channel dim.
+
+    Args:
+        data_format: where the channel dim is: ``"NCHW"`` (default), ``"NCDHW"`` or ``"NHWC"``; any other value
+            raises StrategyError.
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
 
     >>> import jax.numpy as jnp
     >>> from mshard import ops
@@ -91,7 +250,18 @@ class BiasAdd(Primitive):
 
 
 class Cast(Primitive):
-    """``Cast()(x, dtype)``; strategy over x."""
+    """``Cast()(x, dtype)``: ``x`` converted to ``dtype`` (``x.astype(dtype)``), as MindSpore's Cast.
+
+    Strategy: one split tuple for ``x`` only (``dtype`` is an attribute, not a tensor), e.g. ``((a, b),)``.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Cast()(jnp.array([1.7, -2.2]), jnp.int32).tolist()
+    [1, -2]
+    """
 
     n_tensors = 1
 
@@ -105,9 +275,22 @@ class Cast(Primitive):
 
 # -- matmul ----------------------------------------------------------------------------------------
 class MatMul(Primitive):
-    """``MatMul(transpose_a=False, transpose_b=False)``: 2-D x @ w. Strategy ((m, k), (k, n)).
+    """``MatMul(transpose_a=False, transpose_b=False)(x, w)``: 2-D ``x @ w``. Strategy ``((m, k), (k, n))``.
 
-    With transpose_b=True the weight is [n, k] and the strategy is ((m, k), (n, k)), as in MindSpore.
+    With ``transpose_b=True`` the weight is ``[n, k]`` and the strategy ``((m, k), (n, k))``, as in MindSpore
+    (``transpose_a=True``: ``x`` is ``[k, m]``, strategy ``((k, m), ...)``). Splitting ``k`` sums partial products.
+
+    Args:
+        transpose_a: ``x`` is ``[k, m]`` (contract its dim 0 instead of dim 1).
+        transpose_b: the weight is ``[n, k]`` (contract its dim 1 instead of dim 0).
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.MatMul()(jnp.ones((2, 3)), jnp.ones((3, 4))).shape
+    (2, 4)
+    >>> ops.MatMul(transpose_b=True)(jnp.ones((2, 3)), jnp.ones((4, 3))).shape
+    (2, 4)
     """
 
     def __init__(self, transpose_a: bool = False, transpose_b: bool = False, name: str | None = None):
@@ -128,7 +311,21 @@ class MatMul(Primitive):
 
 
 class BatchMatMul(MatMul):
-    """``BatchMatMul(transpose_a, transpose_b)``: [..., m, k] @ [..., k, n]; batch dims broadcast."""
+    """``BatchMatMul(transpose_a=False, transpose_b=False)(x, w)``: ``[..., m, k] @ [..., k, n]``, as MindSpore's.
+
+    The batch dims broadcast (numpy rules). Strategy: the batch dims' splits, then ``(m, k)`` and ``(k, n)``, e.g.
+    ``((b, m, k), (b, k, n))``; a broadcast (size-1) batch dim is not split.
+
+    Args:
+        transpose_a: ``x`` is ``[..., k, m]``.
+        transpose_b: ``w`` is ``[..., n, k]``.
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.BatchMatMul()(jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5))).shape
+    (2, 3, 5)
+    """
 
     def compute(self, x, w):
         a = "...km" if self.transpose_a else "...mk"
@@ -175,13 +372,79 @@ class _Reduce(Primitive):
         return (ins,), (outs,), _NONE
 
 
-ReduceSum = type("ReduceSum", (_Reduce,), {"fn": staticmethod(jnp.sum), "__doc__": "ReduceSum(keep_dims)(x, axis)."})
-ReduceMean = type("ReduceMean", (_Reduce,), {"fn": staticmethod(jnp.mean), "__doc__": "ReduceMean(keep_dims)(x, axis)."})
-ReduceMax = type("ReduceMax", (_Reduce,), {"fn": staticmethod(jnp.max), "__doc__": "ReduceMax(keep_dims)(x, axis)."})
+ReduceSum = type("ReduceSum", (_Reduce,), {
+    "fn": staticmethod(jnp.sum),
+    "__doc__": """``ReduceSum(keep_dims=False)(x, axis=())``: the sum of ``x`` over ``axis`` (an int or a tuple of ints;
+    ``()`` or ``None``: every dim), as MindSpore's ReduceSum.
+
+    Strategy: one split tuple for ``x``, e.g. ``((a, b),)``; a reduced dim may be split too (the partial results
+    are combined across devices).
+
+    Args:
+        keep_dims: keep each reduced dim as a dim of size 1 instead of dropping it.
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.ReduceSum()(jnp.ones((2, 3)), 1).tolist()
+    [3.0, 3.0]
+    >>> ops.ReduceSum(keep_dims=True)(jnp.ones((2, 3)), 1).shape
+    (2, 1)
+    """})
+ReduceMean = type("ReduceMean", (_Reduce,), {
+    "fn": staticmethod(jnp.mean),
+    "__doc__": """``ReduceMean(keep_dims=False)(x, axis=())``: the mean of ``x`` over ``axis`` (an int or a tuple of ints;
+    ``()`` or ``None``: every dim), as MindSpore's ReduceMean.
+
+    Strategy: one split tuple for ``x``, e.g. ``((a, b),)``; a reduced dim may be split too (the partial results
+    are combined across devices).
+
+    Args:
+        keep_dims: keep each reduced dim as a dim of size 1 instead of dropping it.
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.ReduceMean()(jnp.array([[1.0, 3.0], [5.0, 7.0]]), 0).tolist()
+    [3.0, 5.0]
+    >>> ops.ReduceMean(keep_dims=True)(jnp.ones((2, 3)), 1).shape
+    (2, 1)
+    """})
+ReduceMax = type("ReduceMax", (_Reduce,), {
+    "fn": staticmethod(jnp.max),
+    "__doc__": """``ReduceMax(keep_dims=False)(x, axis=())``: the maximum of ``x`` over ``axis`` (an int or a tuple of ints;
+    ``()`` or ``None``: every dim), as MindSpore's ReduceMax.
+
+    Strategy: one split tuple for ``x``, e.g. ``((a, b),)``; a reduced dim may be split too (the partial results
+    are combined across devices).
+
+    Args:
+        keep_dims: keep each reduced dim as a dim of size 1 instead of dropping it.
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.ReduceMax()(jnp.array([[1, 4], [3, 2]]), 1).tolist()
+    [4, 3]
+    >>> ops.ReduceMax(keep_dims=True)(jnp.ones((2, 3)), 1).shape
+    (2, 1)
+    """})
 
 
 class Softmax(Primitive):
-    """``Softmax(axis=-1)``; the softmax axis cannot be split (as in MindSpore)."""
+    """``Softmax(axis=-1)(x)``: ``exp(x) / sum(exp(x))`` along ``axis``, as MindSpore's Softmax.
+
+    Strategy: one split tuple for ``x``, e.g. ``((a, 1),)``; the softmax axis cannot be split (as in MindSpore).
+
+    Args:
+        axis: the dim to normalise over (one int).
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Softmax()(jnp.zeros((2, 4))).tolist()
+    [[0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]]
+    """
 
     fn = staticmethod(jax.nn.softmax)
 
@@ -199,15 +462,42 @@ class Softmax(Primitive):
 
 
 class LogSoftmax(Softmax):
-    """``LogSoftmax(axis=-1)``."""
+    """``LogSoftmax(axis=-1)(x)``: ``log(softmax(x))`` along ``axis``, computed stably, as MindSpore's LogSoftmax.
+
+    Strategy: one split tuple for ``x``, e.g. ``((a, 1),)``; the softmax axis cannot be split.
+
+    Args:
+        axis: the dim to normalise over (one int).
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.LogSoftmax()(jnp.zeros((1, 2))).tolist()
+    [[-0.693..., -0.693...]]
+    """
 
     fn = staticmethod(jax.nn.log_softmax)
 
 
 class LayerNorm(Primitive):
-    """``LayerNorm(begin_norm_axis=1, begin_params_axis=1, epsilon=1e-7)``: returns (y, mean, variance).
+    """``LayerNorm(begin_norm_axis=1, begin_params_axis=1, epsilon=1e-7)(x, gamma, beta)``: returns ``(y, mean,
+    variance)``, as MindSpore's LayerNorm.
 
-    The normalised dims cannot be split (as in MindSpore). Inputs (x, gamma, beta).
+    ``x`` is normalised over dims ``begin_norm_axis`` onwards, then scaled by ``gamma`` and shifted by ``beta`` (both of
+    shape ``x.shape[begin_params_axis:]``); ``mean`` and ``variance`` keep the normalised dims as size 1.
+    Strategy: one split tuple each for ``x``, ``gamma``, ``beta``; the normalised dims cannot be split (as in MindSpore).
+
+    Args:
+        begin_norm_axis: the first dim normalised over (negative counts from the end).
+        begin_params_axis: the first dim ``gamma`` and ``beta`` cover.
+        epsilon: added to the variance before the square root.
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> y, mean, var = ops.LayerNorm()(jnp.array([[1.0, 3.0], [2.0, 6.0]]), jnp.ones(2), jnp.zeros(2))
+    >>> mean.tolist(), var.tolist(), y.shape
+    ([[2.0], [4.0]], [[1.0], [4.0]], (2, 2))
     """
 
     def __init__(self, begin_norm_axis: int = 1, begin_params_axis: int = 1, epsilon: float = 1e-7,
@@ -231,7 +521,20 @@ class LayerNorm(Primitive):
 
 
 class SoftmaxCrossEntropyWithLogits(Primitive):
-    """Returns (loss [batch], dlogits [batch, classes]) for logits and one-hot labels, as MindSpore."""
+    """``SoftmaxCrossEntropyWithLogits()(logits, labels)``: returns ``(loss, dlogits)``, as MindSpore's.
+
+    ``logits`` and the one-hot (or soft) ``labels`` are ``[batch, classes]``; ``loss`` is ``[batch]``, the cross entropy
+    of ``softmax(logits)``, and ``dlogits = softmax(logits) - labels``, its gradient. Strategy ``((b, c), (b, c))``.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> loss, dlogits = ops.SoftmaxCrossEntropyWithLogits()(jnp.zeros((1, 2)), jnp.array([[1.0, 0.0]]))
+    >>> loss.tolist(), dlogits.tolist()
+    ([0.693...], [[-0.5, 0.5]])
+    """
 
     def compute(self, logits, labels):
         logp = jax.nn.log_softmax(logits, axis=-1)
@@ -244,7 +547,19 @@ class SoftmaxCrossEntropyWithLogits(Primitive):
 
 # -- shape ops -----------------------------------------------------------------------------------------
 class Transpose(Primitive):
-    """``Transpose()(x, perm)``; strategy over x."""
+    """``Transpose()(x, perm)``: ``x``'s dims permuted, output dim ``k`` being input dim ``perm[k]``, as MindSpore's.
+
+    Strategy: one split tuple for ``x`` only (``perm`` is an attribute), e.g. ``((a, b, c),)``; the splits move with
+    the dims.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Transpose()(jnp.ones((2, 3, 4)), (2, 0, 1)).shape
+    (4, 2, 3)
+    """
 
     n_tensors = 1
 
@@ -257,8 +572,20 @@ class Transpose(Primitive):
 
 
 class Reshape(Primitive):
-    """``Reshape()(x, shape)``: dims are grouped into runs of equal products; within a merged or split run only
-    the leading dim may be split (MindSpore's reshape rule)."""
+    """``Reshape()(x, shape)``: ``x`` with a new shape of the same size (one ``-1`` is inferred), as MindSpore's.
+
+    Strategy: one split tuple for ``x`` only. The dims are grouped into runs of equal products; within a merged or
+    split run only the leading dim may be split (MindSpore's reshape rule). A shape of another size raises
+    StrategyError.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Reshape()(jnp.arange(6), (2, -1)).tolist()
+    [[0, 1, 2], [3, 4, 5]]
+    """
 
     n_tensors = 1
 
@@ -310,7 +637,18 @@ class Reshape(Primitive):
 
 
 class ExpandDims(Primitive):
-    """``ExpandDims()(x, axis)``."""
+    """``ExpandDims()(x, axis)``: ``x`` with a new size-1 dim at ``axis`` (an int; negative counts from the end).
+
+    Strategy: one split tuple for ``x`` only, e.g. ``((a, b),)``; the new dim is not split.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.ExpandDims()(jnp.ones((2, 3)), 0).shape
+    (1, 2, 3)
+    """
 
     n_tensors = 1
 
@@ -326,7 +664,21 @@ class ExpandDims(Primitive):
 
 
 class Squeeze(Primitive):
-    """``Squeeze(axis=())``."""
+    """``Squeeze(axis=())(x)``: ``x`` without the size-1 dims in ``axis`` (all its size-1 dims when ``axis=()``).
+
+    Strategy: one split tuple for ``x``, e.g. ``((1, a, 1),)``.
+
+    Args:
+        axis: an int or a tuple of ints, the dims to remove (each of size 1); ``()``: every size-1 dim.
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Squeeze()(jnp.ones((1, 2, 1))).shape
+    (2,)
+    >>> ops.Squeeze(0)(jnp.ones((1, 2, 1))).shape
+    (2, 1)
+    """
 
     def __init__(self, axis=(), name: str | None = None):
         super().__init__(name)
@@ -344,7 +696,20 @@ class Squeeze(Primitive):
 
 
 class Concat(Primitive):
-    """``Concat(axis=0)(x1, x2, ...)``; the concat axis cannot be split."""
+    """``Concat(axis=0)((x1, x2, ...))``: the inputs joined along ``axis``, as MindSpore's Concat.
+
+    The inputs come as one tuple/list (as in MindSpore) or as separate arguments. Strategy: one split tuple per input,
+    e.g. ``((a, 1), (a, 1))``; the concat axis cannot be split.
+
+    Args:
+        axis: the dim to join along.
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Concat(axis=1)((jnp.zeros((2, 1)), jnp.ones((2, 2)))).tolist()
+    [[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]]
+    """
 
     def __init__(self, axis: int = 0, name: str | None = None):
         super().__init__(name)
@@ -367,7 +732,19 @@ class Concat(Primitive):
 
 
 class StridedSlice(Primitive):
-    """``StridedSlice()(x, begin, end, strides)``; sliced dims cannot be split."""
+    """``StridedSlice()(x, begin, end, strides)``: ``x[begin[k]:end[k]:strides[k], ...]`` per dim (Python slices).
+
+    Dims past ``len(begin)`` are kept whole; MindSpore's masks (``begin_mask`` etc.) are not taken. Strategy: one split
+    tuple for ``x`` only; a dim that is sliced (not its full range with stride 1) cannot be split.
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.StridedSlice()(jnp.arange(10), (1,), (7,), (2,)).tolist()
+    [1, 3, 5]
+    """
 
     n_tensors = 1
 
@@ -384,9 +761,19 @@ class StridedSlice(Primitive):
 
 
 class Gather(Primitive):
-    """``Gather()(params, indices, axis)`` — the embedding lookup when axis=0 and params is [vocab, dim].
+    """``Gather()(params, indices, axis=0)``: the slices of ``params`` at ``indices`` along ``axis``, as MindSpore's.
 
-    Strategy ((v, d), (b, s)); splitting the vocab v needs a masked lookup plus an all-reduce (XLA does it).
+    The output's shape is ``params.shape[:axis] + indices.shape + params.shape[axis + 1:]``; with ``axis=0`` and
+    ``params`` ``[vocab, dim]`` it is the embedding lookup. Strategy ((v, d), (b, s)): one split tuple for ``params``
+    and one for ``indices``; splitting the vocab v needs a masked lookup plus an all-reduce (XLA does it).
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Gather()(jnp.array([[0, 1], [2, 3], [4, 5]]), jnp.array([2, 0])).tolist()
+    [[4, 5], [0, 1]]
     """
 
     n_tensors = 2
@@ -404,7 +791,20 @@ class Gather(Primitive):
 
 
 class OneHot(Primitive):
-    """``OneHot(axis=-1)(indices, depth, on_value, off_value)``; strategy over indices."""
+    """``OneHot(axis=-1)(indices, depth, on_value=1.0, off_value=0.0)``: a one-hot tensor with a new dim of size
+    ``depth`` at ``axis``, ``on_value`` where the index matches and ``off_value`` elsewhere, as MindSpore's OneHot.
+
+    ``depth`` is a Python int. Strategy: one split tuple for ``indices`` only, e.g. ``((b,),)``; the new dim is not split.
+
+    Args:
+        axis: where the new ``depth`` dim goes in the output (``-1``: last).
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.OneHot()(jnp.array([0, 2]), 3, 1.0, 0.0).tolist()
+    [[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]]
+    """
 
     n_tensors = 1
 
@@ -439,10 +839,30 @@ def _conv_pads(pad) -> list[tuple[int, int]]:
 
 
 class Conv2D(Primitive):
-    """``Conv2D(out_channel, kernel_size, pad_mode="valid", pad=0, stride=1, dilation=1, group=1)``, NCHW/OIHW.
+    """``Conv2D(out_channel, kernel_size, pad_mode="valid", pad=0, stride=1, dilation=1, group=1)(x, w)``: a 2-D
+    convolution of ``x`` ``[N, C, H, W]`` with the weight ``w`` ``[O, C / group, kh, kw]`` (NCHW/OIHW, as MindSpore's).
 
-    Strategy ((n, c, h, w), (o, c, 1, 1)); h and w may be split only with pad_mode="same" and stride 1
-    (XLA exchanges the halos).
+    The output is ``[N, O, H', W']``; the kernel size is read from ``w``. Strategy ``((n, c, h, w), (o, c, 1, 1))``;
+    h and w may be split only with pad_mode="same" and stride 1 (XLA exchanges the halos).
+
+    Args:
+        out_channel: the number of output channels ``O`` (MindSpore's argument; ``w`` sets it).
+        kernel_size: an int or ``(kh, kw)`` (MindSpore's argument; ``w`` sets it).
+        mode: MindSpore's (unused; 1 is convolution).
+        pad_mode: ``"valid"`` (no padding), ``"same"`` (output ``ceil(size / stride)``) or ``"pad"`` (use ``pad``).
+        pad: under ``pad_mode="pad"``: an int for every side or ``(top, bottom, left, right)``; else ignored.
+        stride: an int or ``(sh, sw)``.
+        dilation: an int or ``(dh, dw)``, the kernel's dilation.
+        group: the number of channel groups (``C`` and ``O`` divisible by it).
+        data_format: only ``"NCHW"``; any other value raises StrategyError.
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Conv2D(4, 3)(jnp.ones((1, 2, 5, 5)), jnp.ones((4, 2, 3, 3))).shape
+    (1, 4, 3, 3)
+    >>> ops.Conv2D(4, 3, pad_mode="same")(jnp.ones((1, 2, 5, 5)), jnp.ones((4, 2, 3, 3)))[0, :, 2, 2].tolist()
+    [18.0, 18.0, 18.0, 18.0]
     """
 
     def __init__(self, out_channel: int, kernel_size, mode: int = 1, pad_mode: str = "valid", pad=0, stride=1,
@@ -519,7 +939,7 @@ def _weight_grad(x, w, dy, stride, pad, dilation, group):
     """The kernel's gradient. A grouped one is computed group by group (plain convolutions, concatenated on the
     out-channels): XLA (JAX 0.10, CPU) computes a grouped convolution's weight gradient ``k`` times too large when
     the batch is split over one mesh axis and another axis of size ``k`` is left whole (plain jax.jit reproduces it:
-    tests/test_primitive_references.py's Conv2D-group-batch-2-of-8 case). Same FLOPs, ``group`` smaller ops."""
+    tests/e2e/strategies/test_primitive_references.py's Conv2D-group-batch-2-of-8 case). Same FLOPs, ``group`` smaller ops."""
     if group == 1:
         return jax.vjp(lambda w: _conv(x, w, stride, pad, dilation, 1), w)[1](dy)[0]
     xs, ws, dys = jnp.split(x, group, axis=1), jnp.split(w, group, axis=0), jnp.split(dy, group, axis=1)
@@ -574,14 +994,70 @@ class _Pool(Primitive):
         return (("n", "c", "hi", "wi"),), (("n", "c", "ho", "wo"),), frozenset({"hi", "wi", "ho", "wo"})
 
 
-MaxPool = type("MaxPool", (_Pool,), {"reducer": "max", "__doc__": "``MaxPool(kernel_size, strides, pad_mode)``, NCHW."})
-AvgPool = type("AvgPool", (_Pool,), {"reducer": "avg", "__doc__": "``AvgPool(kernel_size, strides, pad_mode)``, NCHW."})
+MaxPool = type("MaxPool", (_Pool,), {
+    "reducer": "max",
+    "__doc__": """``MaxPool(kernel_size=1, strides=1, pad_mode="valid")(x)``: the maximum of each ``kernel_size`` window,
+    over ``x``'s last two dims (NCHW), as MindSpore's MaxPool.
+
+    Strategy ``((n, c, h, w),)``; ``h`` and ``w`` may be split only when the windows tile the input
+    (``kernel_size == strides`` and it divides ``h`` and ``w``).
+
+    Args:
+        kernel_size: the window, an int or ``(kh, kw)``.
+        strides: the window's step, an int or ``(sh, sw)``.
+        pad_mode: ``"valid"`` (no padding) or ``"same"`` (pad so the output is ``ceil(size / stride)``);
+            case-insensitive.
+        data_format: only ``"NCHW"``; any other value raises StrategyError.
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.MaxPool(2, 2)(jnp.arange(16.0).reshape(1, 1, 4, 4)).tolist()
+    [[[[5.0, 7.0], [13.0, 15.0]]]]
+    """})
+AvgPool = type("AvgPool", (_Pool,), {
+    "reducer": "avg",
+    "__doc__": """``AvgPool(kernel_size=1, strides=1, pad_mode="valid")(x)``: the mean of each ``kernel_size`` window,
+    over ``x``'s last two dims (NCHW), as MindSpore's AvgPool; with ``"same"``, padding counts as zeros.
+
+    Strategy ``((n, c, h, w),)``; ``h`` and ``w`` may be split only when the windows tile the input
+    (``kernel_size == strides`` and it divides ``h`` and ``w``).
+
+    Args:
+        kernel_size: the window, an int or ``(kh, kw)``.
+        strides: the window's step, an int or ``(sh, sw)``.
+        pad_mode: ``"valid"`` (no padding) or ``"same"`` (pad so the output is ``ceil(size / stride)``);
+            case-insensitive.
+        data_format: only ``"NCHW"``; any other value raises StrategyError.
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.AvgPool(2, 2)(jnp.arange(16.0).reshape(1, 1, 4, 4)).tolist()
+    [[[[2.5, 4.5], [10.5, 12.5]]]]
+    """})
 
 
 class BatchNorm(Primitive):
-    """``BatchNorm(is_training=False, epsilon=1e-5)``: inputs (x, scale, bias, mean, variance), NCHW; returns y.
+    """``BatchNorm(is_training=False, epsilon=1e-5)(x, scale, bias, mean, variance)``: per-channel batch
+    normalisation of ``x`` ``[N, C, ...]`` (NCHW); ``scale``, ``bias``, ``mean`` and ``variance`` are ``(C,)``. Returns ``y``.
 
-    In training the batch statistics are reduced over n, h, w (XLA all-reduces when those are split).
+    ``y = (x - mean) / sqrt(variance + epsilon) * scale + bias``; in training the batch's own statistics over n, h, w
+    replace ``mean`` and ``variance`` (XLA all-reduces when those dims are split). Unlike MindSpore's it returns no
+    updated statistics. Strategy ``((n, c, h, w), (c,), (c,), (c,), (c,))``.
+
+    Args:
+        is_training: use the batch's statistics instead of ``mean`` and ``variance``.
+        epsilon: added to the variance before the square root.
+        momentum: MindSpore's running-statistics momentum (accepted, unused: no statistics are updated here).
+        data_format: only ``"NCHW"``; any other value raises StrategyError.
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> x, bias = jnp.zeros((2, 3, 2, 2)), jnp.array([1.0, 2.0, 3.0])
+    >>> ops.BatchNorm()(x, jnp.ones(3), bias, jnp.zeros(3), jnp.ones(3))[0, :, 0, 0].tolist()
+    [1.0, 2.0, 3.0]
     """
 
     def __init__(self, is_training: bool = False, epsilon: float = 1e-5, momentum: float = 0.1,

@@ -181,7 +181,20 @@ def shard(fn: Callable | None = None, in_strategy: Any = None, out_strategy: Any
     Use as ``ms.shard(fn, in_strategy, out_strategy)`` or as ``@ms.shard(in_strategy=...)``.
     For a Cell it is ``cell.shard(...)``; for a plain nnx module it returns a :class:`ShardedModule` whose
     ``parameter_plan`` names the module's parameters (``{"kernel": (1, 4)}``). ``device``/``level`` are accepted for MindSpore
-    compatibility and ignored.
+    compatibility and ignored. Inside a region the inside of ``fn`` is propagated from these layouts; called
+    outside one, ``fn`` runs as its own jitted region with ``in_strategy`` as its arguments' layout.
+
+    Args:
+        fn: a function, a Cell or a plain nnx module; None for the decorator form.
+        in_strategy: one strategy per positional input, e.g. ``((2, 1), (1, 4))`` (None for a non-array input).
+        out_strategy: one strategy per output, or None to leave the outputs to propagation.
+        parameter_plan: parameter path -> strategy, for a Cell or module, e.g. ``{"dense1.weight": (1, 8)}``.
+        device: MindSpore's target device; ignored.
+        level: MindSpore's propagation level; ignored.
+
+    Returns:
+        The sharded callable: for a function a wrapper with its strategies; for a Cell the Cell itself
+        (``cell.shard(...)``); for a plain nnx module a :class:`ShardedModule`; with ``fn=None`` a decorator.
 
     >>> import jax.numpy as jnp, mshard as ms
     >>> ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)

@@ -19,7 +19,23 @@ __all__ = ["GradAccumulationCell", "MicroBatchInterleaved", "WithLossCell"]
 
 # -- the loss and micro-batch wrappers -------------------------------------------------------------
 class WithLossCell(Cell):
-    """``WithLossCell(backbone, loss_fn)``: ``loss_fn(backbone(*data), label)``; the label is the last input."""
+    """``WithLossCell(backbone, loss_fn)``: ``loss_fn(backbone(*data), label)``; the label is the last input.
+
+    As MindSpore's: the network with loss a :class:`~mshard.nn.TrainOneStepCell` trains;
+    ``backbone_network`` is the backbone.
+
+    Args:
+        backbone: the network (a Cell or any ``nnx.Module``) called on every input but the last.
+        loss_fn: ``loss_fn(output, label) -> loss``, e.g. :class:`~mshard.nn.MSELoss`.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from mshard import nn
+    >>> net = nn.Dense(4, 2, rngs=nnx.Rngs(0))
+    >>> net_with_loss = nn.WithLossCell(net, nn.MSELoss())
+    >>> net_with_loss(jnp.ones((3, 4)), jnp.zeros((3, 2))).shape, net_with_loss.backbone_network is net
+    ((), True)
+    """
 
     def __init__(self, backbone: nnx.Module, loss_fn: Callable):
         self.backbone = backbone
@@ -71,6 +87,18 @@ class GradAccumulationCell(Cell):
     losses; under :class:`TrainOneStepCell` the gradients are accumulated over the micro-batches (their
     mean: for a mean-reduced loss, the full-batch gradient) and applied once. Micro-batch k holds rows
     k, k+micro_size, ... of the batch, so every micro-batch stays spread over the data-parallel devices.
+
+    Args:
+        network: the network with loss; every array input's dim 0 must be divisible by ``micro_size``.
+        micro_size: the number of micro-batches (a positive int).
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from mshard import nn
+    >>> x, y = jnp.arange(16.0).reshape(4, 4), jnp.zeros((4, 2))
+    >>> net_with_loss = nn.WithLossCell(nn.Dense(4, 2, rngs=nnx.Rngs(0)), nn.MSELoss())
+    >>> bool(jnp.allclose(nn.GradAccumulationCell(net_with_loss, 2)(x, y), net_with_loss(x, y)))
+    True
     """
 
     def __init__(self, network: nnx.Module, micro_size: int):
@@ -107,6 +135,19 @@ class MicroBatchInterleaved(Cell):
     Differences from MindSpore: MindSpore adds the slice outputs; mshard averages them, so the loss and the
     gradients equal the full batch's for a mean-reduced loss (multiply by ``interleave_num`` for MindSpore's
     value). Slice k holds rows k, k+interleave_num, ... (no data moves between devices).
+
+    Args:
+        network: the network (with loss, or any Cell); every array input's dim 0 must be divisible by
+            ``interleave_num``.
+        interleave_num: the number of slices (a positive int).
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from mshard import nn
+    >>> x, y = jnp.arange(16.0).reshape(4, 4), jnp.zeros((4, 2))
+    >>> net_with_loss = nn.WithLossCell(nn.Dense(4, 2, rngs=nnx.Rngs(0)), nn.MSELoss())
+    >>> bool(jnp.allclose(nn.MicroBatchInterleaved(net_with_loss, 2)(x, y), net_with_loss(x, y)))
+    True
     """
 
     def __init__(self, network: nnx.Module, interleave_num: int = 2):

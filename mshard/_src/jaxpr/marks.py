@@ -73,7 +73,7 @@ class OpNote:
     out_dims: tuple[tuple[str | None, ...], ...] | None = None
     fixed: frozenset[str] = frozenset()              # loop dims the primitive cannot split (Softmax's axis, ...)
     halo: tuple[tuple[str, int], ...] = ()           # (loop dim, rows beyond a block it reads): a conv window
-    halo_apart: frozenset[str] = frozenset()         # loop dims a search never splits with a halo dim (mshard._src.planning.xla_guards)
+    halo_apart: frozenset[str] = frozenset()         # loop dims a search never splits with a halo dim (planning/xla_guards.py)
     uid: int = field(default_factory=lambda: next(_uid))
 
     @property
@@ -106,8 +106,8 @@ def mark(x: Any, note: OpNote, role: str, index: int) -> Any:
 # -- what is being traced now ---------------------------------------------------------------------
 class _TraceState(threading.local):
     def __init__(self) -> None:
-        self.region = None            # the RegionTrace being traced, or None (eager / plain JAX)
-        self.plain = False            # inside tracing_region(None): mshard traces plain JAX on purpose
+        self.region = None            # the TraceRecord being traced, or None (eager / plain JAX)
+        self.plain = False            # inside recording_into(None): mshard traces plain JAX on purpose
         self.replica_axes: tuple[str, ...] | None = None     # set while replicas are vmapped (see _mark_batch)
 
 
@@ -115,7 +115,7 @@ _state = _TraceState()
 
 
 @dataclass
-class RegionTrace:
+class TraceRecord:
     """Collected while a region is traced: Cell paths and the parameter plans of sharded Cells."""
 
     device_num: int
@@ -139,7 +139,7 @@ class module_scopes:
     strategies by ``ms.shard(module, ...)`` runs under them (its inputs, outputs and ``parameter_plan``, whose
     keys are relative to the module), as a sharded Cell does. The classes' own ``__call__`` is restored on exit."""
 
-    def __init__(self, trace: RegionTrace, classes):
+    def __init__(self, trace: TraceRecord, classes):
         self.trace, self.classes = trace, [c for c in classes if not getattr(c.__call__, "_mshard_wrapped", False)]
         self.saved: list = []
 
@@ -175,7 +175,7 @@ class module_scopes:
             cls.__call__ = orig
 
 
-def current_region() -> RegionTrace | None:
+def current_region() -> TraceRecord | None:
     return _state.region
 
 
@@ -183,13 +183,13 @@ on_region_trace: list = []
 """Called with no arguments whenever a region starts tracing (``mshard._src.frontend.direct_call`` switches direct ops back)."""
 
 
-class tracing_region:
+class recording_into:
     """Context manager: mark annotations while a region is traced (``None``: primitives run plainly inside it)."""
 
-    def __init__(self, trace: RegionTrace | None):
+    def __init__(self, trace: TraceRecord | None):
         self.trace = trace
 
-    def __enter__(self) -> RegionTrace:
+    def __enter__(self) -> TraceRecord:
         for hook in on_region_trace:
             hook()
         self.saved = (_state.region, _state.plain)
@@ -236,7 +236,7 @@ def epoch() -> int:
     return _epoch[0]
 
 
-def traced(args: Any) -> bool:
+def has_tracers(args: Any) -> bool:
     """Whether any array in ``args`` is a JAX tracer: the call is inside someone else's ``jax.jit``/``grad``
     (not an mshard region), where a sharded function or Cell runs as plain JAX instead of as its own region."""
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
@@ -245,7 +245,7 @@ def traced(args: Any) -> bool:
 def in_user_trace(args: Any) -> bool:
     """Whether a call is traced by the user's own ``jax.jit`` / ``grad`` / ``vmap`` (tracers, outside any mshard
     region and outside mshard's own plain tracing): see :mod:`mshard._src.jaxpr.user_trace`."""
-    return _state.region is None and not _state.plain and traced(args)
+    return _state.region is None and not _state.plain and has_tracers(args)
 
 
 class CallSite(enum.Enum):
@@ -270,7 +270,7 @@ def call_site(args: Any) -> CallSite:
     """
     if _state.region is not None:
         return CallSite.REGION
-    if not traced(args):
+    if not has_tracers(args):
         return CallSite.EAGER
     return CallSite.PLAIN if _state.plain else CallSite.USER_TRACE
 

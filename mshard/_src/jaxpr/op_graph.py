@@ -205,7 +205,7 @@ def _group_end(jaxpr, start: int, last: dict[Any, int]) -> int | None:
     return None
 
 
-class _Tracer:
+class _GraphBuilder:
     def __init__(self, mesh: DeviceMesh, primitives: bool = False) -> None:
         self.primitives = primitives       # trace each primitive object as one op (see group)
         self.graph = Graph(mesh)
@@ -410,7 +410,7 @@ class _Tracer:
         self.eqns.append(TracedEqn(eqn, self.graph.ops[-1].id, name, path, tuple(inputs), tuple(outs)))
 
 
-def _tie_state(t: _Tracer, jaxpr, env: dict, state_outputs: Sequence[tuple[int, int]]) -> None:
+def _tie_state(t: _GraphBuilder, jaxpr, env: dict, state_outputs: Sequence[tuple[int, int]]) -> None:
     """A ``writeback`` op per updated state: its operands are the new value (result ``o``) and the state input
     ``i`` it replaces, on the same loop dims, tied to the input's layout (``follow_operand=1``). The new value
     is stored in the input's layout (the region's output sharding is the input's), so a plan that leaves it in
@@ -445,7 +445,7 @@ def jaxpr_to_graph(closed_jaxpr, mesh: DeviceMesh, input_kinds: Sequence[str],
     optimizer state): each adds a ``writeback`` op tying the new value to the input's layout.
 
     ``primitives``: trace each primitive object (``ops.MatMul()``, ...) as one op with the object's own iteration
-    space, as MindSpore sees it (its body's eqns are not ops; see ``_Tracer.group``), so a searcher's strategy
+    space, as MindSpore sees it (its body's eqns are not ops; see ``_GraphBuilder.group``), so a searcher's strategy
     for it is the object's MindSpore strategy and the dims it cannot split are never split.
     """
     jaxpr = closed_jaxpr.jaxpr
@@ -453,7 +453,7 @@ def jaxpr_to_graph(closed_jaxpr, mesh: DeviceMesh, input_kinds: Sequence[str],
         raise PlanError(f"jaxpr_to_graph: the jaxpr has {len(jaxpr.invars)} inputs but got "
                          f"{len(input_kinds)} input_kinds and {len(input_names)} input_names; "
                          "give one kind and one name per flattened argument")
-    t = _Tracer(mesh, primitives)
+    t = _GraphBuilder(mesh, primitives)
     env: dict = {}
     input_ops = []
     for v, kind, name in zip(jaxpr.invars, input_kinds, input_names):

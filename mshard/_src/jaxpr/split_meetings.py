@@ -12,9 +12,9 @@ boundary), which decides that tensor's layout itself.
 
 Two claims *meet* where they reach one op on different loop dims: the op computes with both splits at
 once, so they must take disjoint mesh axes, or the partitioner reshuffles one of them (silently: numbers
-stay right, collectives multiply). :class:`Meetings` answers, for a claim, which other claims it meets
+stay right, collectives multiply). :class:`SplitMeetings` answers, for a claim, which other claims it meets
 and in which op; :class:`mshard._src.planning.axis_assignment.Assigner` avoids their axes and raises ``LayoutError`` where it
-cannot. Two claims *join* where they reach one op on the same loop dim (:meth:`Meetings.joins`): the
+cannot. Two claims *join* where they reach one op on the same loop dim (:meth:`SplitMeetings.joins`): the
 Assigner gives the later one the earlier one's axes where the split counts agree, so a shard-wrapped
 ``x @ w`` with ``in_strategy=((2, 2), (2, 2))`` splits the contraction over one axis on both inputs.
 
@@ -25,7 +25,7 @@ Assigner gives the later one the earlier one's axes where the split counts agree
 ...     jnp.zeros((8,), jnp.int32), jnp.ones((16, 4)), jnp.ones((4, 6)))
 >>> tr = jaxpr_to_graph(cj, DeviceMesh.prime(8), ["data", "param", "param"], ["ids", "t", "w"])
 >>> ids, w = (tr.graph.ops[tr.input_ops[i]].outputs[0] for i in (0, 2))
->>> m = Meetings(tr.graph, {("input", 0): [(ids, {0: 0})], ("input", 2): [(w, {0: 0, 1: 1})]}, stops=set())
+>>> m = SplitMeetings(tr.graph, {("input", 0): [(ids, {0: 0})], ("input", 2): [(w, {0: 0, 1: 1})]}, stops=set())
 >>> m.meets(("input", 2), 1)
 {(('input', 0), 0): 'dot_general'}
 """
@@ -50,7 +50,7 @@ ClaimDim = tuple[ClaimKey, int]
 OPAQUE = OPAQUE_KINDS
 
 
-class Meetings:
+class SplitMeetings:
     """For each claimed tensor dim, the ops it reaches and the other claims it meets there.
 
     ``sources``: claim key -> the places that carry it (one per traced place of a mark, its transpose included),

@@ -1,6 +1,6 @@
 """The one jaxpr utility: the call table, sub-jaxprs and mark iteration that every module walking a jaxpr uses.
 
-:mod:`mshard._src.planning.axis_assignment` (axis assignment), :mod:`mshard._src.jaxpr.op_graph` (the search graph, via :mod:`mshard._src.jaxpr.rules`) and
+``planning.axis_assignment`` (axis assignment), ``jaxpr.op_graph`` (the search graph, via ``jaxpr.rules``) and
 :mod:`mshard._src.runtime.emit` (re-emission) all see the same calls: an eqn in :data:`CALLS` has a body whose inputs map
 one to one onto the eqn's operands, and is walked inline. The executor keeps the remat calls (:data:`REMAT`) as
 calls, rebuilt around their re-emitted body, so the recomputation survives; everything else in :data:`CALLS` it

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec
 
 from mshard._src.jaxpr.marks import OpNote, mark_p
 from mshard._src.jaxpr.op_graph import TracedEqn, TraceResult, jaxpr_to_graph
-from mshard._src.jaxpr.split_meetings import Meetings
+from mshard._src.jaxpr.split_meetings import SplitMeetings
 from mshard._src.jaxpr.walk import as_jaxpr as _as_jaxpr
 from mshard._src.jaxpr.walk import call_jaxpr, iter_marks, sub_jaxprs
 from mshard._src.values.context import did_you_mean
@@ -41,10 +41,10 @@ from mshard._src.values.errors import (
 )
 from mshard._src.values.layout import (
     DimAxes,
-    RegionMesh,
     TensorStrategy,
     check_fits,
     choose_axes,
+    prime_mesh,
     spec_of,
     to_tensor_strategy,
 )
@@ -79,7 +79,7 @@ class InputInfo:
 
 @dataclass
 class RegionLayouts:
-    mesh: RegionMesh
+    mesh: DeviceMesh
     inputs: list[DimAxes]
     marks: dict[tuple[int, str, int], DimAxes | None] = field(default_factory=dict)
     op_names: dict[int, str] = field(default_factory=dict)
@@ -98,7 +98,7 @@ class RegionLayouts:
 
 
 # -- mesh ------------------------------------------------------------------------------------------
-def region_mesh(notes: Sequence[OpNote], fixed: Sequence[TensorStrategy], device_num: int) -> RegionMesh:
+def region_mesh(notes: Sequence[OpNote], fixed: Sequence[TensorStrategy], device_num: int) -> DeviceMesh:
     meshes = {}
     for n in notes:
         for st in tuple(n.in_strategy) + tuple(n.out_strategy or ()):
@@ -117,10 +117,10 @@ def region_mesh(notes: Sequence[OpNote], fixed: Sequence[TensorStrategy], device
             raise LayoutError(f"Layout device_matrix {mesh.shape} covers {mesh.size} devices but device_num="
                               f"{device_num}; make the device matrix's product equal device_num.")
         return mesh
-    return RegionMesh.prime(device_num)
+    return prime_mesh(device_num)
 
 
-def resolve_counts(st: TensorStrategy, mesh: RegionMesh, where: str) -> TensorStrategy:
+def resolve_counts(st: TensorStrategy, mesh: DeviceMesh, where: str) -> TensorStrategy:
     """Give a PartitionSpec-derived strategy its counts on ``mesh`` (checking its axis names)."""
     if st.axes is None or all(c > 0 for c in st.counts):
         return st
@@ -137,13 +137,13 @@ def resolve_counts(st: TensorStrategy, mesh: RegionMesh, where: str) -> TensorSt
 class Assigner:
     """Walks a jaxpr in program order and fixes the axes of every annotated split.
 
-    With ``meetings`` (:class:`mshard._src.jaxpr.split_meetings.Meetings`, built on the whole traced graph) a user split never
+    With ``meetings`` (``split_meetings.SplitMeetings``, built on the whole traced graph) a user split never
     takes a mesh axis of another user split it meets in some op, whatever lies between them, where it can.
     Where no free axes are left for two op strategies it raises ``LayoutError`` naming both; where one of the two is
     a storage layout (``storage``) it shares the axes, and :attr:`notes` says so for the plan.
     """
 
-    def __init__(self, mesh: RegionMesh, meetings: Meetings | None = None, claim_names: dict | None = None,
+    def __init__(self, mesh: DeviceMesh, meetings: SplitMeetings | None = None, claim_names: dict | None = None,
                  storage: set | frozenset = frozenset()):
         self.mesh = mesh
         # claim keys that are storage layouts (a parameter_plan, a data input's strategy, a Cell's or shard-wrapped
@@ -504,7 +504,7 @@ def _first_uses(jaxpr: jcore.Jaxpr) -> dict[Any, Any]:
     return {v: _first_use(jaxpr.eqns, v) for v in jaxpr.invars}
 
 
-def data_layout(info: InputInfo, dataset: Any, index: int, mesh: RegionMesh, assigner: Assigner,
+def data_layout(info: InputInfo, dataset: Any, index: int, mesh: DeviceMesh, assigner: Assigner,
                 taken: set[str] = frozenset()) -> DimAxes:
     rank = len(info.shape)
     if info.strategy is not None:
@@ -546,9 +546,9 @@ def resolve_param_name(path: str, params: dict, key: str) -> str:
     return found[0] if found else path
 
 
-def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode: str, device_num: int,
+def assign_layouts(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode: str, device_num: int,
                 dataset_strategy: Any, param_plans: Sequence[tuple[str, str, Any]] = (),
-                trace: Callable[[RegionMesh], TraceResult] | None = None) -> RegionLayouts:
+                trace: Callable[[DeviceMesh], TraceResult] | None = None) -> RegionLayouts:
     """Layouts for a traced region under ``mode`` (see docs/design.md §3).
 
     ``trace(mesh)``: the region's operator graph on ``mesh`` (:func:`mshard._src.jaxpr.op_graph.jaxpr_to_graph` with
@@ -578,12 +578,12 @@ def plan_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mode:
                       f"{' and more' if len(annotated) > 5 else ''}; set parallel_mode='semi_auto_parallel' to apply "
                       f"them.", StrategyIgnoredWarning, stacklevel=2)
     if mode == "stand_alone":
-        mesh = RegionMesh(("d0",), (1,))
+        mesh = prime_mesh(1)
         return RegionLayouts(mesh, [((),) * len(i.shape) for i in inputs], {}, names, honour_marks=False)
     if mode in ("semi_auto_parallel", "auto_parallel"):
         mesh = region_mesh(notes, list(fixed.values()) + [i.strategy for i in inputs if i.strategy], device_num)
     else:
-        mesh = RegionMesh.prime(device_num)
+        mesh = prime_mesh(device_num)
     meetings, claim_names = None, {}
     if mode in ("semi_auto_parallel", "auto_parallel"):
         tr = (trace(mesh) if trace is not None else
@@ -643,7 +643,7 @@ def _group_claims(te: TracedEqn, g, names: dict[int, str], sources: dict, who: d
                   sinks: dict, at: dict) -> None:
     """The claims of a primitive object traced as one op (``te.group``): its input strategies on the op's loop
     dims (``at``) and on the residuals it leaves for the backward, its results as the note lays them out; the op
-    is a sink, entered only through its inputs without a strategy (see :class:`mshard._src.jaxpr.split_meetings.Meetings`). An
+    is a sink, entered only through its inputs without a strategy (see ``split_meetings.SplitMeetings``). An
     object without strategies passes claims through like any op."""
     note: OpNote = te.eqn.params["note"]
     if not any(st is not None for st in note.in_strategy):
@@ -673,7 +673,7 @@ def _group_claims(te: TracedEqn, g, names: dict[int, str], sources: dict, who: d
 
 
 def user_meetings(tr: TraceResult, inputs: Sequence[InputInfo], fixed: dict[int, TensorStrategy],
-                  names: dict[int, str]) -> tuple[Meetings, dict, set]:
+                  names: dict[int, str]) -> tuple[SplitMeetings, dict, set]:
     """Where the region's user splits meet, on its whole traced graph (:mod:`mshard._src.jaxpr.split_meetings`; the graph the
     region's search runs on, its primitive objects one op each), a name for each claim (what the user wrote) for
     messages, and the claims that are storage layouts (:class:`Assigner`)."""
@@ -728,4 +728,4 @@ def user_meetings(tr: TraceResult, inputs: Sequence[InputInfo], fixed: dict[int,
         if note.in_dims is None:
             shard_marks.add(key)
     storage = {k for k in who if k[0] == "input"} | shard_marks
-    return Meetings(g, sources, stops, sinks, at), who, storage
+    return SplitMeetings(g, sources, stops, sinks, at), who, storage

@@ -37,12 +37,11 @@ from jax.extend import core as jcore
 
 from mshard._src.jaxpr.marks import OpNote, mark_p
 from mshard._src.jaxpr.op_graph import REPLICA, TraceResult, jaxpr_to_graph
-from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts, exact_mark_key, mark_key, plan_region
+from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts, assign_layouts, exact_mark_key, mark_key
 from mshard._src.values import context as ctxmod
 from mshard._src.values.errors import ContextError, PlanError, StrategyError
 from mshard._src.values.layout import (
     DimAxes,
-    RegionMesh,
     TensorStrategy,
     check_strategy,
     dims_of,
@@ -62,10 +61,10 @@ from searchers.cost import (
 from searchers.graph import (
     constant_tensors,
     mark_merged_reductions,
-    ms_strategy,
     operand_layout,
     operand_tied_strategy,
     result_layout,
+    split_counts,
     strategy_of_layout,
 )
 from searchers.protocol import SEARCHERS, register
@@ -91,11 +90,11 @@ class Planned:
     eqn_in: dict[EqnKey, tuple[DimAxes | None, ...]] = field(default_factory=dict)
 
 
-def _names(layout, mesh: RegionMesh) -> DimAxes:
+def _names(layout, mesh: DeviceMesh) -> DimAxes:
     return tuple(tuple(mesh.names[a] for a in axes) for axes in layout)
 
 
-def _strategy_from_layout(op, layout: DimAxes, mesh: RegionMesh, operand: int | None = None):
+def _strategy_from_layout(op, layout: DimAxes, mesh: DeviceMesh, operand: int | None = None):
     """A strategy of an op whose loop dims map 1:1 onto one tensor (source ops, marks), from axis names."""
     return strategy_of_layout(op, tuple(tuple(mesh.names.index(a) for a in axes) for axes in layout), operand)
 
@@ -109,7 +108,7 @@ def _batched(lay: DimAxes, eqn, rank: int) -> DimAxes:
     return lay
 
 
-def _fix_group(te, op, base: RegionLayouts, mesh: RegionMesh) -> None:
+def _fix_group(te, op, base: RegionLayouts, mesh: DeviceMesh) -> None:
     """Fix a primitive object's op (traced as one op) to the strategy its annotated input marks were given."""
     note: OpNote = te.eqn.params["note"]
     where: dict[str, tuple[str, ...]] = {}
@@ -129,7 +128,7 @@ def _fix_group(te, op, base: RegionLayouts, mesh: RegionMesh) -> None:
         op.fixed = tuple(tuple(mesh.names.index(a) for a in where.get(d, ())) for d in op.dims)
 
 
-def _merged_strategy(note: OpNote, layouts: dict[int, DimAxes], mesh: RegionMesh) -> tuple[tuple[int, ...], ...]:
+def _merged_strategy(note: OpNote, layouts: dict[int, DimAxes], mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
     """The strategy of a primitive object traced op by op (its body's values are read elsewhere, so it is not one
     op of the search): each of its loop dims takes the axes the first input carrying it arrives with (an axis once
     only), so the report is one device matrix even where its inputs arrive in layouts that disagree (the body
@@ -256,7 +255,7 @@ def _hold_state(graph: Graph, strategies) -> bool:
     return changed
 
 
-def _device_mesh(mesh: RegionMesh) -> DeviceMesh:
+def _device_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The searchers' mesh of a region mesh, with the cost model's per-axis bandwidths."""
     bw = ctxmod.get_cost_model_context().axis_bandwidth
     if bw is not None and len(bw) != len(mesh.shape):
@@ -277,7 +276,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     pins them; a searched plan holds what the search laid out otherwise and searches again.
 
     The steps, each a function of its own: trace the region into its one graph (once the mesh is known), lay out
-    the user's splits (:func:`mshard._src.planning.axis_assignment.plan_region`), mark what the searchers treat apart
+    the user's splits (:func:`mshard._src.planning.axis_assignment.assign_layouts`), mark what the searchers treat apart
     (:func:`_mark_graph`), fix the user's layouts (:func:`_fix_user_layouts`) and a loaded strategy file's
     (:func:`_apply_strategy_file`), search (:func:`_search`), and turn the strategies into the layouts the program
     is emitted with (:func:`_emit_layouts`) and the Plan (:func:`build_plan`)."""
@@ -288,17 +287,17 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     state = [(n_user + j, j) for j in range(n_state)] if n_user >= 0 else []
     traced: list[TraceResult] = []
 
-    def trace_on(mesh: RegionMesh) -> TraceResult:
+    def trace_on(mesh: DeviceMesh) -> TraceResult:
         # the region's one operator graph: axis assignment finds where user splits meet on it, the search runs on it
         if not traced:
             traced.append(jaxpr_to_graph(closed, _device_mesh(mesh), [i.kind for i in inputs],
                                          [i.name for i in inputs], state, primitives=True))
         return traced[0]
 
-    base = plan_region(closed, inputs, mode=algorithm if dp_mode else "semi_auto_parallel",
+    base = assign_layouts(closed, inputs, mode=algorithm if dp_mode else "semi_auto_parallel",
                        device_num=ctx.devices if algorithm != "stand_alone" else 1,
                        dataset_strategy=ctx.dataset_strategy, param_plans=param_plans, trace=trace_on)
-    hooked_before = (dp_mode or algorithm == "semi_auto" or ctx.pipeline_stages > 1) and input_layout_hook is not None
+    hooked_before = (dp_mode or algorithm == "follow_operands" or ctx.pipeline_stages > 1) and input_layout_hook is not None
     if hooked_before:
         hooked = list(input_layout_hook(inputs, base))
         base.user_inputs = set(base.user_inputs) | {i for i, (a, b) in enumerate(zip(hooked, base.inputs)) if a != b}
@@ -344,7 +343,7 @@ def _fix_user_layouts(trace: TraceResult, base: RegionLayouts, inputs: Sequence[
     graph, mesh = trace.graph, base.mesh
     dp_mode = algorithm in ("data_parallel", "stand_alone")
     for i in range(len(inputs)):
-        sliced = algorithm == "semi_auto" and inputs[i].kind == "param" and any(base.inputs[i])
+        sliced = algorithm == "follow_operands" and inputs[i].kind == "param" and any(base.inputs[i])
         if i in base.user_inputs or sliced or dp_mode:
             op = graph.ops[trace.input_ops[i]]
             op.fixed = _strategy_from_layout(op, base.inputs[i], mesh)
@@ -358,7 +357,7 @@ def _fix_user_layouts(trace: TraceResult, base: RegionLayouts, inputs: Sequence[
                 op.fixed = _strategy_from_layout(op, _batched(lay, te.eqn, len(op.out_dims[0])), mesh)
 
 
-def _apply_strategy_file(load: str, trace: TraceResult, inputs: Sequence[InputInfo], mesh: RegionMesh) -> str:
+def _apply_strategy_file(load: str, trace: TraceResult, inputs: Sequence[InputInfo], mesh: DeviceMesh) -> str:
     """Fix what a saved strategy file says (``strategy_ckpt_config['load_file']``) on ops not fixed yet: op
     strategies by op name, parameter layouts by name, and data laid out as the saved region's was; the plan's
     note on what was applied."""
@@ -481,7 +480,7 @@ def _emit_layouts(trace: TraceResult, strategies, base: RegionLayouts
     return layouts, eqn_out, eqn_in
 
 
-def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh: RegionMesh,
+def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh: DeviceMesh,
                inputs: Sequence[InputInfo], base: RegionLayouts, notes: list[str], algorithm: str) -> Plan:
     graph = trace.graph
     groups = _groups(trace)
@@ -516,7 +515,7 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
             continue
         else:
             name = te.name
-            entries[name] = dict(kind=op.kind, strategy=ms_strategy(op, strategies[op.id], graph.mesh),
+            entries[name] = dict(kind=op.kind, strategy=split_counts(op, strategies[op.id], graph.mesh),
                                  fixed=op.fixed is not None, ids=[op.id])
         owner[op.id] = name
     redistributions = []
@@ -559,7 +558,7 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
                 graph_axes, tuple(redistributions), _Explainer(graph, strategies, params, mesh))
 
 
-def _check_reported(trace: TraceResult, plan_ops, mesh: RegionMesh) -> None:
+def _check_reported(trace: TraceResult, plan_ops, mesh: DeviceMesh) -> None:
     """Invariant 3: every reported strategy passes the check a user's strategy passes
     (:func:`mshard._src.values.layout.check_strategy`): a primitive object's over its own dims, any other op's over its
     iteration space. A failure is a planner bug, raised, never a silent report."""
@@ -589,7 +588,7 @@ def _check_reported(trace: TraceResult, plan_ops, mesh: RegionMesh) -> None:
 
 
 class _Explainer:
-    def __init__(self, graph: Graph, strategies, params: CostParams, mesh: RegionMesh):
+    def __init__(self, graph: Graph, strategies, params: CostParams, mesh: DeviceMesh):
         self.graph, self.strategies, self.params, self.mesh = graph, strategies, params, mesh
 
     def local(self, op, s):
@@ -628,7 +627,7 @@ class _Explainer:
                 alts.append((self.local(op, s).total, s))
             alts.sort(key=lambda a: a[0])
             for _, s in alts[:alternatives]:
-                lines.append(f"    alternative {ms_strategy(op, s, self.graph.mesh)} axes "
+                lines.append(f"    alternative {split_counts(op, s, self.graph.mesh)} axes "
                              f"{[[self.mesh.names[a] for a in ax] for ax in s]}: {_fmt(self.local(op, s))}")
         return "\n".join(lines)
 

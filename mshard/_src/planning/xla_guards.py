@@ -4,7 +4,7 @@ A guard names an op kind, a condition on the layouts its operands would be compu
 substitution: the same strategy realised safely (an operand resharded before the op; the op's output
 keeps the layout the strategy gives it, so what the user asked for is still what the program holds). It
 cites the reproducer that shows plain ``jax.jit`` giving wrong values, and a strict-xfail test in
-``tests/test_guards.py`` keeps checking that XLA is still wrong: when a JAX upgrade fixes it, that test
+``tests/unit/planning/test_xla_guards.py`` keeps checking that XLA is still wrong: when a JAX upgrade fixes it, that test
 fails and says to lift the guard. Searches never reach a guarded layout: a convolution's halo dims (its
 "same" windows, :func:`mshard._src.jaxpr.rules.conv_rule`, ``ops.Conv2D.halo``) are never split together with its
 out-channels (``halo_apart``, which the searchers' candidate strategies keep), so only a user's strategy can ask

@@ -36,7 +36,8 @@ from mshard._src.planning.axis_assignment import Assigner, InputInfo, data_layou
 from mshard._src.values import context as ctxmod
 from mshard._src.values.agreement import agree as _agree
 from mshard._src.values.errors import DatasetStrategyError
-from mshard._src.values.layout import DimAxes, RegionMesh, TensorStrategy, spec_of
+from mshard._src.values.layout import DimAxes, TensorStrategy, jax_mesh, prime_mesh, spec_of
+from searchers import DeviceMesh
 
 __all__ = ["batch_shardings", "shard_batch"]
 
@@ -64,12 +65,12 @@ def _unflatten(arrays: list, how) -> Any:
     return kind(arrays)
 
 
-def _layouts(shapes: list[tuple[int, ...]], ctx) -> tuple[RegionMesh, list[DimAxes]]:
-    """The data layouts a region plans for inputs of these shapes (docs/design.md §2, mshard._src.planning.axis_assignment.data_layout)."""
+def _layouts(shapes: list[tuple[int, ...]], ctx) -> tuple[DeviceMesh, list[DimAxes]]:
+    """The data layouts a region plans for inputs of these shapes (docs/design.md §2; axis_assignment.data_layout)."""
     if ctx.parallel_mode == "stand_alone":
-        return RegionMesh(("d0",), (1,)), [((),) * len(s) for s in shapes]
+        return prime_mesh(1), [((),) * len(s) for s in shapes]
     n = ctx.devices
-    mesh = RegionMesh.prime(n)
+    mesh = prime_mesh(n)
     ds = ctx.dataset_strategy
     assigner = Assigner(mesh)
     taken: set[str] = set()
@@ -103,9 +104,25 @@ def _layouts(shapes: list[tuple[int, ...]], ctx) -> tuple[RegionMesh, list[DimAx
 
 
 def batch_shardings(shapes: Iterable[tuple[int, ...]]) -> list[NamedSharding]:
-    """The ``NamedSharding`` of each input of these shapes under the current ``dataset_strategy``."""
+    """The ``NamedSharding`` of each input of these shapes under the current ``dataset_strategy``.
+
+    These are the layouts :func:`shard_batch` builds and an ``ms.jit`` region or ``TrainOneStepCell`` plans for its
+    data arguments: use them to lay out data yourself (e.g. ``jax.make_array_from_callback``).
+
+    Args:
+        shapes: the global shape of each input of a batch, in order.
+
+    Returns:
+        One ``NamedSharding`` per shape, on the region mesh (one axis per prime factor of ``device_num``).
+
+    >>> import mshard as ms
+    >>> with ms.parallel_context(parallel_mode="data_parallel", device_num=8):
+    ...     x, y = batch_shardings([(16, 3), (16,)])
+    >>> x.spec, x.shard_shape((16, 3)), y.shard_shape((16,))
+    (P(('d0', 'd1', 'd2'), None), (2, 3), (2,))
+    """
     mesh, lays = _layouts([tuple(s) for s in shapes], ctxmod.current())
-    jm = mesh.jax_mesh()
+    jm = jax_mesh(mesh)
     return [NamedSharding(jm, spec_of(lay)) for lay in lays]
 
 
@@ -154,17 +171,26 @@ def _global_shapes(local: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
 
 
 def shard_batch(batch: Any) -> Any:
-    """A host batch (numpy array, or a tuple/list/dict of them) -> global ``jax.Array`` s by ``dataset_strategy``.
+    """Lay a host batch out as global ``jax.Array``s by ``dataset_strategy`` (MindSpore's dataset slicing).
 
-    An iterator of batches gives an iterator of sharded batches (each built when it is reached).
-    A jax.Array already laid out as planned is returned as is (otherwise it is resharded).
+    Each device receives only its slice (:func:`batch_shardings`, filled by ``jax.make_array_from_callback``); a
+    jax.Array already laid out as planned is returned as is (otherwise it is resharded). Multi-process: each
+    process passes its own part (split along the first split dim of each input), as MindSpore's per-rank datasets
+    do. Raises :class:`~mshard.errors.DatasetStrategyError` when the strategy cannot split the batch (a dim not
+    divisible by its split, a split tuple of the wrong rank, a missing split tuple).
 
-    Raises :class:`~mshard.errors.DatasetStrategyError` when the strategy cannot split the batch
-    (a dim not divisible by its split, a split tuple of the wrong rank, a missing split tuple).
+    Args:
+        batch: a numpy array or ``jax.Array``, a tuple/list/dict of them, or an iterator of such batches.
 
-    Maps to JAX as: ``NamedSharding(mesh, PartitionSpec(...))`` on the region mesh (one axis per prime
-    factor of device_num), filled by ``jax.make_array_from_callback``. Multi-process: each process passes
-    its own part (split along the first split dim of each input), as MindSpore's per-rank datasets do.
+    Returns:
+        The batch in the same structure with global ``jax.Array``s; for an iterator, an iterator of sharded
+        batches (each built when it is reached).
+
+    >>> import numpy as np, mshard as ms
+    >>> with ms.parallel_context(parallel_mode="data_parallel", device_num=8):
+    ...     b = shard_batch({"x": np.zeros((16, 3), np.float32), "y": np.zeros(16, np.int32)})
+    >>> {k: v.sharding.shard_shape(v.shape) for k, v in b.items()}
+    {'x': (2, 3), 'y': (2,)}
     """
     if _is_leaf_array(batch) or isinstance(batch, (tuple, list, dict)):
         return _shard_one_batch(batch)

@@ -51,8 +51,26 @@ class _Scope:
 
 @contextlib.contextmanager
 def dry_run(quiet: bool = False):
-    """``with ms.dry_run() as dr:`` the first region call inside compiles for the current devices and stops the
-    block; ``dr.report`` holds the plan summary text, the collectives and the per-device memory."""
+    """Dry run (msrun's simulation level) inside a process: the first region call in the block is planned and
+    compiled for the current devices from its arguments' shapes, nothing runs, and the block ends there.
+
+    The report (plan summary, collectives, compiled per-device memory) is printed unless ``quiet``.
+    ``mshard run --dry_run --worker_num=N train.py`` does the same for a whole script on N simulated devices.
+
+    Args:
+        quiet: whether to skip printing the report (it is kept in ``dr.report`` either way).
+
+    Returns:
+        A context manager; ``with ms.dry_run() as dr`` gives the scope, whose ``report`` is a dict (``region``,
+        ``devices``, ``memory``, ``collectives``, ``summary``) after the block, None if no region was called.
+
+    >>> import jax.numpy as jnp, mshard as ms
+    >>> with ms.parallel_context(parallel_mode="data_parallel", device_num=8), ms.dry_run(quiet=True) as dr:
+    ...     ms.jit(lambda x: x.sum())(jnp.ones((8, 4)))
+    ...     print("not reached")
+    >>> dr.report["devices"], dr.report["collectives"]["total_count"]
+    (8, 1)
+    """
     scope = _Scope()
     scope.quiet = quiet
     _SCOPES.append(scope)

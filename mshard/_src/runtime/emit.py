@@ -26,7 +26,7 @@ from mshard._src.jaxpr.marks import mark_p
 from mshard._src.jaxpr.walk import CALLS, REMAT, jaxpr_params
 from mshard._src.jaxpr.walk import has_marks as _has_marks
 from mshard._src.planning.axis_assignment import RegionLayouts, exact_mark_key, mark_key
-from mshard._src.values.layout import replica_layout, spec_of
+from mshard._src.values.layout import jax_mesh, replica_layout, spec_of
 
 INLINE = frozenset(CALLS) - REMAT     # inlined where the body holds marks or planned ops
 REBUILD = REMAT                       # kept, around their re-emitted body, so the recomputation survives
@@ -43,7 +43,7 @@ class _null:
 class Emitter:
     def __init__(self, layouts: RegionLayouts, eqn_out: dict | None = None, eqn_in: dict | None = None):
         self.layouts = layouts
-        self.mesh = layouts.mesh.jax_mesh()
+        self.mesh = jax_mesh(layouts.mesh)
         self.eqn_out = eqn_out or {}
         self.eqn_in = eqn_in or {}
         self.planned = bool(eqn_out)

@@ -46,7 +46,21 @@ AUTO_THRESHOLD_MB = 64
 
 
 def fusion_setting(kind: str, ctx: ctxmod.ParallelContext | None = None) -> tuple[str, Any]:
-    """``(mode, config)`` for one collective kind (``"allreduce"``, ``"reducescatter"``, ``"allgather"``)."""
+    """The fusion setting of one collective kind: ``all_reduce_fusion_config`` if set (all-reduce only), else
+    ``comm_fusion[kind]``, else the automatic 64 MB buckets.
+
+    Args:
+        kind: ``"allreduce"``, ``"reducescatter"`` or ``"allgather"``.
+        ctx: the :class:`~mshard.context.ParallelContext` to read; None: the current one.
+
+    Returns:
+        ``(mode, config)``: ``("auto", None)``, ``("size", MB)`` or ``("index", gradient indices)``; pass it to
+        :func:`plan_buckets`.
+
+    >>> from mshard.context import ParallelContext
+    >>> fusion_setting("allreduce"), fusion_setting("allreduce", ParallelContext(all_reduce_fusion_config=(20, 35)))
+    (('auto', None), ('index', (20, 35)))
+    """
     ctx = ctx or ctxmod.current()
     if kind == "allreduce" and ctx.all_reduce_fusion_config is not None:
         return "index", tuple(ctx.all_reduce_fusion_config)
@@ -64,7 +78,25 @@ def is_default(ctx: ctxmod.ParallelContext | None = None) -> bool:
 
 
 def plan_buckets(nbytes: Sequence[int], mode: str, config: Any) -> list[list[int]]:
-    """Group gradients ``0..n-1`` (sizes in bytes, in order) into buckets; every bucket is non-empty."""
+    """Group gradients ``0..n-1`` into the buckets a training step fuses into one collective each.
+
+    Gradients are numbered in parameter order, as MindSpore numbers its gradient all-reduces.
+
+    Args:
+        nbytes: each gradient's size in bytes, in order.
+        mode: ``"auto"`` (buckets of up to 64 MB), ``"size"`` (up to ``config`` MB) or ``"index"``.
+        config: None for ``"auto"``, the bucket size in MB for ``"size"``, the increasing gradient indices where
+            a new bucket starts for ``"index"``.
+
+    Returns:
+        The buckets, each a non-empty list of gradient indices, in order (a gradient larger than the limit has
+        a bucket of its own).
+
+    >>> plan_buckets([4, 4, 4, 4], "index", (1, 3))
+    [[0], [1, 2], [3]]
+    >>> plan_buckets([10 * 2**20] * 3 + [40 * 2**20], "size", 32)
+    [[0, 1, 2], [3]]
+    """
     n = len(nbytes)
     if n == 0:
         return []
@@ -89,7 +121,7 @@ def _axes(axes: Sequence[str]):
     return None if not axes else (axes[0] if len(axes) == 1 else axes)
 
 
-def after(x, token):
+def ordered_after(x, token):
     """``x`` plus a zero computed from ``token``: a data dependency XLA keeps, so whatever consumes the result
     runs after ``token`` exists. Used to order a bucket's collective after the previous bucket's (so XLA's
     collective combiner cannot merge them; ``optimization_barrier`` is expanded before the combiner runs) and
@@ -97,9 +129,6 @@ def after(x, token):
     ``select(isfinite(t), t, 0) * 0`` is 0 for every ``t`` (NaN and inf included) and XLA does not fold it."""
     t = jnp.asarray(token)
     return x + (jnp.where(jnp.isfinite(t), t, jnp.zeros_like(t)) * 0).astype(x.dtype)
-
-
-_after = after
 
 
 def _smap(fn, mesh: Mesh, in_specs, out_specs):
@@ -130,7 +159,7 @@ def all_reduce_buckets(stacked: Sequence[jax.Array], buckets: list[list[int]], m
     dp = _axes(dp_axes)
     for b in buckets:
         flat = jnp.concatenate([stacked[i].reshape(stacked[i].shape[0], -1) for i in b], axis=1)
-        red = _smap(lambda f, t: jax.lax.psum(_after(f[0], t), tuple(dp_axes)), mesh,
+        red = _smap(lambda f, t: jax.lax.psum(ordered_after(f[0], t), tuple(dp_axes)), mesh,
                     (P(dp, None), P()), P())(flat, _start(token))
         _split_cols(red, [int(np.prod(stacked[i].shape[1:])) for i in b], [stacked[i].shape[1:] for i in b],
                     out, b, lead=False)
@@ -147,7 +176,7 @@ def _local_buckets(arrays: Sequence[jax.Array], buckets: list[list[int]], mesh: 
     out: list[Any] = [None] * len(arrays)
     for b in buckets:
         def body(t, *locs):
-            res = collective(_after(jnp.concatenate([x.reshape(rows, -1) for x in locs], axis=1), t))
+            res = collective(ordered_after(jnp.concatenate([x.reshape(rows, -1) for x in locs], axis=1), t))
             pieces, off = [], 0
             for x in locs:
                 n = x.size // rows
@@ -214,7 +243,7 @@ def reduce_scatter_buckets(stacked: Sequence[jax.Array], buckets: list[list[int]
     s = int(np.prod([mesh.shape[a] for a in shard_axes]))
 
     def body(f, t):
-        x = jax.lax.psum_scatter(_after(f[0], t), tuple(shard_axes), scatter_dimension=0, tiled=True)
+        x = jax.lax.psum_scatter(ordered_after(f[0], t), tuple(shard_axes), scatter_dimension=0, tiled=True)
         x = jax.lax.psum(x, rest) if rest else x
         return x, x[0, 0]        # the token: this device's own element, no communication
     for b in buckets:
@@ -236,7 +265,7 @@ def all_gather_buckets(shards: Sequence[jax.Array], buckets: list[list[int]], me
     for b in buckets:
         pieces = [shards[i].reshape(s, -1) for i in b]
         flat = jnp.concatenate(pieces, axis=1)
-        full = _smap(lambda f, t: jax.lax.all_gather(_after(f, t), tuple(shard_axes), axis=0, tiled=True), mesh,
+        full = _smap(lambda f, t: jax.lax.all_gather(ordered_after(f, t), tuple(shard_axes), axis=0, tiled=True), mesh,
                      (P(sh, None), P()), P())(flat, _start(token))
         _split_cols(full, [p.shape[1] for p in pieces], [shards[i].shape for i in b], out, b, lead=True)
         token = full[0, 0]

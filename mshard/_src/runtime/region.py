@@ -38,7 +38,7 @@ from mshard._src.runtime.fastcall import (
 )
 from mshard._src.values import context as ctxmod
 from mshard._src.values.errors import ContextError, DatasetStrategyError, RegionTypeError
-from mshard._src.values.layout import TensorStrategy, normalize_in_strategy, spec_of
+from mshard._src.values.layout import TensorStrategy, jax_mesh, normalize_in_strategy, spec_of
 
 
 def _is_array(x: Any) -> bool:
@@ -79,22 +79,38 @@ class _Compiled:
 
 
 class Region:
-    """The jitted region ``ms.jit(fn)``. In auto modes the search runs when it is first traced.
+    """The jitted region ``ms.jit(fn)``: traced once per (shapes, dtypes, context), planned, and run.
+
+    In auto modes the search runs when it is first traced. nnx Module (Cell) arguments are parameters, placed
+    on their planned shardings once and updated after the call; other array arguments are data and follow
+    ``dataset_strategy``; non-array leaves are static. ``lower``, ``plan``, ``layouts``, ``param_shardings`` and
+    ``place`` plan without running; ``bind`` skips the per-call graph traversal. Usually made by :func:`jit`.
+
+    Args:
+        fn: the function to run.
+        data_strategy: one strategy per positional argument (None for a module argument, or to leave a data
+            argument to ``dataset_strategy``), in any form ``shard`` takes.
+        name: the region's name in plans and messages (default: ``fn.__name__``).
+        input_layout_hook: ``hook(infos, layouts, statics=...) -> layouts.inputs``, for a training wrapper to
+            re-lay out inputs after planning (optimizer state following its parameter, ZeRO sharding);
+            ``statics`` are the call's static (non-array) arguments, in order (a training step passes its plan so).
+        donate_params: donate the written parameter buffers (a training step updates them in place).
 
     >>> import jax.numpy as jnp, mshard as ms
     >>> f = ms.jit(lambda x: jnp.tanh(x) * 2)
     >>> float(f(jnp.zeros(8)).sum())
     0.0
+    >>> ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    >>> r = ms.Region(lambda x: x * 2, data_strategy=((8, 1),), name="double")
+    >>> out = r(jnp.ones((8, 2)))
+    >>> r.name, out.shape, out.sharding.shard_shape(out.shape)
+    ('double', (8, 2), (1, 2))
+    >>> ms.reset_auto_parallel_context()
     """
 
     def __init__(self, fn: Callable, *, data_strategy: tuple | None = None, name: str | None = None,
                  input_layout_hook: Callable | None = None, donate_params: bool = False):
-        """``input_layout_hook(infos, layouts, statics=...) -> layouts.inputs``: a training wrapper may re-lay out
-        inputs after planning (optimizer state following its parameter, ZeRO sharding); ``statics`` are the call's
-        static (non-array) arguments, in order (a training step passes its plan so). ``donate_params``: the
-        written parameter buffers are donated (a training step updates them in place). ``data_strategy``: one
-        strategy per positional argument (``None`` for a module argument or to leave a data argument to
-        dataset_strategy), in any form ``shard`` takes."""
+        """The arguments are described in the class docstring."""
         self.fn = fn
         if data_strategy is not None and not all(s is None or isinstance(s, TensorStrategy) for s in data_strategy):
             where = f"ms.Region {name or getattr(fn, '__name__', 'region')!r} data_strategy"
@@ -182,7 +198,7 @@ class Region:
         counts = [len(jax.tree.leaves(s)) for s in states]
         # strategies are checked against the configured device_num in every mode (stand_alone ignores them, on one
         # device, as data_parallel does; a strategy valid for device_num is not an error there)
-        trace = marks.RegionTrace(device_num=ctx.devices)
+        trace = marks.TraceRecord(device_num=ctx.devices)
         fn = self.fn
 
         def pure(*flat):
@@ -210,7 +226,7 @@ class Region:
             return out, [x for s in new_states for x in s]
 
         flat_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_leaves + list(flat_data)]
-        with marks.tracing_region(trace), marks.module_scopes(trace, _module_classes(graphdefs)):
+        with marks.recording_into(trace), marks.module_scopes(trace, _module_classes(graphdefs)):
             closed, out_shape = jax.make_jaxpr(pure, return_shape=True)(*flat_avals)
         out_tree = jax.tree.structure(out_shape)
         infos = [InputInfo("param", tuple(x.shape), nm) for x, nm in zip(state_leaves, param_names)]
@@ -249,7 +265,7 @@ class Region:
         if guarded:
             planned = dataclasses.replace(planned, plan=dataclasses.replace(
                 planned.plan, notes=tuple(planned.plan.notes) + tuple(guarded)))
-        mesh = layouts.mesh.jax_mesh()
+        mesh = jax_mesh(layouts.mesh)
         in_sh = [NamedSharding(mesh, spec_of(lay)) for lay in layouts.inputs]
         run = emit(closed, layouts, planned.eqn_out, planned.eqn_in)
         n_out = len(jax.tree.leaves(out_shape))
@@ -499,12 +515,22 @@ def search_algorithm(ctx) -> str | None:
     if ctx.parallel_mode == "semi_auto_parallel":
         if ctx.search_mode_explicit and ctx.search_mode == "sharding_propagation":
             return "sharding_propagation"
-        return "semi_auto"      # the user's strategies, and every other op in the layout its operands arrive in
+        return "follow_operands"    # the user's strategies, and every other op in the layout its operands arrive in
     return None
 
 
 def jit(fn: Callable) -> Region:
     """The jitted region: ``ms.jit(fn)(*args)``; cached per (shapes, dtypes, context).
+
+    MindSpore's ``jit``: the call is traced, planned under the current parallel context (the cells' strategies,
+    or a search in auto modes) and compiled once per (shapes, dtypes, context). nnx Module arguments are
+    parameters (placed once, updated after the call), array arguments are data, other leaves static.
+
+    Args:
+        fn: the function to jit, or a :class:`Region` (returned as it is).
+
+    Returns:
+        The :class:`Region` of ``fn``: call it like ``fn``; ``.lower(*args)``, ``.plan(*args)`` inspect it.
 
     >>> import jax.numpy as jnp, mshard as ms
     >>> ms.jit(lambda a, b: a @ b).lower(jnp.ones((8, 4)), jnp.ones((4, 2))).compile() is not None

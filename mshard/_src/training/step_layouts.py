@@ -10,7 +10,8 @@ import jax
 from flax import nnx
 
 from mshard._src.runtime.region import Region, search_algorithm
-from mshard._src.values.layout import DimAxes, RegionMesh
+from mshard._src.values.layout import DimAxes
+from searchers import DeviceMesh
 
 
 # -- what a step is planned as -------------------------------------------------------------------------
@@ -18,7 +19,7 @@ from mshard._src.values.layout import DimAxes, RegionMesh
 class _StepPlan:
     """Trace-time facts about one step (from the planned forward region)."""
 
-    mesh: RegionMesh
+    mesh: DeviceMesh
     dp_axes: tuple[str, ...]
     param_layouts: dict[str, DimAxes]          # "network.<path>" -> planned layout
     pure_dp: bool

@@ -52,7 +52,7 @@ from mshard._src.training.step_layouts import _plan_step, _StepPlan
 from mshard._src.training.zero import _zero_layouts
 from mshard._src.values import context as ctxmod
 from mshard._src.values.errors import CellTypeError, CommFusionWarning, GradientsMeanWarning, StrategyError
-from mshard._src.values.layout import spec_of
+from mshard._src.values.layout import jax_mesh, spec_of
 
 __all__ = ["GradAccumulationCell", "MicroBatchInterleaved", "TrainOneStepCell", "WithLossCell"]
 
@@ -166,11 +166,11 @@ class _Runtime:
 
     def _pure_dp_grads(self, net, data, plan: _StepPlan, names, params, ctx):
         """MindSpore's data-parallel gradient: each replica's gradient of its own loss, summed in fusion buckets."""
-        mesh = plan.mesh.jax_mesh()
+        mesh = jax_mesh(plan.mesh)
         dp = plan.dp
         # data_parallel ignores strategies (the forward region warned): a replica runs its slice of the batch
         # without them, so a strategy written for the global batch is not checked against a replica's slice
-        with marks.tracing_region(None):
+        with marks.recording_into(None):
             losses, stacked = _run_replicas(net, data, plan.dp_axes, dp, mesh, manual=True)
         nb = [int(np.prod(x.shape[1:])) * x.dtype.itemsize for x in stacked]
 
@@ -188,7 +188,7 @@ class _Runtime:
         """A PipelineCell's gradient: its schedule run over the stage axes (:mod:`mshard._src.training.pipeline.cells`)."""
         loss, g = pipeline_grads(net, data, plan.pipeline)
         grads = list(jax.tree.leaves(g))
-        mesh = plan.mesh.jax_mesh()
+        mesh = jax_mesh(plan.mesh)
         if plan.pipeline_layouts:
             grads = [jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_of(plan.param_layouts[nm])))
                      for x, nm in zip(grads, names)]
@@ -201,7 +201,7 @@ class _Runtime:
         """The gradient of the global-batch loss (``jax.grad``; XLA's partitioner places the reductions)."""
         loss, g = _value_and_grad(net, data, "network")
         grads = list(jax.tree.leaves(g))
-        mesh = plan.mesh.jax_mesh()
+        mesh = jax_mesh(plan.mesh)
         for i, nm in enumerate(names):
             if nm in plan.zero:
                 grads[i] = jax.lax.with_sharding_constraint(grads[i], NamedSharding(mesh, spec_of(plan.zero[nm])))
@@ -213,7 +213,7 @@ class _Runtime:
         become the per-replica layouts plus the replica split, :func:`mshard._src.runtime.emit.replica_layout`), and the
         gradients are summed over the replicas in ``comm_fusion``/``all_reduce_fusion_config`` buckets, each
         device reducing its own model-parallel slices (:func:`mshard.fusion.all_reduce_sharded_buckets`)."""
-        mesh = plan.mesh.jax_mesh()
+        mesh = jax_mesh(plan.mesh)
         rax = _replica_axes(plan, ctx)
         dp = plan.mesh.count(rax)
         with marks.replica_axes(rax):
@@ -237,7 +237,7 @@ class _Runtime:
     def _update(self, opt, plan: _StepPlan, names, params, grads, ptree, token):
         """optax on the (possibly ZeRO-sharded) gradients; ZeRO parameters are updated on their shard and
         gathered back to their planned layout."""
-        mesh = plan.mesh.jax_mesh()
+        mesh = jax_mesh(plan.mesh)
         p_in = list(params)
         for i, nm in enumerate(names):
             if nm in plan.zero:
@@ -332,11 +332,27 @@ class TrainOneStepCell(Cell):
     returning a scalar loss); ``optimizer`` an optax ``GradientTransformation``. ``step(*data)`` runs the
     step and returns the loss; the network's parameters are updated in place. ``step.opt_state`` is the
     optax state (global jax.Arrays on their planned shardings). ``sens`` scales the gradients (MindSpore's
-    loss-scale sensitivity). See the module docstring for the gradient semantics and optimizer parallel.
+    loss-scale sensitivity). Gradient semantics and optimizer parallel: docs/gradients.md.
 
     Maps to JAX as: one ``jax.jit`` (through ``ms.jit``) of ``nnx.value_and_grad`` + ``optax`` with the
     parameters and optimizer state as donated, sharded inputs. Differences from MindSpore: ``optimizer`` is
     an optax transformation, not a MindSpore Optimizer Cell.
+
+    Args:
+        network: the network with loss; ``network(*data)`` returns the scalar loss.
+        optimizer: an ``optax.GradientTransformation`` (e.g. ``optax.adamw(1e-3)``), applied to the ``nnx.Param``s.
+        sens: the factor the gradients are scaled by (MindSpore's loss-scale sensitivity).
+
+    >>> import jax.numpy as jnp, optax, mshard as ms
+    >>> from flax import nnx
+    >>> from mshard import nn
+    >>> ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True)
+    >>> net = nn.Dense(4, 2, rngs=nnx.Rngs(0))
+    >>> step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), optax.sgd(0.1))
+    >>> before = net.weight[...]
+    >>> step(jnp.ones((16, 4)), jnp.zeros((16, 2))).shape, bool((net.weight[...] != before).any())
+    ((), True)
+    >>> ms.reset_auto_parallel_context()
     """
 
     def __init__(self, network: nnx.Module, optimizer: optax.GradientTransformation, sens: float = 1.0):

@@ -99,10 +99,24 @@ def _jax_clusters() -> list[str]:
 
 
 def detect(env: Mapping[str, str] | None = None) -> tuple[str, dict | None]:
-    """Which launcher started this process: ``(source, arguments for jax.distributed.initialize)``; a cluster
-    only JAX's own detection knows gives ``("jax: <ClusterClass>", {})`` (``initialize()`` finds the rest); one
-    process gives ``("single process", None)``. Reads ``env`` (default ``os.environ``; JAX's detection only for
-    the real environment); starts nothing."""
+    """Which launcher started this process, as :func:`init` finds it; reads the environment and starts nothing.
+
+    The sources are tried in order: ``mshard run``, SLURM, Open MPI, then (for the real environment only) the
+    clusters of JAX's own detection. Not in MindSpore: use it to check a launch before calling ``init()``.
+
+    Args:
+        env: the environment variables to read; None: ``os.environ``.
+
+    Returns:
+        ``(source, arguments for jax.distributed.initialize)``: e.g. ``("SLURM", {"coordinator_address": ...,
+        "num_processes": ..., "process_id": ..., "local_rank": ...})``; ``("jax: <ClusterClass>", {})`` for a
+        cluster only JAX's detection knows (``initialize()`` finds the rest); ``("single process", None)``.
+
+    >>> detect({})
+    ('single process', None)
+    >>> detect({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "node[01-02]"})
+    ('SLURM', {'coordinator_address': 'node01:8118', 'num_processes': 2, 'process_id': 1, 'local_rank': 0})
+    """
     real = env is None
     env = os.environ if env is None else env
     for name, fn in SOURCES:
@@ -143,12 +157,34 @@ def _collective_timeout(seconds: int) -> None:
 def init(backend_name: str | None = None, *, heartbeat_timeout_seconds: int = 10,
          shutdown_timeout_seconds: int = 10, collective_timeout_seconds: int = 60,
          initialization_timeout: int | None = None, fail_fast: bool = True, quiet: bool = False) -> str:
-    """Join the job's processes (see the module docstring); returns the source used. Call it once, before any
-    JAX computation. ``backend_name`` is MindSpore's (``"hccl"``, ``"nccl"``) and is ignored: JAX picks the
-    collectives of its platform (gloo on CPU, NCCL on GPU).
+    """Join the job's processes (MindSpore's ``init``) through ``jax.distributed.initialize``.
 
+    Call it once, before any JAX computation; a second call returns the first one's source. The launcher is found
+    by :func:`detect`; the fail-fast defaults are described in the module docstring. In a single process it only
+    records that: nothing is joined and no timeout or hook is set.
     Differences from MindSpore: a rank is a *process*, which may drive several devices
     (``jax.local_device_count()``); ``get_group_size()`` counts processes.
+
+    Args:
+        backend_name: MindSpore's ``"hccl"`` / ``"nccl"``; ignored: JAX picks the collectives of its platform
+            (gloo on CPU, NCCL on GPU).
+        heartbeat_timeout_seconds: how soon a peer that stops is detected (JAX's default is 100 s).
+        shutdown_timeout_seconds: how long a clean exit waits for the other processes.
+        collective_timeout_seconds: how long a CPU collective waits for a peer before it raises
+            (``--xla_cpu_collective_timeout_seconds``; XLA's default is 30 minutes).
+        initialization_timeout: seconds to wait for every process to join; None: ``MSHARD_CLUSTER_TIME_OUT`` or 300.
+        fail_fast: whether an uncaught exception in any thread logs the rank and ends the process at once.
+        quiet: whether to skip the one line on stderr that names the source.
+
+    Returns:
+        The source used: ``"mshard run"``, ``"SLURM"``, ``"Open MPI"``, ``"jax: <ClusterClass>"`` or
+        ``"single process"``.
+
+    >>> init(quiet=True)            # no launcher: one process
+    'single process'
+    >>> get_rank(), get_group_size(), get_local_rank()
+    (0, 1, 0)
+    >>> release()
     """
     source, args = detect()
     if _STATE["source"] is not None:
@@ -177,22 +213,58 @@ def init(backend_name: str | None = None, *, heartbeat_timeout_seconds: int = 10
 
 
 def get_rank() -> int:
-    """This process's rank (``jax.process_index()``)."""
+    """This process's rank (MindSpore's ``get_rank``): ``jax.process_index()``.
+
+    Call it after :func:`init`: reading it starts JAX's backend, after which a job can no longer be joined.
+
+    Returns:
+        The process index, from 0 to ``get_group_size() - 1``; 0 in a single process.
+
+    >>> get_rank()
+    0
+    """
     return jax.process_index()
 
 
 def get_group_size() -> int:
-    """The number of processes (``jax.process_count()``)."""
+    """The number of processes in the job (MindSpore's ``get_group_size``): ``jax.process_count()``.
+
+    Differences from MindSpore: it counts processes, not devices (a process may drive several devices).
+    Call it after :func:`init`, as :func:`get_rank`.
+
+    Returns:
+        The process count; 1 in a single process.
+
+    >>> get_group_size()
+    1
+    """
     return jax.process_count()
 
 
 def get_local_rank() -> int:
-    """This process's rank on its node (from the launcher; 0 for one process)."""
+    """This process's rank on its node (MindSpore's ``get_local_rank``), as the launcher gave it to :func:`init`.
+
+    Returns:
+        The local rank; 0 for one process and before ``init()``.
+
+    >>> get_local_rank()
+    0
+    """
     return int(_STATE["local_rank"])
 
 
 def release() -> None:
-    """Leave the job (``jax.distributed.shutdown``) after a clean finish."""
+    """Leave the job (MindSpore's ``release``): ``jax.distributed.shutdown`` after a clean finish.
+
+    In a single process (or before ``init()``) there is nothing to leave. Either way it forgets ``init()``'s source
+    and local rank.
+
+    >>> init(quiet=True)
+    'single process'
+    >>> release()
+    >>> get_local_rank()
+    0
+    """
     if _STATE["source"] not in (None, "single process"):
         jax.distributed.shutdown()
     _STATE.update(source=None, local_rank=0)

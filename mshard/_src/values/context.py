@@ -26,6 +26,7 @@ import contextlib
 import copy
 import dataclasses
 import difflib
+import enum
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -37,21 +38,78 @@ from jax._src import xla_bridge as _xla_bridge  # backends_are_initialized: JAX 
 from mshard._src.values.errors import ContextError, ContextTypeError
 
 
-class ParallelMode:
-    """Parallel mode names; each constant equals its string (``ParallelMode.DATA_PARALLEL == "data_parallel"``)."""
+class ParallelMode(enum.StrEnum):
+    """MindSpore's parallel modes. A member equals its string, and every place that takes a mode takes either.
+
+    ``ParallelMode.MODE_LIST`` (MindSpore's attribute) is the tuple of the five strings.
+
+    Args:
+        value: a mode's string (``"stand_alone"``, ``"data_parallel"``, ``"semi_auto_parallel"``,
+            ``"auto_parallel"``, ``"hybrid_parallel"``); ``ParallelMode(value)`` is its member.
+
+    >>> ParallelMode("semi_auto_parallel") is ParallelMode.SEMI_AUTO_PARALLEL
+    True
+    >>> ParallelMode.DATA_PARALLEL == "data_parallel"
+    True
+    """
 
     STAND_ALONE = "stand_alone"
     DATA_PARALLEL = "data_parallel"
     SEMI_AUTO_PARALLEL = "semi_auto_parallel"
     AUTO_PARALLEL = "auto_parallel"
     HYBRID_PARALLEL = "hybrid_parallel"
-    MODE_LIST = (STAND_ALONE, DATA_PARALLEL, SEMI_AUTO_PARALLEL, AUTO_PARALLEL, HYBRID_PARALLEL)
 
 
-# MindSpore's optimizer parallel levels: level1 shards the optimizer state and the update, level2 the gradients too
-# (mshard's level1 already reduce-scatters them: the same program), level3 the stored weights too (FSDP)
-OPTIMIZER_LEVELS = ("level1", "level2", "level3")
-SEARCH_MODES = ("recursive_programming", "sharding_propagation", "dynamic_programming", "ilp")
+ParallelMode.MODE_LIST = tuple(m.value for m in ParallelMode)     # MindSpore's own attribute
+
+
+class SearchMode(enum.StrEnum):
+    """MindSpore's ``search_mode`` values: the searchers of auto_parallel (and sharding_propagation in semi_auto).
+
+    A member equals its string. ``ilp`` is mshard's own searcher (not in MindSpore).
+
+    Args:
+        value: a search mode's string (``"recursive_programming"``, ``"sharding_propagation"``,
+            ``"dynamic_programming"``, ``"ilp"``); ``SearchMode(value)`` is its member.
+
+    >>> SearchMode("ilp") is SearchMode.ILP
+    True
+    >>> SearchMode.SHARDING_PROPAGATION == "sharding_propagation"
+    True
+    """
+
+    RECURSIVE_PROGRAMMING = "recursive_programming"
+    SHARDING_PROPAGATION = "sharding_propagation"
+    DYNAMIC_PROGRAMMING = "dynamic_programming"
+    ILP = "ilp"
+
+
+class OptimizerLevel(enum.StrEnum):
+    """MindSpore's optimizer parallel levels: level1 shards the optimizer state and the update, level2 the gradients
+    too (mshard's level1 already reduce-scatters them: the same program), level3 the stored weights too (FSDP).
+
+    Set it as ``parallel_optimizer_config={"optimizer_level": ...}`` with ``enable_parallel_optimizer=True``.
+
+    Args:
+        value: a level's string (``"level1"``, ``"level2"``, ``"level3"``); ``OptimizerLevel(value)`` is its member.
+
+    >>> import mshard as ms
+    >>> OptimizerLevel("level3") is OptimizerLevel.LEVEL3
+    True
+    >>> ms.set_auto_parallel_context(enable_parallel_optimizer=True,
+    ...                              parallel_optimizer_config={"optimizer_level": "level3"})
+    >>> ms.get_auto_parallel_context("parallel_optimizer_config")["optimizer_level"]
+    'level3'
+    >>> ms.reset_auto_parallel_context()
+    """
+
+    LEVEL1 = "level1"
+    LEVEL2 = "level2"
+    LEVEL3 = "level3"
+
+
+OPTIMIZER_LEVELS = tuple(m.value for m in OptimizerLevel)
+SEARCH_MODES = tuple(m.value for m in SearchMode)
 FUSION_KINDS = ("allreduce", "allgather", "reducescatter")
 FUSION_MODES = ("auto", "size", "index")
 
@@ -62,11 +120,39 @@ def _default_comm_fusion() -> dict:
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """One immutable snapshot of every ``set_auto_parallel_context`` key (docs/design.md §2)."""
+    """One immutable snapshot of every ``set_auto_parallel_context`` key (docs/design.md §2).
 
-    parallel_mode: str = ParallelMode.STAND_ALONE
+    The setters validate and swap in a new value; :func:`parallel_context` yields it and a region snapshots it.
+    Building one directly validates nothing: do it only to pass a context to a function that takes one
+    (e.g. ``ms.fusion.fusion_setting``). Why the context is a value: docs/context.md.
+
+    Args:
+        parallel_mode: the :class:`ParallelMode` (default ``stand_alone``).
+        device_num: the devices regions use; None: every device (``jax.device_count()``).
+        search_mode: the :class:`SearchMode` of auto_parallel (default ``recursive_programming``).
+        dataset_strategy: ``"data_parallel"``, ``"full_batch"`` or a tuple of per-input split tuples.
+        gradients_mean: MindSpore's mean-or-sum flag; mshard always computes the global-batch gradient
+            (MindSpore's True) and warns under an explicit False (docs/gradients.md).
+        pipeline_stages: the number of pipeline stages (1: no pipeline).
+        pipeline_config: ``{"pipeline_interleave": bool, "pipeline_scheduler": "1f1b" | "gpipe"}``.
+        enable_parallel_optimizer: whether the optimizer is sharded over the data-parallel devices.
+        parallel_optimizer_config: ``{"optimizer_weight_shard_size", "parallel_optimizer_threshold" (KB),
+            "optimizer_level"}``.
+        comm_fusion: ``{kind: {"mode": "auto" | "size" | "index", "config": ...}}`` for the gradient buckets.
+        all_reduce_fusion_config: increasing gradient indices that split the all-reduce buckets, or None.
+        strategy_ckpt_config: ``{"save_file": path, "load_file": path, "only_trainable_params": bool}``.
+        search_mode_explicit: True once ``search_mode`` was set (semi_auto_parallel then honours
+            ``sharding_propagation``).
+        gradients_mean_explicit: True once ``gradients_mean`` was set (only then does False warn).
+
+    >>> ctx = ParallelContext(parallel_mode="data_parallel", device_num=8)
+    >>> ctx.parallel_mode == "data_parallel", ctx.devices
+    (True, 8)
+    """
+
+    parallel_mode: ParallelMode = ParallelMode.STAND_ALONE
     device_num: int | None = None               # None: jax.device_count()
-    search_mode: str = "recursive_programming"
+    search_mode: SearchMode = SearchMode.RECURSIVE_PROGRAMMING
     dataset_strategy: Any = "data_parallel"     # "data_parallel" | "full_batch" | tuple of split tuples
     gradients_mean: bool = False
     pipeline_stages: int = 1
@@ -130,12 +216,12 @@ def _one_of(key: str, value: Any, allowed: tuple) -> Any:
 
 def _v_mode(v, ctx):
     _type("parallel_mode", v, (str,), "a string")
-    return _one_of("parallel_mode", v, ParallelMode.MODE_LIST)
+    return ParallelMode(_one_of("parallel_mode", v, ParallelMode.MODE_LIST))
 
 
 def _v_search(v, ctx):
     _type("search_mode", v, (str,), "a string")
-    return _one_of("search_mode", v, SEARCH_MODES)
+    return SearchMode(_one_of("search_mode", v, SEARCH_MODES))
 
 
 def _v_device_num(v, ctx):
@@ -226,8 +312,7 @@ def _v_popt(v, ctx):
     for k, x in items:
         if k == "optimizer_level":
             _type(f"parallel_optimizer_config[{k!r}]", x, (str,), "'level1', 'level2' or 'level3'")
-            _one_of(f"parallel_optimizer_config[{k!r}]", x, OPTIMIZER_LEVELS)
-            out[k] = x
+            out[k] = OptimizerLevel(_one_of(f"parallel_optimizer_config[{k!r}]", x, OPTIMIZER_LEVELS))
             continue
         _type(f"parallel_optimizer_config[{k!r}]", x, (int,), "an int")
         if k == "optimizer_weight_shard_size" and x != -1 and x < 1:
@@ -372,10 +457,24 @@ def _check_device_count(ctx: ParallelContext, n: int) -> None:
 
 
 def set_auto_parallel_context(**kwargs: Any) -> None:
-    """Set parallel keys (docs/design.md §2); each is validated now, and nothing changes if one is bad.
+    """Set keys of the parallel context (MindSpore's ``set_auto_parallel_context``; docs/design.md §2).
+
+    Each key is validated now, and nothing changes if one is bad (:class:`~mshard.errors.ContextError`, or
+    ``ContextTypeError`` for a wrong type, naming the key and the closest valid value). Checks that need the
+    device count wait until a region reads it, so the context may be set before ``communication.init()``.
+    Differences from MindSpore: ``device_num`` may be smaller than the device count (the first ``device_num``
+    devices are used); more in docs/context.md.
+
+    Args:
+        **kwargs: the keys to set, each a field of :class:`ParallelContext`: ``parallel_mode``, ``device_num``,
+            ``search_mode``, ``dataset_strategy``, ``gradients_mean``, ``pipeline_stages``, ``pipeline_config``,
+            ``enable_parallel_optimizer``, ``parallel_optimizer_config``, ``comm_fusion``,
+            ``all_reduce_fusion_config``, ``strategy_ckpt_config``. A config dict updates only the keys it names.
 
     >>> import mshard as ms
     >>> ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+    >>> ms.get_auto_parallel_context("gradients_mean")
+    True
     >>> ms.reset_auto_parallel_context()
     """
     global _current
@@ -384,11 +483,21 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
 
 
 def get_auto_parallel_context(key: str) -> Any:
-    """The value of one key (a copy; mutating it changes nothing). ``device_num`` resolves to the device count.
+    """The value of one key of the parallel context (MindSpore's ``get_auto_parallel_context``).
+
+    ``device_num`` resolves to the device count regions use; a mode is MindSpore's string (the context holds it as
+    :class:`ParallelMode` / :class:`SearchMode`, equal to it).
+
+    Args:
+        key: one of the keys :func:`set_auto_parallel_context` takes; another raises
+            :class:`~mshard.errors.ContextError`.
+
+    Returns:
+        The key's value, a copy: mutating it changes nothing.
 
     >>> import mshard as ms
-    >>> ms.get_auto_parallel_context("pipeline_stages")
-    1
+    >>> ms.get_auto_parallel_context("pipeline_stages"), ms.get_auto_parallel_context("parallel_mode")
+    (1, 'stand_alone')
     """
     if key not in _VALIDATORS:
         raise ContextError(f"get_auto_parallel_context: unknown key {key!r}.{did_you_mean(key, PUBLIC_KEYS)} Valid keys "
@@ -398,11 +507,30 @@ def get_auto_parallel_context(key: str) -> Any:
     value = getattr(_current, key)
     if key == "all_reduce_fusion_config" and value is not None:
         return list(value)
-    return copy.deepcopy(value)
+    return _plain(copy.deepcopy(value))
+
+
+def _plain(value: Any) -> Any:
+    """Enum members as their strings, inside dicts too (MindSpore's getters return strings)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def reset_auto_parallel_context() -> None:
-    """Back to the defaults (stand_alone, every device, recursive_programming, ...)."""
+    """Put every key of the parallel context back to its default (MindSpore's ``reset_auto_parallel_context``).
+
+    The defaults: stand_alone, every device, recursive_programming, data_parallel dataset, no pipeline, no
+    parallel optimizer, 64 MB automatic fusion buckets.
+
+    >>> import mshard as ms
+    >>> ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8)
+    >>> ms.reset_auto_parallel_context()
+    >>> ms.get_auto_parallel_context("parallel_mode"), ms.get_auto_parallel_context("device_num")
+    ('stand_alone', 8)
+    """
     global _current
     _current = ParallelContext()
     _touch()
@@ -412,10 +540,18 @@ def reset_auto_parallel_context() -> None:
 def parallel_context(**kwargs: Any) -> Iterator[ParallelContext]:
     """Scoped ``set_auto_parallel_context``: the previous context comes back on exit, also on error.
 
+    Not in MindSpore (2.5's ``AutoParallel`` wrapper owns a context the same way).
+
+    Args:
+        **kwargs: the keys to set inside the block, as for :func:`set_auto_parallel_context`.
+
+    Returns:
+        A context manager; ``with parallel_context(...) as ctx`` gives the new :class:`ParallelContext`.
+
     >>> import mshard as ms
     >>> with ms.parallel_context(parallel_mode="auto_parallel", device_num=8) as ctx:
     ...     ctx.parallel_mode
-    'auto_parallel'
+    <ParallelMode.AUTO_PARALLEL: 'auto_parallel'>
     """
     global _current
     saved = _current
@@ -431,7 +567,18 @@ def parallel_context(**kwargs: Any) -> Iterator[ParallelContext]:
 # -- algorithm parameters and cost model context ----------------------------------------------
 @dataclass(frozen=True)
 class AlgoParameters:
-    """``set_algo_parameters`` keys (MindSpore names)."""
+    """The ``set_algo_parameters`` keys (MindSpore names): one immutable value, what ``get_algo_parameters()`` returns.
+
+    Args:
+        fully_use_devices: whether the searchers keep only strategies that use every device for the ops a user
+            output depends on (default True).
+        elementwise_op_strategy_follow: whether an elementwise op takes its consumer's strategy (default False).
+        tensor_slice_align_enable: accepted for MindSpore scripts; mshard's searchers do not use it.
+        tensor_slice_align_size: accepted for MindSpore scripts (a positive int); not used.
+
+    >>> AlgoParameters().fully_use_devices, AlgoParameters(fully_use_devices=False).fully_use_devices
+    (True, False)
+    """
 
     fully_use_devices: bool = True
     elementwise_op_strategy_follow: bool = False
@@ -441,7 +588,20 @@ class AlgoParameters:
 
 @dataclass(frozen=True)
 class CostModelContext:
-    """``set_cost_model_context`` keys; ``axis_bandwidth`` is bytes/s per mesh axis (None: uniform)."""
+    """The ``set_cost_model_context`` keys: one immutable value, what ``get_cost_model_context()`` returns.
+
+    The searchers minimise alpha*compute + beta*communication + gamma*memory.
+
+    Args:
+        device_memory_capacity: bytes per device a plan may use (default 16 GiB).
+        costmodel_alpha: the weight of compute time.
+        costmodel_beta: the weight of communication.
+        costmodel_gamma: the weight of memory.
+        axis_bandwidth: bytes/s per mesh axis, one per axis of the region mesh; None: uniform.
+
+    >>> CostModelContext().costmodel_beta, CostModelContext(costmodel_beta=100.0).costmodel_beta
+    (400.0, 100.0)
+    """
 
     device_memory_capacity: float = 16 * 2**30
     costmodel_alpha: float = 1.0
@@ -482,10 +642,19 @@ def _replace_checked(value, fname: str, kwargs: dict):
 
 
 def set_algo_parameters(**kwargs: Any) -> None:
-    """MindSpore's ``set_algo_parameters`` (fully_use_devices, elementwise_op_strategy_follow, ...).
+    """Set the searchers' algorithm parameters (MindSpore's ``set_algo_parameters``).
+
+    Each key is validated now (an unknown key or a wrong type raises :class:`~mshard.errors.ContextError`).
+
+    Args:
+        **kwargs: the keys to set, fields of :class:`AlgoParameters`: ``fully_use_devices``,
+            ``elementwise_op_strategy_follow``, ``tensor_slice_align_enable``, ``tensor_slice_align_size``.
 
     >>> import mshard as ms
-    >>> ms.set_algo_parameters(fully_use_devices=False); ms.reset_algo_parameters()
+    >>> ms.set_algo_parameters(fully_use_devices=False)
+    >>> ms.get_algo_parameters("fully_use_devices")
+    False
+    >>> ms.reset_algo_parameters()
     """
     global _algo
     _algo = _replace_checked(_algo, "set_algo_parameters", kwargs)
@@ -503,20 +672,49 @@ def _get(value, fname: str, key: str | None) -> Any:
 
 
 def get_algo_parameters(key: str | None = None) -> Any:
+    """The searchers' algorithm parameters (MindSpore's ``get_algo_parameters``).
+
+    Args:
+        key: a field of :class:`AlgoParameters`; None: all of them.
+
+    Returns:
+        The key's value, or the whole :class:`AlgoParameters` when ``key`` is None.
+
+    >>> import mshard as ms
+    >>> ms.get_algo_parameters("fully_use_devices"), ms.get_algo_parameters().tensor_slice_align_size
+    (True, 16)
+    """
     return _get(_algo, "get_algo_parameters", key)
 
 
 def reset_algo_parameters() -> None:
+    """Put every algorithm parameter back to its default (MindSpore's ``reset_algo_parameters``).
+
+    >>> import mshard as ms
+    >>> ms.set_algo_parameters(elementwise_op_strategy_follow=True)
+    >>> ms.reset_algo_parameters()
+    >>> ms.get_algo_parameters("elementwise_op_strategy_follow")
+    False
+    """
     global _algo
     _algo = AlgoParameters()
     _touch()
 
 
 def set_cost_model_context(**kwargs: Any) -> None:
-    """The searchers' cost weights and machine: total = alpha*compute + beta*communication + gamma*memory.
+    """Set the searchers' cost weights and machine (MindSpore's ``set_cost_model_context``).
+
+    A plan's cost is alpha*compute + beta*communication + gamma*memory. Each key is validated now.
+
+    Args:
+        **kwargs: the keys to set, fields of :class:`CostModelContext`: ``device_memory_capacity``,
+            ``costmodel_alpha``, ``costmodel_beta``, ``costmodel_gamma``, ``axis_bandwidth``.
 
     >>> import mshard as ms
-    >>> ms.set_cost_model_context(costmodel_beta=100.0); ms.reset_cost_model_context()
+    >>> ms.set_cost_model_context(costmodel_beta=100.0)
+    >>> ms.get_cost_model_context("costmodel_beta")
+    100.0
+    >>> ms.reset_cost_model_context()
     """
     global _cost
     _cost = _replace_checked(_cost, "set_cost_model_context", kwargs)
@@ -524,10 +722,30 @@ def set_cost_model_context(**kwargs: Any) -> None:
 
 
 def get_cost_model_context(key: str | None = None) -> Any:
+    """The searchers' cost weights and machine (MindSpore's ``get_cost_model_context``).
+
+    Args:
+        key: a field of :class:`CostModelContext`; None: all of them.
+
+    Returns:
+        The key's value, or the whole :class:`CostModelContext` when ``key`` is None.
+
+    >>> import mshard as ms
+    >>> ms.get_cost_model_context("costmodel_beta"), ms.get_cost_model_context().axis_bandwidth
+    (400.0, None)
+    """
     return _get(_cost, "get_cost_model_context", key)
 
 
 def reset_cost_model_context() -> None:
+    """Put every cost-model key back to its default (MindSpore's ``reset_cost_model_context``).
+
+    >>> import mshard as ms
+    >>> ms.set_cost_model_context(axis_bandwidth=[1e9, 1e11])
+    >>> ms.reset_cost_model_context()
+    >>> ms.get_cost_model_context("axis_bandwidth") is None
+    True
+    """
     global _cost
     _cost = CostModelContext()
     _touch()

@@ -109,7 +109,20 @@ def _group_size(line: str) -> int:
 
 @dataclass
 class CommReport:
-    """Collectives found in compiled HLO. ``report.count("all-reduce")``, ``report.bytes("all-gather")``."""
+    """The collectives found in compiled HLO text, as :func:`mshard.comm_report` returns them.
+
+    ``count(kind)``, ``bytes(kind)`` (per device) and ``moved(kind)`` (a ring estimate) per collective kind
+    (``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``, ``"all-to-all"``, ``"collective-permute"``);
+    ``total_count``, ``by_kind`` and ``as_dict()``; ``print`` gives a table, a notebook an HTML table.
+
+    Args:
+        collectives: the :class:`Collective`s found, in program order; ``CommReport.from_hlo(text)`` builds them.
+
+    >>> text = "%ag = f32[8,4]{1,0} all-gather(f32[2,4]{1,0} %x), replica_groups={{0,1,2,3}}, dimensions={0}"
+    >>> r = CommReport.from_hlo(text)
+    >>> r.total_count, r.bytes("all-gather"), r.moved("all-gather"), r.count("all-reduce")
+    (1, 128, 96.0, 0)
+    """
 
     collectives: list[Collective] = field(default_factory=list)
 

@@ -18,7 +18,7 @@ a set of axes, and ``((2,1),(1,4))`` and ``((4,1),(1,2))`` coexist in one region
 >>> layout = Layout((2, 4), ("dp", "mp"))
 >>> layout(("dp", "mp"), "None").dims
 (('dp', 'mp'), ())
->>> RegionMesh.prime(8).shape
+>>> prime_mesh(8).shape
 (2, 2, 2)
 """
 
@@ -36,42 +36,27 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from mshard._src.values.errors import LayoutError, StrategyError, StrategyTypeError
-from searchers.graph import prime_factors
+from searchers.graph import DeviceMesh, prime_factors
 
 AxisNames = tuple[str, ...]
 DimAxes = tuple[AxisNames, ...]      # per tensor dim, the mesh axes it is split over (in order)
 
 
 # -- the mesh -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RegionMesh:
-    """Axis names and sizes of one region's mesh (a value; :meth:`jax_mesh` builds the jax Mesh)."""
+def prime_mesh(n: int) -> DeviceMesh:
+    """A region's mesh from plain tuples: one axis ``d<i>`` per prime factor of ``n`` (docs/design.md §2), and one
+    axis of size 1 for one device.
 
-    names: tuple[str, ...]
-    shape: tuple[int, ...]
+    >>> prime_mesh(12).shape, prime_mesh(1).names
+    ((2, 2, 3), ('d0',))
+    """
+    f = prime_factors(n) or [1]
+    return DeviceMesh(tuple(f), tuple(f"d{i}" for i in range(len(f))))
 
-    @staticmethod
-    def prime(n: int) -> RegionMesh:
-        f = prime_factors(n) or [1]
-        return RegionMesh(tuple(f"d{i}" for i in range(len(f))), tuple(f))
 
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def all_prime(self) -> bool:
-        """Every axis has a prime size: any split whose product divides the size fits in any order."""
-        return all(s == 1 or prime_factors(s) == [s] for s in self.shape)
-
-    def axis_size(self, name: str) -> int:
-        return self.shape[self.names.index(name)]
-
-    def count(self, axes: Iterable[str]) -> int:
-        return math.prod(self.axis_size(a) for a in axes)
-
-    def jax_mesh(self) -> Mesh:
-        return _jax_mesh(self.names, self.shape)
+def jax_mesh(mesh: DeviceMesh) -> Mesh:
+    """The ``jax.sharding.Mesh`` of a region's mesh: its axes over the first ``mesh.size`` devices, Auto axes."""
+    return _jax_mesh(mesh.names, mesh.shape)
 
 
 @lru_cache(maxsize=64)
@@ -104,12 +89,20 @@ def dims_of(spec: PartitionSpec, rank: int) -> DimAxes:
 class Layout:
     """MindSpore's ``Layout(device_matrix, alias_names)``: a named device matrix; calling it lays out a tensor.
 
+    ``layout(*dims)`` takes one entry per tensor dim: an alias name, a tuple of them (the dim split over several
+    axes), or ``"None"`` (or ``None``) to keep the dim whole; it returns a ``LayoutSpec`` to use as a strategy.
+    Maps to JAX as: the device matrix is the region's ``Mesh`` (axis names = alias names) and
+    ``layout(...)`` is a ``PartitionSpec`` over it.
+
+    Args:
+        device_matrix: the mesh shape, positive ints (their product: the devices used).
+        alias_names: one distinct name per ``device_matrix`` entry (not ``"None"``).
+
     >>> layout = Layout((2, 4), ("dp", "mp"))
     >>> layout("dp", "None")
     LayoutSpec(('dp',), ())
-
-    Maps to JAX as: the device matrix is the region's ``Mesh`` (axis names = alias names) and
-    ``layout(...)`` is a ``PartitionSpec`` over it. ``"None"`` (or ``None``) keeps a dim whole.
+    >>> layout(("dp", "mp"), None).dims
+    (('dp', 'mp'), ())
     """
 
     device_matrix: tuple[int, ...]
@@ -128,8 +121,8 @@ class Layout:
         object.__setattr__(self, "alias_names", names)
 
     @property
-    def mesh(self) -> RegionMesh:
-        return RegionMesh(self.alias_names, self.device_matrix)
+    def mesh(self) -> DeviceMesh:
+        return DeviceMesh(tuple(self.device_matrix), tuple(self.alias_names))
 
     def __call__(self, *dims: str | Sequence[str] | None) -> LayoutSpec:
         out: list[AxisNames] = []
@@ -172,7 +165,7 @@ class TensorStrategy:
 
     counts: tuple[int, ...]
     axes: DimAxes | None = None
-    mesh: RegionMesh | None = None
+    mesh: DeviceMesh | None = None
 
     @property
     def rank(self) -> int:
@@ -183,9 +176,9 @@ class TensorStrategy:
         return math.prod(self.counts)
 
 
-def _mesh_of_named(sh: NamedSharding) -> RegionMesh:
+def _mesh_of_named(sh: NamedSharding) -> DeviceMesh:
     m = sh.mesh
-    return RegionMesh(tuple(m.axis_names), tuple(int(m.shape[a]) for a in m.axis_names))
+    return DeviceMesh(tuple(int(m.shape[a]) for a in m.axis_names), tuple(m.axis_names))
 
 
 def to_tensor_strategy(s: Any, where: str) -> TensorStrategy:
@@ -247,7 +240,7 @@ def check_fits(ts: TensorStrategy, shape: Sequence[int], device_num: int, where:
 
 
 # -- choosing mesh axes for split counts ----------------------------------------------------------
-def axis_choices(count: int, free: Sequence[str], mesh: RegionMesh) -> list[AxisNames]:
+def axis_choices(count: int, free: Sequence[str], mesh: DeviceMesh) -> list[AxisNames]:
     """Every ordered-by-mesh subset of ``free`` axes whose sizes multiply to ``count``."""
     if count == 1:
         return [()]
@@ -259,7 +252,7 @@ def axis_choices(count: int, free: Sequence[str], mesh: RegionMesh) -> list[Axis
     return out
 
 
-def choose_axes(count: int, free: Sequence[str], mesh: RegionMesh,
+def choose_axes(count: int, free: Sequence[str], mesh: DeviceMesh,
                 prefer: Sequence[AxisNames] = (), avoid: Iterable[str] = ()) -> AxisNames | None:
     """Pick axes for a split: an exact preferred match, else the most overlap with a preference
     (keeping its order), else axes not in ``avoid``, else any. ``None`` if no subset fits."""

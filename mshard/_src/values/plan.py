@@ -24,8 +24,9 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from mshard._src.values.errors import PlanError
-from mshard._src.values.layout import RegionMesh, spec_of
+from mshard._src.values.layout import spec_of
 from mshard._src.values.plan_picture import plan_graph
+from searchers import DeviceMesh
 
 FORMAT = "mshard.strategy"
 VERSION = 1
@@ -97,10 +98,33 @@ class PlanSummary(str):
 
 @dataclass(frozen=True)
 class Plan:
-    """A region's plan. Built by ``f.plan(*args)`` or when ``f`` first runs; ``ms.load_plan`` reads one back.
-    A value: nothing in it changes after it is made."""
+    """A region's plan: the strategy of every op, the parameters' layouts and the predicted cost.
 
-    mesh: RegionMesh
+    Built by ``f.plan(*args)`` or when ``f`` first runs; ``plan.save(path)`` writes MindSpore's strategy file (as
+    JSON) and ``ms.load_plan`` reads one back. A value: nothing in it changes after it is made. Read it with
+    ``strategies``, ``strategy_of(regex)``, ``find(regex)``, ``summary()``, ``explain(regex)`` and ``show()``.
+
+    Args:
+        mesh: the region's device mesh (axis names and sizes).
+        ops: one :class:`PlanOp` per op, in program order.
+        param_specs: parameter path -> ``PartitionSpec`` over ``mesh``.
+        cost: the predicted :class:`PlanCost`.
+        algorithm: what decided it (a search mode, ``"data_parallel"``, ``"user"``, ``"loaded"`` ...).
+        seconds: how long the searcher ran.
+        notes: the planner's notes (``summary()`` shows them).
+        graph_axes: trace op name -> mesh axes per loop dim.
+        redistributions: the operands that arrive in another layout than their op computes in.
+        _explainer: internal: what ``explain`` asks for alternatives (None for a loaded plan).
+        pipeline: a pipelined training step's stages; None otherwise.
+
+    >>> import jax.numpy as jnp, mshard as ms
+    >>> with ms.parallel_context(parallel_mode="data_parallel", device_num=8):
+    ...     plan = ms.jit(lambda x: x * 2).plan(jnp.ones((8, 4)))
+    >>> plan.algorithm == "data_parallel", plan.strategies, plan.mesh.shape
+    (True, {'mul': ((8, 1), ())}, (2, 2, 2))
+    """
+
+    mesh: DeviceMesh
     ops: tuple[PlanOp, ...]
     param_specs: dict[str, PartitionSpec]
     cost: PlanCost
@@ -192,7 +216,8 @@ class Plan:
         e.g. ``blocks.0/attention/query/MatMul``) instead of one per op.
 
         >>> import mshard as ms
-        >>> "mshard plan (user)" in Plan(RegionMesh.prime(8), (), {}, PlanCost(), "user").summary()
+        >>> from mshard._src.values.layout import prime_mesh
+        >>> "mshard plan (user)" in Plan(prime_mesh(8), (), {}, PlanCost(), "user").summary()
         True
         """
         lines = [f"params: { {k: str(v) for k, v in list(self.param_specs.items())[:12]} }",
@@ -294,9 +319,26 @@ def _module_of(name: str) -> tuple[str, str]:
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
-    """Read a strategy file written by :meth:`Plan.save`.
+    """Read a strategy file written by :meth:`Plan.save` (or by ``strategy_ckpt_config={"save_file": path}``).
 
     Put it in ``strategy_ckpt_config={"load_file": path}`` to make a region reproduce it with no annotations.
+    A file that cannot be read, is not an mshard strategy file or has another version raises
+    :class:`~mshard.errors.PlanError`.
+
+    Args:
+        path: the strategy file.
+
+    Returns:
+        The :class:`Plan` it holds (``algorithm`` as saved; no search graph, so ``explain`` shows no alternatives).
+
+    >>> import os, tempfile, jax.numpy as jnp, mshard as ms
+    >>> from mshard import ops
+    >>> path = os.path.join(tempfile.mkdtemp(), "strategy.json")
+    >>> with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8):
+    ...     mm = ops.MatMul().shard(((1, 1), (1, 8)))
+    ...     ms.jit(lambda x, w: mm(x, w)).plan(jnp.ones((8, 4)), jnp.ones((4, 8))).save(path)
+    >>> load_plan(path).strategy_of("MatMul")
+    ((1, 1), (1, 8))
     """
     try:
         with open(path) as f:
@@ -309,7 +351,7 @@ def load_plan(path: str | os.PathLike) -> Plan:
     if data.get("version") != VERSION:
         raise PlanError(f"load_plan: {os.fspath(path)!r} has version {data.get('version')!r}; this mshard reads "
                         f"version {VERSION}.")
-    mesh = RegionMesh(tuple(data["mesh"]["names"]), tuple(data["mesh"]["shape"]))
+    mesh = DeviceMesh(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["names"]))
     ops = tuple(PlanOp(o["name"], o["kind"], tuple(tuple(s) for s in o["strategy"]), o["fixed"]) for o in data["ops"])
     params = {k: spec_of(tuple(tuple(d) if isinstance(d, list) else ((d,) if d else ()) for d in v))
               for k, v in data["params"].items()}

@@ -45,7 +45,22 @@ from mshard._src.values.plan import load_plan
 # -- save ------------------------------------------------------------------------------------------------
 @dataclass
 class SaveHandle:
-    """A save in flight (orbax writes in the background once the arrays are copied to the host)."""
+    """What :func:`save_checkpoint` returns: the step saved, possibly still in flight.
+
+    With ``async_save=True`` orbax writes in the background once the arrays are copied to the host; ``wait()``
+    blocks until the step is committed on disk and returns the handle. A synchronous save is committed already.
+
+    Args:
+        directory: the checkpoint directory (an absolute path).
+        step: the step saved.
+        _manager: the orbax manager writing it (internal: made by ``save_checkpoint``).
+
+    >>> import tempfile
+    >>> from flax import nnx
+    >>> h = save_checkpoint(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tempfile.mkdtemp(), step=7, async_save=True)
+    >>> h.wait() is h, h.step
+    (True, 7)
+    """
 
     directory: str
     step: int
@@ -85,16 +100,26 @@ def _default_step(obj: nnx.Module, directory: str) -> int:
 def save_checkpoint(obj: nnx.Module, directory: str | os.PathLike, *, step: int | None = None,
                     metadata: dict | None = None, keep: int | None = None,
                     async_save: bool = False) -> SaveHandle:
-    """Save ``obj`` (a Cell, any nnx module, a TrainOneStepCell) as step ``step`` of ``directory``.
+    """Save ``obj`` as step ``step`` of the checkpoint directory ``directory`` (MindSpore's ``save_checkpoint``).
 
     Saves every variable in its current layout (each process writes only its shards), the layouts, the plan's
-    strategy file, per-leaf content checksums and ``metadata`` (JSON). ``step`` defaults to the optimizer's
-    step count for a TrainOneStepCell, else one past the last saved step. Synchronous by default, as MindSpore's
-    ``save_checkpoint`` (``async_save=False``): the step is committed on disk when it returns. ``async_save=True``
-    returns once the arrays are copied off the devices and commits in the background; ``.wait()`` blocks until
-    it is committed, and so does any later save or load of the same directory in this process and the
-    interpreter's exit, so nothing saved is lost at the end of a script. ``keep`` keeps only the last
-    ``keep`` steps of the directory. A step that already exists is an error (nothing saved is overwritten).
+    strategy file, per-leaf content checksums and ``metadata``. Synchronous by default, as MindSpore's: the step
+    is committed on disk when it returns. A step that already exists is an error (nothing saved is overwritten).
+    Differences from MindSpore: a directory of steps holding the object's whole state, not a ``.ckpt`` file
+    (docs/checkpoint.md).
+
+    Args:
+        obj: what to save: a Cell, any nnx module, or a TrainOneStepCell (network, optimizer state, step count).
+        directory: the checkpoint directory (created if missing); each step is one sub-directory.
+        step: the step number; None: the optimizer's step count for a TrainOneStepCell, else one past the last
+            saved step.
+        metadata: a JSON-serialisable dict stored with the step (``LoadResult.metadata`` on load).
+        keep: keep only the last ``keep`` steps of the directory; None: keep every step.
+        async_save: return once the arrays are copied off the devices and commit in the background; ``.wait()``,
+            any later save or load of the same directory in this process and the interpreter's exit wait for it.
+
+    Returns:
+        A :class:`SaveHandle` with the ``directory`` and ``step`` saved.
 
     >>> import tempfile
     >>> from flax import nnx
@@ -139,9 +164,25 @@ def save_checkpoint(obj: nnx.Module, directory: str | os.PathLike, *, step: int 
 # -- load ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LoadResult:
-    """What ``load_checkpoint`` did. ``param_not_load``: the object's leaves the checkpoint did not fill;
-    ``ckpt_not_load``: the checkpoint's leaves that went nowhere (MindSpore's names); ``cast``: leaves restored
-    in the object's dtype rather than the saved one."""
+    """What :func:`load_checkpoint` did; ``param_not_load`` and ``ckpt_not_load`` are MindSpore's names (the lists
+    ``load_param_into_net`` returns).
+
+    Args:
+        step: the step loaded.
+        metadata: the ``metadata`` dict saved with the step.
+        param_not_load: the object's leaves the checkpoint did not fill (missing, or of another shape).
+        ckpt_not_load: the checkpoint's leaves that went nowhere (sorted).
+        cast: the leaves restored in the object's dtype rather than the saved one.
+        strategy: the strategy file (as a dict) of the plan the object was saved under; None without one.
+
+    >>> import tempfile
+    >>> from flax import nnx
+    >>> d = tempfile.mkdtemp()
+    >>> _ = save_checkpoint(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), d, metadata={"epoch": 3})
+    >>> r = load_checkpoint(d, nnx.Linear(2, 3, use_bias=False, rngs=nnx.Rngs(1)), strict=False)
+    >>> r.step, r.metadata, r.param_not_load, r.ckpt_not_load, r.cast, r.strategy
+    (0, {'epoch': 3}, [], ['bias'], [], None)
+    """
 
     step: int
     metadata: dict
@@ -233,20 +274,28 @@ def _place(obj: nnx.Module, inputs: tuple) -> None:
 def load_checkpoint(directory: str | os.PathLike, obj: nnx.Module, *, step: int | None = None,
                     strict: bool = True, inputs: tuple | None = None,
                     layouts: dict[str, jax.sharding.Sharding] | None = None) -> LoadResult:
-    """Restore step ``step`` (default: the last committed one) of ``directory`` into ``obj``, in ``obj``'s layouts.
+    """Restore a step of ``directory`` into ``obj`` in place (MindSpore's ``load_checkpoint`` and
+    ``load_param_into_net`` in one call).
 
-    Each leaf is read straight into the layout ``obj``'s variable has now (a trained step's plan, or one device
-    for a fresh module); with ``inputs`` the object is first placed on the plan its region makes for those
-    inputs (so no device ever holds a whole split parameter); ``layouts`` (leaf name -> Sharding, e.g. from
-    :func:`infer_predict_layout`) overrides single leaves. The saved layout, device count and process count do
-    not matter. Every leaf's content checksum is verified before anything is written into ``obj``: a flipped bit,
-    a truncated or a missing file raises :class:`~mshard.errors.CheckpointError` naming the leaf and the file.
+    Each leaf is read straight into the layout ``obj``'s variable has now (a trained step's plan, or one device for
+    a fresh module); the saved layout, device count and process count do not matter. Every leaf's content checksum
+    is verified before anything is written into ``obj``: a flipped bit, a truncated or a missing file raises
+    :class:`~mshard.errors.CheckpointError` naming the leaf and the file. Leaves match by exact name, else by one
+    prefix mapping (a TrainOneStepCell's checkpoint loads into its bare network and back). Saved optimizer or RNG
+    state the object has no place for is reported, not an error; a dtype that differs is cast (docs/checkpoint.md).
 
-    Names: exact leaf names, else one prefix mapping (a TrainOneStepCell's checkpoint loads into its bare network
-    and back). ``strict``: a leaf of ``obj`` the checkpoint lacks, a shape that differs, or a saved parameter
-    with nowhere to go is an error listing every difference; ``strict=False`` loads the intersection and reports
-    the rest in the returned :class:`LoadResult`. Saved optimizer state or RNG state the object has no place for
-    (loading a training checkpoint into a network) is reported, not an error. A dtype that differs is cast.
+    Args:
+        directory: a checkpoint directory written by :func:`save_checkpoint`.
+        obj: the object to fill: a Cell, any nnx module or a TrainOneStepCell.
+        step: the step to load; None: the last committed one.
+        strict: whether a leaf of ``obj`` the checkpoint lacks, a shape that differs or a saved parameter with
+            nowhere to go is an error listing every difference; False loads the leaves that match.
+        inputs: example inputs; ``obj`` is first placed on the plan its region makes for them (so no device ever
+            holds a whole split parameter). None: the current layouts.
+        layouts: leaf name -> ``jax.sharding.Sharding`` for single leaves (e.g. from :func:`infer_predict_layout`).
+
+    Returns:
+        A :class:`LoadResult`: the step, its metadata, what was not loaded either way and what was cast.
 
     >>> import tempfile
     >>> from flax import nnx
@@ -287,14 +336,7 @@ def load_checkpoint(directory: str | os.PathLike, obj: nnx.Module, *, step: int 
         tgt[s] = jax.ShapeDtypeStruct(tuple(saved[s]["shape"]), jnp.dtype(saved[s]["dtype"]),
                                       sharding=_target_sharding(t.value, t.name, layouts))
     store.check_files(directory, step, list(tgt), what)
-    m = store.manager(directory, for_restore=True)
-    m.wait_until_finished()
-    try:
-        out = m.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            tgt, restore_args=ocp.checkpoint_utils.construct_restore_args(tgt), partial_restore=True)))
-    except Exception as e:
-        raise store.restore_error(e, directory, step, list(tgt), what) from e
-    restored = dict(out["state"])
+    restored = _restore(directory, step, tgt, what) if tgt else {}      # nothing matches: nothing to read
     _verify(restored, saved, directory, step, what)
     values, cast = {}, []
     for t in load:
@@ -312,17 +354,49 @@ def load_checkpoint(directory: str | os.PathLike, obj: nnx.Module, *, step: int 
     return LoadResult(step, meta.get("metadata", {}), not_loaded, sorted(extra), cast, meta.get("strategy"))
 
 
+def _restore(directory, step: int, tgt: dict, what: str) -> dict:
+    """Read the leaves ``tgt`` names (saved name -> target ShapeDtypeStruct) of one step with orbax."""
+    m = store.manager(directory, for_restore=True)
+    m.wait_until_finished()
+    try:
+        out = m.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            tgt, restore_args=ocp.checkpoint_utils.construct_restore_args(tgt), partial_restore=True)))
+    except Exception as e:
+        raise store.restore_error(e, directory, step, list(tgt), what) from e
+    return dict(out["state"])
+
+
 # -- MindSpore's distributed names -----------------------------------------------------------------------
 def load_distributed_checkpoint(network: nnx.Module, checkpoint_dir: str | os.PathLike,
                                 predict_strategy: dict[str, jax.sharding.Sharding] | None = None, *,
                                 step: int | None = None, strict_load: bool = False,
                                 inputs: tuple | None = None) -> LoadResult:
     """MindSpore's ``load_distributed_checkpoint``: load a checkpoint saved under any strategy and device count
-    into ``network`` laid out by ``predict_strategy`` (``ms.infer_predict_layout``'s result; leaves it does not
-    name keep their current layout). ``strict_load`` as ``load_checkpoint``'s ``strict``.
+    into ``network``, laid out by ``predict_strategy`` (:func:`load_checkpoint` with ``layouts``).
 
     Differences from MindSpore: ``checkpoint_dir`` is one checkpoint directory (the per-rank file list and the
     training strategy file are not needed: the checkpoint holds global arrays and their layouts).
+
+    Args:
+        network: the object to fill (a Cell or any nnx module).
+        checkpoint_dir: a checkpoint directory written by :func:`save_checkpoint`.
+        predict_strategy: leaf name -> ``jax.sharding.Sharding``, as ``ms.infer_predict_layout`` returns; leaves
+            it does not name keep their current layout. None: every leaf keeps its current layout.
+        step: the step to load; None: the last committed one.
+        strict_load: as :func:`load_checkpoint`'s ``strict`` (False by default, as in MindSpore).
+        inputs: as :func:`load_checkpoint`'s ``inputs``.
+
+    Returns:
+        The :class:`LoadResult` of the load.
+
+    >>> import tempfile, jax.numpy as jnp, mshard as ms
+    >>> from flax import nnx
+    >>> d = tempfile.mkdtemp()
+    >>> _ = ms.save_checkpoint(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), d)
+    >>> net = nnx.Linear(4, 2, rngs=nnx.Rngs(1))
+    >>> r = ms.load_distributed_checkpoint(net, d, ms.infer_predict_layout(net, jnp.ones((8, 4))))
+    >>> r.step, r.param_not_load
+    (0, [])
     """
     return load_checkpoint(checkpoint_dir, network, step=step, strict=strict_load, inputs=inputs,
                            layouts=predict_strategy)
@@ -349,13 +423,33 @@ def _dst_layouts(plan, saved: dict, devices) -> dict[str, NamedSharding]:
 def transform_checkpoints(src_checkpoints_dir: str | os.PathLike, dst_checkpoints_dir: str | os.PathLike,
                           src_strategy_file: str | os.PathLike | None = None,
                           dst_strategy_file: str | os.PathLike | None = None, *, step: int | None = None) -> int:
-    """MindSpore's ``transform_checkpoints``: rewrite step ``step`` (default: the last) of a checkpoint saved under
-    one strategy as a checkpoint laid out by another strategy file (``plan.save`` / ``strategy_ckpt_config``),
-    on that strategy's device count. Returns the step written.
+    """MindSpore's ``transform_checkpoints``: rewrite a step of a checkpoint saved under one strategy as a
+    checkpoint laid out by another strategy file (``plan.save`` / ``strategy_ckpt_config``), on that strategy's
+    device count. Leaves the destination strategy does not name are replicated (optimizer state follows its
+    parameter). Differences from MindSpore: directories of this module's format, not per-rank ``.ckpt`` files;
+    loading needs no transform (any layout loads), so this is only to store a checkpoint in another layout.
 
-    ``src_strategy_file`` is optional (the checkpoint records its layouts); when given, it must agree with them.
-    Leaves the destination strategy does not name (optimizer state follows its parameter) are replicated.
-    Differences from MindSpore: directories of this module's format, not per-rank ``.ckpt`` files.
+    Args:
+        src_checkpoints_dir: the checkpoint directory to read.
+        dst_checkpoints_dir: the checkpoint directory to write; it must not hold the step already.
+        src_strategy_file: optional (the checkpoint records its layouts); when given, it must agree with them.
+        dst_strategy_file: the strategy file to lay the checkpoint out by (required).
+        step: the step to transform; None: the last committed one.
+
+    Returns:
+        The step written.
+
+    >>> import os, tempfile, jax.numpy as jnp, mshard as ms
+    >>> from flax import nnx
+    >>> src, dst, d = tempfile.mkdtemp(), tempfile.mkdtemp(), tempfile.mkdtemp()
+    >>> net = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    >>> _ = ms.save_checkpoint(net, src, step=3)
+    >>> with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8):
+    ...     ms.jit(lambda m, x: m(x)).plan(net, jnp.ones((8, 4))).save(os.path.join(d, "strategy.json"))
+    >>> ms.transform_checkpoints(src, dst, dst_strategy_file=os.path.join(d, "strategy.json"))
+    3
+    >>> ms.load_checkpoint(dst, nnx.Linear(4, 8, rngs=nnx.Rngs(1))).strategy["mesh"]
+    {'names': ['d0', 'd1', 'd2'], 'shape': [2, 2, 2]}
     """
     what = "transform_checkpoints"
     src = os.path.abspath(os.fspath(src_checkpoints_dir))

@@ -24,11 +24,26 @@ from mshard._src.values.errors import CheckpointTypeError
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """MindSpore's ``CheckpointConfig``: save every ``save_checkpoint_steps`` steps, keep the last
-    ``keep_checkpoint_max``; ``async_save`` (False by default, as in MindSpore) writes in the background, committed
-    before the next save or load of the directory and before the interpreter exits; ``append_info`` (a dict) goes into every
-    checkpoint's metadata. MindSpore's time-based and ``integrated_save`` options have no meaning here
-    (checkpoints are always distributed and whole) and are not accepted."""
+    """MindSpore's ``CheckpointConfig``: when a :class:`CheckpointManager` saves and how many steps it keeps.
+
+    Differences from MindSpore: the time-based and ``integrated_save`` options have no meaning here (checkpoints
+    are always distributed and whole) and are not accepted.
+
+    Args:
+        save_checkpoint_steps: save every this many steps (a positive int).
+        keep_checkpoint_max: keep only the last this many steps (a positive int).
+        async_save: write in the background (False by default, as in MindSpore); committed before the next save
+            or load of the directory and before the interpreter exits.
+        append_info: a JSON dict that goes into every checkpoint's metadata.
+
+    >>> CheckpointConfig(save_checkpoint_steps=100).keep_checkpoint_max
+    5
+    >>> try:
+    ...     CheckpointConfig(keep_checkpoint_max=0)
+    ... except CheckpointTypeError as e:
+    ...     print(e)
+    CheckpointConfig: keep_checkpoint_max must be a positive int, got 0.
+    """
 
     save_checkpoint_steps: int = 1
     keep_checkpoint_max: int = 5
@@ -44,7 +59,24 @@ class CheckpointConfig:
 
 class CheckpointManager:
     """Saves an object every ``config.save_checkpoint_steps`` steps into ``directory`` and keeps the last
-    ``config.keep_checkpoint_max`` (MindSpore's ``ModelCheckpoint`` callback, called by hand: ``step_end``)."""
+    ``config.keep_checkpoint_max`` (MindSpore's ``ModelCheckpoint`` callback, called by hand: ``step_end``).
+
+    ``save``, ``restore``, ``all_steps``, ``latest_step`` and ``wait`` act on the one directory
+    (see :func:`save_checkpoint` and :func:`load_checkpoint`).
+
+    Args:
+        directory: the checkpoint directory (created on the first save).
+        config: when to save and what to keep; None: ``CheckpointConfig()``.
+
+    >>> import tempfile
+    >>> from flax import nnx
+    >>> mgr = CheckpointManager(tempfile.mkdtemp(), CheckpointConfig(keep_checkpoint_max=2, append_info={"run": "a"}))
+    >>> net = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    >>> for s in (1, 2, 3):
+    ...     _ = mgr.save(net, s)
+    >>> mgr.all_steps(), mgr.latest_step(), mgr.restore(nnx.Linear(2, 2, rngs=nnx.Rngs(1))).metadata
+    ([2, 3], 3, {'run': 'a'})
+    """
 
     def __init__(self, directory: str | os.PathLike, config: CheckpointConfig | None = None):
         self.directory = os.path.abspath(os.fspath(directory))

@@ -67,14 +67,34 @@ from mshard._src.training.pipeline.schedule import make_schedule
 from mshard._src.training.pipeline.stages import cut
 from mshard._src.training.pipeline.storage import StageStorage
 from mshard._src.values.errors import PipelineError
-from mshard._src.values.layout import choose_axes
+from mshard._src.values.layout import choose_axes, jax_mesh
 
 __all__ = ["Pipeline", "PipelineCell", "PipelinePlan"]
 
 
 class PipelineCell(Cell):
     """``PipelineCell(network, micro_size)``: ``network`` (a network with loss) trained in ``pipeline_stages``
-    stages over ``micro_size`` micro-batches (module doc). ``micro_size`` must be at least ``pipeline_stages``."""
+    stages over ``micro_size`` micro-batches (module doc). ``micro_size`` must be at least ``pipeline_stages``.
+
+    As in MindSpore, each sub-Cell's ``pipeline_stage`` says which stage runs it, and
+    :class:`~mshard.nn.TrainOneStepCell` runs the schedule (``pipeline_config``: gpipe, 1f1b, interleaved).
+    Micro-batch ``k`` holds rows ``k, k + micro_size, ...``; the loss is the mean of the micro-batch losses.
+    Called outside a training step it runs the micro-batches one after another and returns that mean.
+
+    Args:
+        network: the network with loss (e.g. :class:`~mshard.nn.WithLossCell`); every array input's dim 0 must
+            be divisible by ``micro_size``.
+        micro_size: the number of micro-batches (a positive int, at least ``pipeline_stages``).
+        stage_config: cell path -> stage, instead of ``pipeline_stage`` (what :class:`Pipeline` passes), or None.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from mshard import nn
+    >>> x, y = jnp.arange(16.0).reshape(4, 4), jnp.zeros((4, 2))
+    >>> net_with_loss = nn.WithLossCell(nn.Dense(4, 2, rngs=nnx.Rngs(0)), nn.MSELoss())
+    >>> bool(jnp.allclose(nn.PipelineCell(net_with_loss, micro_size=2)(x, y), net_with_loss(x, y)))
+    True
+    """
 
     def __init__(self, network: nnx.Module, micro_size: int, stage_config: dict[str, int] | None = None):
         if not isinstance(micro_size, int) or isinstance(micro_size, bool) or micro_size < 1:
@@ -95,7 +115,28 @@ class PipelineCell(Cell):
 
 class Pipeline(PipelineCell):
     """``Pipeline(network, micro_size, stage_config)``: MindSpore's newer form, the stages given by cell path
-    (``{"embedding": 0, "blocks.0": 0, "blocks.1": 1, "head": 1}``) instead of ``cell.pipeline_stage``."""
+    (``{"embedding": 0, "blocks.0": 0, "blocks.1": 1, "head": 1}``) instead of ``cell.pipeline_stage``.
+
+    Otherwise a :class:`PipelineCell`; the paths are attribute paths inside ``network`` (so
+    ``"backbone.<path>"`` under a :class:`~mshard.nn.WithLossCell`).
+
+    Args:
+        network: the network with loss; every array input's dim 0 must be divisible by ``micro_size``.
+        micro_size: the number of micro-batches (a positive int, at least ``pipeline_stages``).
+        stage_config: a non-empty dict of cell path -> stage.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from mshard import nn
+    >>> class Two(nn.Cell):
+    ...     def __init__(self):
+    ...         self.a, self.b = nn.Dense(4, 8, rngs=nnx.Rngs(0)), nn.Dense(8, 2, rngs=nnx.Rngs(1))
+    ...     def __call__(self, x):
+    ...         return self.b(jnp.tanh(self.a(x)))
+    >>> p = nn.Pipeline(nn.WithLossCell(Two(), nn.MSELoss()), 2, {"backbone.a": 0, "backbone.b": 1})
+    >>> p.stage_config, p(jnp.ones((4, 4)), jnp.zeros((4, 2))).shape
+    ((('backbone.a', 0), ('backbone.b', 1)), ())
+    """
 
     def __init__(self, network: nnx.Module, micro_size: int, stage_config: dict[str, int]):
         if not isinstance(stage_config, dict) or not stage_config:
@@ -213,7 +254,7 @@ def pipeline_plan(cell: Any, data: tuple, mesh_plan, ctx) -> PipelinePlan:
     sched = make_schedule(name, stages=S, micro=M, chunks=chunks)
     avals = [jax.ShapeDtypeStruct((x.shape[0] // M, *x.shape[1:]), x.dtype) for x in data
              if hasattr(x, "shape") and len(x.shape)]
-    jmesh = rmesh.jax_mesh()
+    jmesh = jax_mesh(rmesh)
     inner = tuple(a for a in rmesh.names if a not in stage_axes)
     prog = cut(net, lambda m, *d: m(*d), avals, stages=S, chunks=chunks, stage_config=dict(cell.stage_config or ()),
                stage_mesh=(jmesh, inner), dataset_strategy=ctx.dataset_strategy)
@@ -260,7 +301,7 @@ def _in_stage_layouts(prog, avals: list, rmesh, inner: tuple[str, ...], slices: 
     devices or only over as many as divide one slice, aborts XLA's SPMD partitioner (JAX 0.10,
     spmd_partitioner_util.cc:497 ``partition_group_list.num_replica_groups() * ... ==
     device_groups.num_devices_per_group()``, in ``PartitionGather``), with either executor; the same model, split
-    and loss outside the pipeline's scan compile (``tests/test_pipeline.py`` keeps the composition's training
+    and loss outside the pipeline's scan compile (``tests/e2e/pipeline/test_pipeline.py`` keeps the composition's training
     checked)."""
     if prog.marks:
         return None, None

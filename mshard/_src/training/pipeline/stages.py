@@ -27,9 +27,9 @@ from flax import nnx
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
-from mshard._src.jaxpr import marks as annotate
+from mshard._src.jaxpr import marks as marklib
 from mshard._src.jaxpr.marks import mark_p
-from mshard._src.planning.axis_assignment import InputInfo, exact_mark_key, mark_key, plan_region
+from mshard._src.planning.axis_assignment import InputInfo, assign_layouts, exact_mark_key, mark_key
 from mshard._src.training.pipeline.balance import balance
 from mshard._src.values import context as ctxmod
 from mshard._src.values.errors import PipelineError
@@ -126,8 +126,8 @@ def _trace(net: nnx.Module, loss_of: Any, data_avals: Sequence[Any], by_path: di
     aval = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     # traced as a region is (before the step is traced): a primitive with a strategy leaves its mark in the jaxpr
     # (for the in-stage plan) instead of running as its own sharded region
-    trace = annotate.current_region() or annotate.RegionTrace(device_num=ctxmod.current().devices)
-    with scopes, annotate.tracing_region(trace):
+    trace = marklib.current_region() or marklib.TraceRecord(device_num=ctxmod.current().devices)
+    with scopes, marklib.recording_into(trace):
         closed = jax.make_jaxpr(f)([aval(x) for x in p_leaves], [aval(x) for x in r_leaves], *data_avals)
     return closed, len(p_leaves), len(r_leaves)
 
@@ -145,7 +145,7 @@ def _stage_marks(closed: jcore.ClosedJaxpr, n_state: int, data_avals: Sequence[A
     n = 1
     for z in sizes:
         n *= z
-    lay = plan_region(closed, infos, mode="semi_auto_parallel", device_num=n, dataset_strategy=dataset_strategy)
+    lay = assign_layouts(closed, infos, mode="semi_auto_parallel", device_num=n, dataset_strategy=dataset_strategy)
     # each axis of the planned mesh is a run of the stage's real axes whose sizes multiply to its size
     groups, k = {}, 0
     for name, size in zip(lay.mesh.names, lay.mesh.shape):
@@ -349,7 +349,7 @@ def cut(net: nnx.Module, loss_of: Any, data_avals: Sequence[Any], *, stages: int
     """Trace ``loss_of(net, *data)`` for one micro-batch and cut it into ``stages * chunks`` virtual stages.
 
     ``stage_mesh = (jax mesh, the axes of one stage)``: where the cells carry operator strategies, they are planned
-    on one stage's devices (semi_auto's axis assignment, :func:`mshard._src.planning.axis_assignment.plan_region`, on a mesh of those
+    on one stage's devices (semi_auto's axis assignment, ``axis_assignment.assign_layouts``, on a mesh of those
     axes) and every annotated op is constrained to its planned layout inside the stage."""
     V = stages * chunks
     staged = module_stages(net, stage_config, stages)
