@@ -43,6 +43,8 @@ from mshard._src.values.errors import ContextError, PlanError, StrategyError
 from mshard._src.values.layout import (
     DimAxes,
     TensorStrategy,
+    axes_by_index,
+    axes_by_name,
     check_strategy,
     dims_of,
     replica_layout,
@@ -90,13 +92,9 @@ class Planned:
     eqn_in: dict[EqnKey, tuple[DimAxes | None, ...]] = field(default_factory=dict)
 
 
-def _names(layout, mesh: DeviceMesh) -> DimAxes:
-    return tuple(tuple(mesh.names[a] for a in axes) for axes in layout)
-
-
 def _strategy_from_layout(op, layout: DimAxes, mesh: DeviceMesh, operand: int | None = None):
     """A strategy of an op whose loop dims map 1:1 onto one tensor (source ops, marks), from axis names."""
-    return strategy_of_layout(op, tuple(tuple(mesh.names.index(a) for a in axes) for axes in layout), operand)
+    return strategy_of_layout(op, axes_by_index(layout, mesh), operand)
 
 
 def _batched(lay: DimAxes, eqn, rank: int) -> DimAxes:
@@ -125,7 +123,7 @@ def _fix_group(te, op, base: RegionLayouts, mesh: DeviceMesh) -> None:
         if rep:
             where[REPLICA] = rep
     if where:
-        op.fixed = tuple(tuple(mesh.names.index(a) for a in where.get(d, ())) for d in op.dims)
+        op.fixed = axes_by_index((where.get(d, ()) for d in op.dims), mesh)
 
 
 def _merged_strategy(note: OpNote, layouts: dict[int, DimAxes], mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
@@ -369,7 +367,7 @@ def _apply_strategy_file(load: str, trace: TraceResult, inputs: Sequence[InputIn
     for op in graph.ops:
         axes = loaded.graph_axes.get(op.name)
         if axes is not None and len(axes) == len(op.dims) and op.fixed is None:
-            op.fixed = tuple(tuple(mesh.names.index(a) for a in ax) for ax in axes)
+            op.fixed = axes_by_index(axes, mesh)
             applied += 1
     stored = 0
     for i, info in enumerate(inputs):     # the parameters are stored as the file says
@@ -380,7 +378,7 @@ def _apply_strategy_file(load: str, trace: TraceResult, inputs: Sequence[InputIn
             stored += 1
         axes = loaded.graph_axes.get(op.name) if info.kind == "data" and info.strategy is None else None
         if axes is not None and len(axes) == len(op.dims):   # data laid out as the saved region's was
-            op.fixed = tuple(tuple(mesh.names.index(a) for a in ax) for ax in axes)
+            op.fixed = axes_by_index(axes, mesh)
     return f"strategy file {load}: {applied} op strategies and {stored} parameter layouts loaded"
 
 
@@ -398,11 +396,11 @@ def _search(searcher, trace: TraceResult, params: CostParams, opts: dict, inputs
         # leaf where it is stored (else the program gathers it whole to compute and slices it to store)
         searched = [result_layout(graph.ops[trace.input_ops[i]], result.strategies[trace.input_ops[i]], 0)
                     for i in range(len(inputs))]
-        want = list(hold(inputs, dataclasses.replace(base, inputs=[_names(x, mesh) for x in searched])))
+        want = list(hold(inputs, dataclasses.replace(base, inputs=[axes_by_name(x, mesh) for x in searched])))
         held = 0
         for i, lay in enumerate(want):
             op = graph.ops[trace.input_ops[i]]
-            if _names(searched[i], mesh) != lay and op.fixed is None:
+            if axes_by_name(searched[i], mesh) != lay and op.fixed is None:
                 op.fixed = _strategy_from_layout(op, lay, mesh)
                 held += 1
         if held:
@@ -444,7 +442,7 @@ def _emit_layouts(trace: TraceResult, strategies, base: RegionLayouts
                             user_inputs=set(base.user_inputs), strategy_inputs=list(base.inputs))
     for i, oid in enumerate(trace.input_ops):
         op = graph.ops[oid]
-        layouts.inputs[i] = _names(result_layout(op, strategies[op.id], 0), mesh)
+        layouts.inputs[i] = axes_by_name(result_layout(op, strategies[op.id], 0), mesh)
     eqn_out: dict[EqnKey, tuple] = {}
     eqn_in: dict[EqnKey, tuple] = {}
     # a tensor computed from constants alone (the ones a sum's gradient broadcasts, a ReLU gradient's zeros, a
@@ -460,21 +458,21 @@ def _emit_layouts(trace: TraceResult, strategies, base: RegionLayouts
                 if e.primitive is mark_p:
                     idx = e.params["index"]
                     lay = operand_layout(op, s, idx) if e.params["role"] == "in" else result_layout(op, s, idx)
-                    layouts.marks[mark_key(e)] = _names(lay, mesh)
+                    layouts.marks[mark_key(e)] = axes_by_name(lay, mesh)
             continue
         if te.eqn.primitive is mark_p:
-            layouts.marks[exact_mark_key(te.eqn)] = _names(result_layout(op, s, 0), mesh)
+            layouts.marks[exact_mark_key(te.eqn)] = axes_by_name(result_layout(op, s, 0), mesh)
             continue
         if op.outputs and all(t in free for t in op.outputs):
             continue
-        eqn_out[eqn_key(te)] = tuple(_names(result_layout(op, s, j), mesh) for j in range(len(op.outputs)))
+        eqn_out[eqn_key(te)] = tuple(axes_by_name(result_layout(op, s, j), mesh) for j in range(len(op.outputs)))
         ins = []
         for i, tid in enumerate(op.inputs):
             prod = graph.producer(tid)
             have = result_layout(prod, strategies[prod.id], prod.outputs.index(tid))
             want = operand_layout(op, s, i)
             moved = have != want or (tid in free and any(want))
-            ins.append(_names(want, mesh) if moved and prod.kind != "const" else None)
+            ins.append(axes_by_name(want, mesh) if moved and prod.kind != "const" else None)
         if any(x is not None for x in ins):
             eqn_in[eqn_key(te)] = tuple(ins)
     return layouts, eqn_out, eqn_in
@@ -502,7 +500,7 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
             e["ids"].append(op.id)
             if te.eqn.primitive is mark_p and te.eqn.params["role"] == "in":
                 idx = te.eqn.params["index"]
-                lay = list(_names(result_layout(op, strategies[op.id], 0), mesh))
+                lay = list(axes_by_name(result_layout(op, strategies[op.id], 0), mesh))
                 extra = len(lay) - len(note.in_dims[idx])
                 if te.eqn.params.get("bdim") is not None and extra == 1:
                     del lay[te.eqn.params["bdim"]]         # the replica dim is not the op's
@@ -537,7 +535,7 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
             if have != want and prod.kind != "const" and op.id in owner:
                 redistributions.append(Redistribution(
                     owner[op.id], i, t.shape, tuple(graph.mesh.count(a) for a in have),
-                    tuple(graph.mesh.count(a) for a in want), _names(have, mesh), _names(want, mesh),
+                    tuple(graph.mesh.count(a) for a in want), axes_by_name(have, mesh), axes_by_name(want, mesh),
                     {k: float(v) for k, v in c.comm_bytes.items() if v}, reused))
     for name, e in entries.items():       # traced op by op: its inputs' layouts merged into one strategy
         if "layouts" in e:
@@ -550,8 +548,8 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
     for i, info in enumerate(inputs):
         if info.kind == "param":
             op = graph.ops[trace.input_ops[i]]
-            param_specs[info.name] = spec_of(_names(result_layout(op, strategies[op.id], 0), mesh))
-    graph_axes = {op.name: [[mesh.names[a] for a in ax] for ax in strategies[op.id]] for op in graph.ops
+            param_specs[info.name] = spec_of(axes_by_name(result_layout(op, strategies[op.id], 0), mesh))
+    graph_axes = {op.name: [list(ax) for ax in axes_by_name(strategies[op.id], mesh)] for op in graph.ops
                   if not op.is_source or op.kind == "data"}
     program = graph_cost(graph, strategies, params, shared=True)     # what the compiled program runs
     return Plan(mesh, plan_ops, param_specs, PlanCost.of(program), algorithm, result.seconds, tuple(notes),
@@ -617,7 +615,7 @@ class _Explainer:
             chosen = self.strategies[oid]
             c = self.local(op, chosen)
             lines.append(f"  {op.name}: loop dims {dict(op.dims)} axes "
-                         f"{[[self.mesh.names[a] for a in ax] for ax in chosen]}: {_fmt(c)}")
+                         f"{[list(ax) for ax in axes_by_name(chosen, self.mesh)]}: {_fmt(c)}")
             if op.fixed is not None:
                 continue
             alts = []
@@ -628,7 +626,7 @@ class _Explainer:
             alts.sort(key=lambda a: a[0])
             for _, s in alts[:alternatives]:
                 lines.append(f"    alternative {split_counts(op, s, self.graph.mesh)} axes "
-                             f"{[[self.mesh.names[a] for a in ax] for ax in s]}: {_fmt(self.local(op, s))}")
+                             f"{[list(ax) for ax in axes_by_name(s, self.mesh)]}: {_fmt(self.local(op, s))}")
         return "\n".join(lines)
 
 

@@ -66,6 +66,20 @@ def _jax_mesh(names: tuple[str, ...], shape: tuple[int, ...]) -> Mesh:
     return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
 
 
+def axes_by_name(layout: Iterable[Iterable[int]], mesh: DeviceMesh) -> DimAxes:
+    """A layout over mesh axis indices (the searchers' form) as axis names per dim.
+
+    >>> axes_by_name(((0,), (), (1, 2)), prime_mesh(8))
+    (('d0',), (), ('d1', 'd2'))
+    """
+    return tuple(tuple(mesh.names[a] for a in axes) for axes in layout)
+
+
+def axes_by_index(dims: Iterable[Iterable[str]], mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
+    """Axis names per dim as mesh axis indices (the searchers' form); the inverse of :func:`axes_by_name`."""
+    return tuple(tuple(mesh.names.index(a) for a in axes) for axes in dims)
+
+
 def spec_of(dims: DimAxes) -> PartitionSpec:
     """``(("d0",), (), ("d1", "d2"))`` -> ``P("d0", None, ("d1", "d2"))``."""
     return PartitionSpec(*[None if not a else (a[0] if len(a) == 1 else tuple(a)) for a in dims])

@@ -308,7 +308,7 @@ def _in_stage_layouts(prog, avals: list, rmesh, inner: tuple[str, ...], slices: 
     rows = avals[0].shape[0] if avals and slices == 1 else 0
     axes, n = [], 1
     for a in inner:
-        size = rmesh.shape[rmesh.names.index(a)]
+        size = rmesh.axis_size(a)
         if rows and rows % (n * size) == 0:
             axes.append(a)
             n *= size
