@@ -63,6 +63,8 @@ def _fresh_mshard_context():
     ms.reset_auto_parallel_context()
     ms.reset_algo_parameters()
     ms.reset_cost_model_context()
+    ms.set_seed(0)
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
     yield
     ms.reset_auto_parallel_context()
     ms.reset_algo_parameters()

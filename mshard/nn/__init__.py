@@ -2,6 +2,8 @@
 
 from mshard._src.frontend.cell import Cell as Cell
 from mshard._src.frontend.cell import recompute as recompute
+from mshard._src.frontend.containers import CellList as CellList
+from mshard._src.frontend.containers import SequentialCell as SequentialCell
 from mshard._src.frontend.layers import Conv2d as Conv2d
 from mshard._src.frontend.layers import Dense as Dense
 from mshard._src.frontend.layers import Dropout as Dropout
@@ -13,8 +15,14 @@ from mshard._src.frontend.layers import MaxPool2d as MaxPool2d
 from mshard._src.frontend.layers import MultiHeadAttention as MultiHeadAttention
 from mshard._src.frontend.layers import ReLU as ReLU
 from mshard._src.frontend.layers import TransformerBlock as TransformerBlock
+from mshard._src.frontend.losses import CrossEntropyLoss as CrossEntropyLoss
 from mshard._src.frontend.losses import MSELoss as MSELoss
 from mshard._src.frontend.losses import SoftmaxCrossEntropyWithLogits as SoftmaxCrossEntropyWithLogits
+from mshard._src.frontend.optimizers import SGD as SGD
+from mshard._src.frontend.optimizers import Adam as Adam
+from mshard._src.frontend.optimizers import AdamWeightDecay as AdamWeightDecay
+from mshard._src.frontend.optimizers import Momentum as Momentum
+from mshard._src.frontend.optimizers import Optimizer as Optimizer
 from mshard._src.training.pipeline.cells import Pipeline as Pipeline
 from mshard._src.training.pipeline.cells import PipelineCell as PipelineCell
 from mshard._src.training.train_cells import GradAccumulationCell as GradAccumulationCell
@@ -23,8 +31,13 @@ from mshard._src.training.train_cells import TrainOneStepCell as TrainOneStepCel
 from mshard._src.training.train_cells import WithLossCell as WithLossCell
 
 __all__ = [
+    "SGD",
+    "Adam",
+    "AdamWeightDecay",
     "Cell",
+    "CellList",
     "Conv2d",
+    "CrossEntropyLoss",
     "Dense",
     "Dropout",
     "Embedding",
@@ -35,10 +48,13 @@ __all__ = [
     "MSELoss",
     "MaxPool2d",
     "MicroBatchInterleaved",
+    "Momentum",
     "MultiHeadAttention",
+    "Optimizer",
     "Pipeline",
     "PipelineCell",
     "ReLU",
+    "SequentialCell",
     "SoftmaxCrossEntropyWithLogits",
     "TrainOneStepCell",
     "TransformerBlock",

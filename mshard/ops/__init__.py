@@ -17,6 +17,7 @@ from mshard._src.frontend.primitive_ops import Concat as Concat
 from mshard._src.frontend.primitive_ops import Conv2D as Conv2D
 from mshard._src.frontend.primitive_ops import Exp as Exp
 from mshard._src.frontend.primitive_ops import ExpandDims as ExpandDims
+from mshard._src.frontend.primitive_ops import Flatten as Flatten
 from mshard._src.frontend.primitive_ops import Gather as Gather
 from mshard._src.frontend.primitive_ops import GeLU as GeLU
 from mshard._src.frontend.primitive_ops import LayerNorm as LayerNorm
@@ -61,6 +62,7 @@ __all__ = [
     "Conv2D",
     "Exp",
     "ExpandDims",
+    "Flatten",
     "Gather",
     "GeLU",
     "LayerNorm",

@@ -11,7 +11,8 @@ import inspect
 
 import pytest
 
-FACES = ("mshard", "mshard.nn", "mshard.ops", "mshard.parallel", "mshard.checkpoint", "mshard.errors",
+FACES = ("mshard", "mshard.nn", "mshard.ops", "mshard.parallel", "mshard.checkpoint", "mshard.errors", "mshard.common",
+         "mshard.common.initializer", "mshard.runtime",
          "mshard.context", "mshard.communication", "mshard.dataset", "mshard.fusion")
 
 
@@ -26,6 +27,8 @@ def _public() -> dict[str, object]:
                 continue
             if inspect.isclass(obj) and issubclass(obj, (Exception, Warning)):
                 continue                        # the error hierarchy: one line each, its use is in the raiser's doc
+            if not getattr(obj, "__module__", "").startswith("mshard"):
+                continue                        # a name of another library under MindSpore's name (ms.float32)
             seen.add(id(obj))
             out[f"{face}.{name}"] = obj
     return out

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mshard._src.frontend.parameter import FrozenParameter
 from mshard._src.frontend.shard import module_strategies
 from mshard._src.jaxpr import marks
 from mshard._src.jaxpr.marks import CallSite
@@ -66,6 +67,10 @@ def _wrap_call(call: Callable) -> Callable:
             trace.scope_stack.pop()
     __call__._mshard_wrapped = True
     return __call__
+
+
+def _construct_call(self, *args, **kwargs):
+    return self.construct(*args, **kwargs)
 
 
 def _plain(self, call, args, kwargs):
@@ -218,6 +223,8 @@ class Cell(nnx.Module):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        if "construct" in cls.__dict__ and "__call__" not in cls.__dict__:
+            cls.__call__ = _construct_call          # MindSpore's forward: a Cell that defines construct runs it
         call = cls.__dict__.get("__call__")
         if call is not None and not getattr(call, "_mshard_wrapped", False):
             cls.__call__ = _wrap_call(call)
@@ -257,6 +264,54 @@ class Cell(nnx.Module):
         :func:`recompute`) on a plain ``nnx.Module`` makes that module recompute too.
         """
         return recompute(self, policy, **kwargs)
+
+    def trainable_params(self, recurse: bool = True) -> list[nnx.Param]:
+        """MindSpore's ``trainable_params``: the Cell's trained parameters (its ``nnx.Param`` Variables, each once,
+        in the order of ``nnx.state``), what an optimizer Cell takes.
+
+        Args:
+            recurse: include the sub-Cells' parameters (False: only those held directly by this Cell).
+
+        Returns:
+            A list of ``nnx.Param`` Variables.
+
+        >>> from flax import nnx
+        >>> from mshard import nn
+        >>> [tuple(p[...].shape) for p in nn.Dense(4, 2, rngs=nnx.Rngs(0)).trainable_params()]
+        [(2,), (2, 4)]
+        """
+        return self._variables(nnx.Param, recurse)
+
+    def get_parameters(self, expand: bool = True) -> list[nnx.Variable]:
+        """MindSpore's ``get_parameters``: every parameter, trained or not (``Parameter(requires_grad=False)``).
+
+        Args:
+            expand: include the sub-Cells' parameters.
+
+        Returns:
+            A list of Variables.
+
+        >>> import mshard as ms
+        >>> from mshard import nn
+        >>> class Net(nn.Cell):
+        ...     def __init__(self):
+        ...         self.w = ms.Parameter(ms.Tensor([1.0]))
+        ...         self.scale = ms.Parameter(ms.Tensor(2.0), requires_grad=False)
+        >>> len(Net().get_parameters()), len(Net().trainable_params())
+        (2, 1)
+        """
+        return self._variables(nnx.Any(nnx.Param, FrozenParameter), expand)
+
+    def _variables(self, which, recurse: bool) -> list[nnx.Variable]:
+        out, seen = [], set()
+        for path, v in nnx.iter_graph(self):
+            if (isinstance(v, nnx.Variable) and id(v) not in seen and (recurse or len(path) == 1)
+                    and nnx.filterlib.to_predicate(which)(path, v)):
+                seen.add(id(v))
+                if getattr(v, "name", None) is None:         # MindSpore names a parameter by its attribute path
+                    v.set_metadata("name", ".".join(map(str, path)))
+                out.append(v)
+        return out
 
     def set_train(self, mode: bool = True) -> Cell:
         """MindSpore's ``set_train``: ``False`` makes Dropout deterministic in this Cell and below (nnx's

@@ -29,6 +29,7 @@ from flax import nnx
 
 from mshard._src.frontend import primitive_ops as ops
 from mshard._src.frontend.cell import Cell
+from mshard._src.frontend.parameter import HeUniform, Uniform, initializer
 from mshard._src.values.errors import CellError
 
 _ACT: dict[str, Callable] = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "tanh": jnp.tanh,
@@ -40,20 +41,24 @@ def _pair(v) -> tuple[int, int]:
 
 
 class Dense(Cell):
-    """``Dense(in_channels, out_channels, has_bias=True, activation=None, *, rngs)``: y = x @ W^T + b.
+    """``Dense(in_channels, out_channels, weight_init=None, bias_init=None, has_bias=True, activation=None)``:
+    y = x @ W^T + b, as MindSpore's.
 
     ``weight`` is ``[out_channels, in_channels]`` and the matmul is ``ops.MatMul(transpose_b=True)``
     (``self.matmul``), as in MindSpore, so ``dense.matmul.shard(((2, 1), (4, 1)))`` is column parallel.
-    Inputs of rank > 2 are flattened to 2-D around the matmul. Differences from MindSpore: the weight starts
-    LeCun normal (MindSpore's default initialiser differs), and ``rngs`` is required.
+    Inputs of rank > 2 are flattened to 2-D around the matmul. Without ``rngs`` the parameters are drawn from the
+    global seed (``ms.set_seed``) with MindSpore's defaults (HeUniform(sqrt(5)) weight, U(+-1/sqrt(in)) bias);
+    with ``rngs`` and no ``weight_init`` the weight is LeCun normal and the bias zeros (the flax convention).
 
     Args:
         in_channels: size of the input's last dim.
         out_channels: size of the output's last dim.
-        has_bias: add a ``bias`` parameter ``[out_channels]`` (zeros at first) through ``ops.BiasAdd``
-            (``self.bias_add``).
+        weight_init: MindSpore's ``weight_init``: an initializer name, ``Initializer``, number or array
+            (``ms.common.initializer``).
+        bias_init: the same for the bias.
+        has_bias: add a ``bias`` parameter ``[out_channels]`` through ``ops.BiasAdd`` (``self.bias_add``).
         activation: applied last: ``"relu"``, ``"gelu"``, ``"tanh"``, ``"sigmoid"``, any callable, or None.
-        rngs: ``flax.nnx.Rngs``; its ``params`` stream draws ``weight``.
+        rngs: optional ``flax.nnx.Rngs``; its ``params`` stream draws ``weight`` when ``weight_init`` is None.
         dtype: the parameters' dtype.
 
     >>> import jax.numpy as jnp
@@ -62,13 +67,25 @@ class Dense(Cell):
     >>> d = nn.Dense(4, 2, rngs=nnx.Rngs(0))
     >>> d.weight[...].shape, d(jnp.ones((3, 5, 4))).shape
     ((2, 4), (3, 5, 2))
+    >>> nn.Dense(3, 1, weight_init="ones", bias_init="zeros")(jnp.ones((1, 3))).tolist()
+    [[3.0]]
     """
 
-    def __init__(self, in_channels: int, out_channels: int, has_bias: bool = True,
-                 activation: str | Callable | None = None, *, rngs: nnx.Rngs, dtype: Any = jnp.float32):
-        init = jax.nn.initializers.lecun_normal()
-        self.weight = nnx.Param(init(rngs.params(), (out_channels, in_channels), dtype))
-        self.bias = nnx.Param(jnp.zeros((out_channels,), dtype)) if has_bias else None
+    def __init__(self, in_channels: int, out_channels: int, weight_init: Any = None, bias_init: Any = None,
+                 has_bias: bool = True, activation: str | Callable | None = None, *, rngs: nnx.Rngs | None = None,
+                 dtype: Any = jnp.float32):
+        if weight_init is None and rngs is not None:
+            w = jax.nn.initializers.lecun_normal()(rngs.params(), (out_channels, in_channels), dtype)
+        else:       # MindSpore's default: HeUniform(negative_slope=sqrt(5)), drawn from the global seed
+            w = initializer(HeUniform(math.sqrt(5)) if weight_init is None else weight_init,
+                            (out_channels, in_channels), dtype)
+        self.weight = nnx.Param(w)
+        if not has_bias:
+            self.bias = None
+        elif bias_init is None and rngs is None:    # MindSpore's default: U(-1/sqrt(in), 1/sqrt(in))
+            self.bias = nnx.Param(initializer(Uniform(1 / math.sqrt(in_channels)), (out_channels,), dtype))
+        else:
+            self.bias = nnx.Param(initializer("zeros" if bias_init is None else bias_init, (out_channels,), dtype))
         self.matmul = ops.MatMul(transpose_b=True)
         self.bias_add = ops.BiasAdd()
         self.activation = _ACT[activation] if isinstance(activation, str) else activation
@@ -370,10 +387,10 @@ class MultiHeadAttention(Cell):
             raise CellError(f"MultiHeadAttention: num_heads={num_heads} must divide hidden_size={hidden_size}.")
         self.hidden_size, self.num_heads, self.causal = hidden_size, num_heads, causal
         self.head_dim = hidden_size // num_heads
-        self.query = Dense(hidden_size, hidden_size, has_bias, rngs=rngs, dtype=dtype)
-        self.key = Dense(hidden_size, hidden_size, has_bias, rngs=rngs, dtype=dtype)
-        self.value = Dense(hidden_size, hidden_size, has_bias, rngs=rngs, dtype=dtype)
-        self.projection = Dense(hidden_size, hidden_size, has_bias, rngs=rngs, dtype=dtype)
+        self.query = Dense(hidden_size, hidden_size, has_bias=has_bias, rngs=rngs, dtype=dtype)
+        self.key = Dense(hidden_size, hidden_size, has_bias=has_bias, rngs=rngs, dtype=dtype)
+        self.value = Dense(hidden_size, hidden_size, has_bias=has_bias, rngs=rngs, dtype=dtype)
+        self.projection = Dense(hidden_size, hidden_size, has_bias=has_bias, rngs=rngs, dtype=dtype)
         self.qk = ops.BatchMatMul(transpose_b=True)
         self.softmax = ops.Softmax(-1)
         self.pv = ops.BatchMatMul()

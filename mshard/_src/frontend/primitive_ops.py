@@ -636,6 +636,29 @@ class Reshape(Primitive):
         return (tuple(ins),), (tuple(outs),), frozenset(fixed)
 
 
+class Flatten(Reshape):
+    """``Flatten()(x)``: ``[N, d1, d2, ...] -> [N, d1 * d2 * ...]``, as MindSpore's ``ops.Flatten``.
+
+    Strategy: one split tuple for ``x``; the batch dim splits freely, and of the flattened dims only the first may
+    be split (Reshape's rule).
+
+    Args:
+        name: the op's name in plans and errors (default ``None``: it goes by its class name).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> ops.Flatten()(jnp.ones((2, 3, 4))).shape
+    (2, 12)
+    """
+
+    def compute(self, x):
+        return jnp.reshape(x, (x.shape[0], -1))
+
+    def spec(self, shapes, attrs):
+        s = tuple(shapes[0])
+        return super().spec(shapes, ((s[0], math.prod(s[1:])),))
+
+
 class ExpandDims(Primitive):
     """``ExpandDims()(x, axis)``: ``x`` with a new size-1 dim at ``axis`` (an int; negative counts from the end).
 

@@ -574,7 +574,7 @@ def assign_layouts(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, mo
     annotated = [names[n.uid] for n in notes
                  if any(st is not None for st in tuple(n.in_strategy) + tuple(n.out_strategy or ()))]
     if annotated and mode in ("stand_alone", "data_parallel"):
-        warnings.warn(f"parallel_mode={mode!r} ignores the strategies of {annotated[:5]}"
+        warnings.warn(f"parallel_mode={str(mode)!r} ignores the strategies of {annotated[:5]}"
                       f"{' and more' if len(annotated) > 5 else ''}; set parallel_mode='semi_auto_parallel' to apply "
                       f"them.", StrategyIgnoredWarning, stacklevel=2)
     if mode == "stand_alone":

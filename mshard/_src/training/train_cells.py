@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from mshard._src.frontend.cell import Cell
+from mshard._src.frontend.optimizers import Optimizer
 from mshard._src.frontend.wrapper_cells import GradAccumulationCell, MicroBatchInterleaved, WithLossCell
 from mshard._src.jaxpr import marks
 from mshard._src.runtime import fusion
@@ -51,7 +52,7 @@ from mshard._src.training.pipeline.cells import check_pipeline, pipeline_grads, 
 from mshard._src.training.step_layouts import _plan_step, _StepPlan
 from mshard._src.training.zero import _zero_layouts
 from mshard._src.values import context as ctxmod
-from mshard._src.values.errors import CellTypeError, CommFusionWarning, GradientsMeanWarning, StrategyError
+from mshard._src.values.errors import CellError, CellTypeError, CommFusionWarning, GradientsMeanWarning, StrategyError
 from mshard._src.values.layout import jax_mesh, spec_of
 
 __all__ = ["GradAccumulationCell", "MicroBatchInterleaved", "TrainOneStepCell", "WithLossCell"]
@@ -322,6 +323,24 @@ def _param_names(net: nnx.Module) -> tuple[list[str], list[Any]]:
     return names, [x for _, x in pleaves]
 
 
+def _optimizer_cell_tx(network: nnx.Module, opt: Optimizer) -> optax.GradientTransformation:
+    """An optimizer Cell's ``tx`` for ``network``'s Param state: as it is where the Cell holds every trained parameter;
+    otherwise applied to the Cell's parameters only (``optax.masked``), the others' updates set to zero."""
+    state = nnx.state(network, nnx.Param)
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    ours = {id(p) for p in opt.parameters}
+    theirs = {id(v) for v in jax.tree.leaves(state, is_leaf=is_var)}
+    if not ours <= theirs:
+        raise CellError(f"TrainOneStepCell: {len(ours - theirs)} of the {len(ours)} parameters of "
+                        f"{type(opt).__name__} are not parameters of the network; build the optimizer from this "
+                        f"network's trainable_params().")
+    if ours == theirs:
+        return opt.tx
+    mask = jax.tree.map(lambda v: id(v) in ours, state, is_leaf=is_var)
+    frozen = jax.tree.map(lambda m: not m, mask)
+    return optax.chain(optax.masked(opt.tx, mask), optax.masked(optax.set_to_zero(), frozen))
+
+
 _RUNTIMES: weakref.WeakKeyDictionary[TrainOneStepCell, _Runtime] = weakref.WeakKeyDictionary()
 
 
@@ -329,18 +348,20 @@ class TrainOneStepCell(Cell):
     """``TrainOneStepCell(network, optimizer, sens=1.0)``: one jitted training step under the current context.
 
     ``network`` is a network with loss (:class:`WithLossCell`, :class:`GradAccumulationCell`, any Cell
-    returning a scalar loss); ``optimizer`` an optax ``GradientTransformation``. ``step(*data)`` runs the
-    step and returns the loss; the network's parameters are updated in place. ``step.opt_state`` is the
-    optax state (global jax.Arrays on their planned shardings). ``sens`` scales the gradients (MindSpore's
-    loss-scale sensitivity). Gradient semantics and optimizer parallel: docs/gradients.md.
+    returning a scalar loss); ``optimizer`` an optimizer Cell (``nn.Momentum(net.trainable_params(), ...)``) or
+    an optax ``GradientTransformation``. ``step(*data)`` runs the step and returns the loss; the parameters are
+    updated in place. ``step.opt_state`` is the optax state (global jax.Arrays on their planned shardings).
+    ``sens`` scales the gradients (MindSpore's loss-scale sensitivity). Gradients: docs/gradients.md.
 
     Maps to JAX as: one ``jax.jit`` (through ``ms.jit``) of ``nnx.value_and_grad`` + ``optax`` with the
-    parameters and optimizer state as donated, sharded inputs. Differences from MindSpore: ``optimizer`` is
-    an optax transformation, not a MindSpore Optimizer Cell.
+    parameters and optimizer state as donated, sharded inputs. Differences from MindSpore: an optimizer Cell
+    runs as its optax ``tx`` (calling it on gradients yourself is not supported yet).
 
     Args:
         network: the network with loss; ``network(*data)`` returns the scalar loss.
-        optimizer: an ``optax.GradientTransformation`` (e.g. ``optax.adamw(1e-3)``), applied to the ``nnx.Param``s.
+        optimizer: an optimizer Cell (``nn.SGD``, ``nn.Momentum``, ``nn.Adam``, ``nn.AdamWeightDecay``) over some or
+            all of the network's ``nnx.Param``s, or an ``optax.GradientTransformation`` (e.g. ``optax.adamw(1e-3)``)
+            applied to every ``nnx.Param``.
         sens: the factor the gradients are scaled by (MindSpore's loss-scale sensitivity).
 
     >>> import jax.numpy as jnp, optax, mshard as ms
@@ -355,10 +376,13 @@ class TrainOneStepCell(Cell):
     >>> ms.reset_auto_parallel_context()
     """
 
-    def __init__(self, network: nnx.Module, optimizer: optax.GradientTransformation, sens: float = 1.0):
-        if not isinstance(optimizer, optax.GradientTransformation):
-            raise CellTypeError(f"TrainOneStepCell: optimizer must be an optax GradientTransformation (e.g. "
-                            f"optax.adamw(1e-3)), got {type(optimizer).__name__}.")
+    def __init__(self, network: nnx.Module, optimizer: Optimizer | optax.GradientTransformation, sens: float = 1.0):
+        if isinstance(optimizer, Optimizer):
+            optimizer = _optimizer_cell_tx(network, optimizer)
+        elif not isinstance(optimizer, optax.GradientTransformation):
+            raise CellTypeError(f"TrainOneStepCell: optimizer must be an optimizer Cell (e.g. "
+                                f"nn.Momentum(net.trainable_params(), 0.01, 0.9)) or an optax GradientTransformation "
+                                f"(e.g. optax.adamw(1e-3)), got {type(optimizer).__name__}.")
         self.network = network
         self.optimizer = nnx.Optimizer(network, optimizer, wrt=nnx.Param)
         self.sens = float(sens)
