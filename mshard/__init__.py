@@ -15,8 +15,11 @@ from mshard import nn as nn
 from mshard import ops as ops
 from mshard import parallel as parallel
 from mshard import runtime as runtime
+from mshard import train as train
+from mshard._src.edges.callbacks import CheckpointConfig as CheckpointConfig
 from mshard._src.edges.comm_report import CommReport as CommReport
 from mshard._src.edges.comm_report import comm_report as comm_report
+from mshard._src.edges.model import Model as Model
 from mshard._src.edges.visualize import visualize as visualize
 from mshard._src.frontend.cell import recompute as recompute
 from mshard._src.frontend.functional import jit as jit
@@ -45,7 +48,6 @@ from mshard._src.values.run_mode import get_context as get_context
 from mshard._src.values.run_mode import set_context as set_context
 from mshard._src.values.seed import get_seed as get_seed
 from mshard._src.values.seed import set_seed as set_seed
-from mshard.checkpoint import CheckpointConfig as CheckpointConfig
 from mshard.checkpoint import CheckpointManager as CheckpointManager
 from mshard.checkpoint import infer_predict_layout as infer_predict_layout
 from mshard.checkpoint import load_checkpoint as load_checkpoint
@@ -71,6 +73,7 @@ __all__ = [
                       "CheckpointManager",
                       "CommReport",
                       "Layout",
+                      "Model",
                       "ParallelMode",
                       "Parameter",
                       "Plan",
@@ -119,6 +122,7 @@ __all__ = [
                       "set_cost_model_context",
                       "set_seed",
                       "shard",
+                      "train",
                       "transform_checkpoints",
                       "uint8",
                       "value_and_grad",

@@ -5,10 +5,16 @@
 (8, 2)
 """
 
+from mshard._src.runtime.data_sources import Dataset as Dataset
+from mshard._src.runtime.data_sources import GeneratorDataset as GeneratorDataset
+from mshard._src.runtime.data_sources import NumpySlicesDataset as NumpySlicesDataset
 from mshard._src.runtime.dataset import batch_shardings as batch_shardings
 from mshard._src.runtime.dataset import shard_batch as shard_batch
 
 __all__ = [
+    "Dataset",
+    "GeneratorDataset",
+    "NumpySlicesDataset",
     "batch_shardings",
     "shard_batch",
 ]

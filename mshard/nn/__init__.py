@@ -21,6 +21,7 @@ from mshard._src.frontend.losses import SoftmaxCrossEntropyWithLogits as Softmax
 from mshard._src.frontend.optimizers import SGD as SGD
 from mshard._src.frontend.optimizers import Adam as Adam
 from mshard._src.frontend.optimizers import AdamWeightDecay as AdamWeightDecay
+from mshard._src.frontend.optimizers import DistributedGradReducer as DistributedGradReducer
 from mshard._src.frontend.optimizers import Momentum as Momentum
 from mshard._src.frontend.optimizers import Optimizer as Optimizer
 from mshard._src.training.pipeline.cells import Pipeline as Pipeline
@@ -39,6 +40,7 @@ __all__ = [
     "Conv2d",
     "CrossEntropyLoss",
     "Dense",
+    "DistributedGradReducer",
     "Dropout",
     "Embedding",
     "FeedForward",

@@ -463,3 +463,30 @@ class AdamWeightDecay(Optimizer):
 
     def _rule(self) -> optax.GradientTransformation:
         return self._chain(_adam_weight_decay_rule(self.beta1, self.beta2, self.eps), decay_after=True)
+
+
+class DistributedGradReducer:
+    """MindSpore's ``nn.DistributedGradReducer(parameters, mean=True, degree=None, fusion_type=1, group=...)``:
+    here the identity. mshard's gradients are already those of the global loss over the global batch (the planned
+    program reduces them across devices, docs/gradients.md), so there is nothing left to all-reduce.
+
+    Args:
+        parameters: the optimizer's parameters (accepted for MindSpore's signature).
+        mean: MindSpore's mean flag (the gradient is the global-loss gradient either way).
+        degree: MindSpore's device count (unused).
+        fusion_type: MindSpore's fusion group (fusion follows ``comm_fusion``).
+        group: MindSpore's communication group (unused).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import nn
+    >>> g = (jnp.ones(2),)
+    >>> nn.DistributedGradReducer([])(g) is g
+    True
+    """
+
+    def __init__(self, parameters: Any = None, mean: bool = True, degree: int | None = None, fusion_type: int = 1,
+                 group: Any = None):
+        self.mean, self.degree = mean, degree
+
+    def __call__(self, grads: Any) -> Any:
+        return grads

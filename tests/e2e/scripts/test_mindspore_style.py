@@ -5,6 +5,7 @@ stand-alone on one device (the same script: mshard ignores strategies there and 
 every parameter must agree."""
 
 import importlib.util
+import warnings
 
 import numpy as np
 import pytest
@@ -25,14 +26,23 @@ def _script(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["operator_parallel"])
+@pytest.mark.parametrize("name", ["operator_parallel", "data_parallel", "model_train"])
 def test_mindspore_style_script_equals_one_device(name):
+    """``main`` returns (losses or the trained model's logits, {parameter: value})."""
     mod = _script(name)
-    losses, params = mod.main(parallel=True, verbose=False)
-    with pytest.warns(StrategyIgnoredWarning):        # stand-alone ignores the strategies, and says so
-        ref_losses, ref_params = mod.main(parallel=False, verbose=False)
-    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    out, params = mod.main(parallel=True, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StrategyIgnoredWarning)     # stand-alone ignores the strategies, and says so
+        ref_out, ref_params = mod.main(parallel=False, verbose=False)
+        _, init = _fresh(mod)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), **TOL)
     assert params.keys() == ref_params.keys() and len(params) > 0
     for k in params:
         np.testing.assert_allclose(params[k], ref_params[k], err_msg=k, **TOL)
-    assert losses[-1] != losses[0]            # it trained
+    assert any(not np.array_equal(params[k], init[k]) for k in params)       # it trained
+
+
+def _fresh(mod):
+    """The script's parameters before training (its seed, no step run)."""
+    return mod.main(parallel=False, verbose=False, **{"epochs" if "epochs" in mod.main.__code__.co_varnames
+                                                      else "steps": 0})
