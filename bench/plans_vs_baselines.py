@@ -46,7 +46,7 @@ import sys
 import _cpu8
 
 ROOT = _cpu8.ROOT
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "e2e" / "training")]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

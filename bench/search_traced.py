@@ -22,7 +22,7 @@ from pathlib import Path
 import _cpu8  # first: 8 simulated CPU devices before JAX is imported, quiet XLA, paths
 
 ROOT = _cpu8.ROOT
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "e2e" / "training")]
 
 from test_plain_models_train import gpt_case  # noqa: E402
 
