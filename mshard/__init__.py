@@ -40,6 +40,7 @@ from mshard._src.frontend.shard import shard as shard
 from mshard._src.runtime.dryrun import dry_run as dry_run
 from mshard._src.runtime.region import Region as Region
 from mshard._src.values.layout import Layout as Layout
+from mshard._src.values.names import missing_names
 from mshard._src.values.plan import Plan as Plan
 from mshard._src.values.plan import load_plan as load_plan
 from mshard._src.values.run_mode import GRAPH_MODE as GRAPH_MODE
@@ -128,3 +129,5 @@ __all__ = [
                       "value_and_grad",
                       "visualize",
 ]
+
+__getattr__ = missing_names(__name__, __all__)      # a name not offered says so, and what to use

@@ -10,6 +10,7 @@ from mshard._src.runtime.data_sources import GeneratorDataset as GeneratorDatase
 from mshard._src.runtime.data_sources import NumpySlicesDataset as NumpySlicesDataset
 from mshard._src.runtime.dataset import batch_shardings as batch_shardings
 from mshard._src.runtime.dataset import shard_batch as shard_batch
+from mshard._src.values.names import missing_names
 
 __all__ = [
     "Dataset",
@@ -18,3 +19,5 @@ __all__ = [
     "batch_shardings",
     "shard_batch",
 ]
+
+__getattr__ = missing_names(__name__, __all__)      # a name not offered says so, and what to use

@@ -4,7 +4,7 @@ Units:
 
 * ``compute``: seconds per device, ``flops / devices used / CostParams.flops_per_s``;
 * ``comm_bytes``: bytes sent per device, per collective kind (``"all-reduce"``,
-  ``"all-gather"``, ``"reduce-scatter"``, ``"all-to-all"``), ring formulas (ALGORITHMS §2);
+  ``"all-gather"``, ``"reduce-scatter"``, ``"all-to-all"``), ring formulas (docs/algorithms.md §2);
 * ``comm_time``: seconds, alpha-beta per mesh axis: one ``latency`` per collective (the largest of the
   axes it spans: XLA emits one collective over the device group, however many axes the group spans),
   plus bytes / ``bandwidth[axis]`` (a collective over several axes runs at the slowest);

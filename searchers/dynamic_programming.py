@@ -1,4 +1,4 @@
-"""dynamic_programming: MindSpore's graph eliminations (ALGORITHMS §4).
+"""dynamic_programming: MindSpore's graph eliminations (docs/algorithms.md §4).
 
 Every op lists its candidate strategies with a cost vector; every pair of adjacent ops gets a
 redistribution cost matrix (:mod:`searchers.pairwise_problem`; parallel edges are summed — *edge

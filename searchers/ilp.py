@@ -1,4 +1,4 @@
-"""ilp: an exact integer program over every op's strategies (Alpa; ALGORITHMS §6) — the yardstick.
+"""ilp: an exact integer program over every op's strategies (Alpa; docs/algorithms.md §6) — the yardstick.
 
 Variables: a binary ``x[v, s]`` per op ``v`` and candidate ``s`` (one per op: ``sum_s x[v, s] = 1``).
 Objective: ``sum x[v, s] * cost_v[s]`` plus, per pair of adjacent ops ``(a, b)``, the

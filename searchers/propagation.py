@@ -1,4 +1,4 @@
-"""MindSpore's sharding_propagation (ALGORITHMS §3).
+"""MindSpore's sharding_propagation (docs/algorithms.md §3).
 
 Start from the ops with a fixed strategy (``op.fixed``); walk the graph breadth-first over
 edges in both directions. When an op is first reached it is decided at once, against every

@@ -1,4 +1,4 @@
-"""recursive_programming: the double-recursive search (Wang et al., Euro-Par 2021; ALGORITHMS §5).
+"""recursive_programming: the double-recursive search (Wang et al., Euro-Par 2021; docs/algorithms.md §5).
 
 The outer recursion splits the device count one prime factor at a time: one round per mesh
 axis (the mesh has one axis per prime factor, so 8 devices take log2(8) = 3 rounds of halving

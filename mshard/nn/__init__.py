@@ -30,6 +30,7 @@ from mshard._src.training.train_cells import GradAccumulationCell as GradAccumul
 from mshard._src.training.train_cells import MicroBatchInterleaved as MicroBatchInterleaved
 from mshard._src.training.train_cells import TrainOneStepCell as TrainOneStepCell
 from mshard._src.training.train_cells import WithLossCell as WithLossCell
+from mshard._src.values.names import missing_names
 
 __all__ = [
     "SGD",
@@ -63,3 +64,5 @@ __all__ = [
     "WithLossCell",
     "recompute",
 ]
+
+__getattr__ = missing_names(__name__, __all__)      # a name not offered says so, and what to use

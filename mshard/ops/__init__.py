@@ -46,6 +46,7 @@ from mshard._src.frontend.primitive_ops import Sub as Sub
 from mshard._src.frontend.primitive_ops import Tanh as Tanh
 from mshard._src.frontend.primitive_ops import Transpose as Transpose
 from mshard._src.frontend.shard import shard as shard
+from mshard._src.values.names import missing_names
 
 __all__ = [
     "Add",
@@ -95,3 +96,5 @@ __all__ = [
     "Transpose",
     "shard",
 ]
+
+__getattr__ = missing_names(__name__, __all__)      # a name not offered says so, and what to use

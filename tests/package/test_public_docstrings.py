@@ -11,7 +11,7 @@ import inspect
 
 import pytest
 
-FACES = ("mshard", "mshard.nn", "mshard.ops", "mshard.parallel", "mshard.checkpoint", "mshard.errors", "mshard.common",
+FACES = ("mshard", "mshard.nn", "mshard.ops", "mshard.parallel", "mshard.parallel.nn", "mshard.checkpoint", "mshard.errors", "mshard.common",
          "mshard.common.initializer", "mshard.runtime", "mshard.train",
          "mshard.context", "mshard.communication", "mshard.dataset", "mshard.fusion")
 

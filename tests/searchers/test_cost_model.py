@@ -1,4 +1,4 @@
-"""The cost model against numbers worked out by hand from ALGORITHMS §2 and the alpha-beta model."""
+"""The cost model against numbers worked out by hand from docs/algorithms.md §2 and the alpha-beta model."""
 
 import itertools
 import math

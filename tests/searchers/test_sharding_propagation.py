@@ -1,4 +1,4 @@
-"""sharding_propagation (ALGORITHMS §3): the Megatron acceptance example, reconciling several
+"""sharding_propagation (docs/algorithms.md §3): the Megatron acceptance example, reconciling several
 decided sides, shared parameters, data-parallel fallbacks, agreement with the oracle, speed."""
 
 

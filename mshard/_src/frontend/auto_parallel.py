@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 
+from mshard._src.frontend.cell import Cell
 from mshard._src.values import context as ctxmod
 from mshard._src.values.context import did_you_mean
 from mshard._src.values.errors import ContextError
@@ -38,7 +39,15 @@ MODES = {"semi_auto": ("semi_auto_parallel", None),
          "recursive_programming": ("auto_parallel", "recursive_programming")}
 
 
-class AutoParallel:
+class _Settings(dict):
+    """The wrapper's context values: a dict that hashes by its contents, so the Cell's graph (which holds it as a
+    static attribute) can be a cache key."""
+
+    def __hash__(self) -> int:                              # type: ignore[override]
+        return hash(repr(sorted(self.items())))
+
+
+class AutoParallel(Cell):
     """``AutoParallel(network, parallel_mode="semi_auto")``: ``network`` (a Cell, a TrainOneStepCell, an
     ``ms.jit`` region or any callable) run with its own parallel configuration on every device of the job.
 
@@ -68,9 +77,10 @@ class AutoParallel:
         mode, search = MODES[parallel_mode]
         self.network = network
         self.parallel_mode = parallel_mode
-        self._settings: dict[str, Any] = {"parallel_mode": mode, "device_num": jax.device_count()}
+        settings: dict[str, Any] = {"parallel_mode": mode, "device_num": jax.device_count()}
         if search is not None:
-            self._settings["search_mode"] = search
+            settings["search_mode"] = search
+        self._settings = _Settings(settings)
         self._check()
 
     def _check(self) -> None:
@@ -78,8 +88,8 @@ class AutoParallel:
             pass
 
     def _set(self, **kwargs: Any) -> None:
-        before = dict(self._settings)
-        self._settings.update(kwargs)
+        before = self._settings
+        self._settings = _Settings({**before, **kwargs})
         try:
             self._check()
         except Exception:
@@ -91,6 +101,8 @@ class AutoParallel:
             return self.network(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:                # the wrapped network's own attributes
+        if name.startswith("_") or "network" not in self.__dict__:
+            raise AttributeError(name)
         return getattr(self.__dict__["network"], name)
 
     @property

@@ -490,3 +490,25 @@ class DistributedGradReducer:
 
     def __call__(self, grads: Any) -> Any:
         return grads
+
+
+class PipelineGradReducer(DistributedGradReducer):
+    """MindSpore's ``parallel.nn.PipelineGradReducer(parameters, scale_sense=1.0, opt_shard=None)``: the identity.
+    A pipelined step (``nn.Pipeline`` / ``nn.PipelineCell`` under ``TrainOneStepCell``) already accumulates the
+    micro-batches' gradients and reduces them over the data-parallel devices.
+
+    Args:
+        parameters: the optimizer's parameters (accepted for MindSpore's signature).
+        scale_sense: MindSpore's loss scale (unused: pass ``loss_scale`` to the optimizer).
+        opt_shard: MindSpore's optimizer-shard flag (optimizer parallel follows the context).
+
+    >>> import jax.numpy as jnp
+    >>> from mshard.parallel.nn import PipelineGradReducer
+    >>> g = (jnp.ones(2),)
+    >>> PipelineGradReducer([])(g) is g
+    True
+    """
+
+    def __init__(self, parameters: Any = None, scale_sense: float = 1.0, opt_shard: bool | None = None):
+        super().__init__(parameters)
+        self.scale_sense, self.opt_shard = scale_sense, opt_shard

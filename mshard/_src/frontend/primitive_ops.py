@@ -939,7 +939,7 @@ def _strided_conv(x, w, stride, pads, dilation, group):
     """A strided convolution whose input gradient is the transpose of a stride-1 convolution followed by a strided
     slice (interior padding, then a plain convolution) instead of XLA's base-dilated convolution: XLA's CPU
     algebraic simplifier aborts the process on the latter for some small kernels (a CHECK failure, e.g. a (2, 3)
-    kernel, stride 2, pad 1 on a width-4 input; ../shared/repro/r2_conv_stride_grad_abort.py, plain jax.jit on one
+    kernel, stride 2, pad 1 on a width-4 input; docs/xla_repro/r2_conv_stride_grad_abort.py, plain jax.jit on one
     device too). Same values, same weight gradient."""
     return _conv(x, w, stride, pads, dilation, group)
 

@@ -518,7 +518,8 @@ def data_layout(info: InputInfo, dataset: Any, index: int, mesh: DeviceMesh, ass
             raise DatasetStrategyError(
                 f"data input {info.name}: dataset_strategy 'data_parallel' splits dim 0 over {mesh.size} devices "
                 f"but its size is {info.shape[0]} (shape {info.shape}); use a batch size divisible by {mesh.size}, "
-                f"or dataset_strategy='full_batch'.")
+                f"or dataset_strategy='full_batch'. Inputs are global arrays: feed the whole batch of every device "
+                f"at once (a MindSpore script's per-device batch times the device count).")
         return (tuple(mesh.names),) + ((),) * (rank - 1)
     raise DatasetStrategyError(
         f"data input {info.name}: dataset_strategy {dataset!r} gives it no layout; give one strategy tuple per data "

@@ -36,7 +36,7 @@ class Guard:
     #                                                               computes in with the safe inputs (XLA's
     #                                                               partitioner replicates the op when asked
     #                                                               for the output layout at once)
-    repro: str                                                    # the reproducer in ../shared/repro/
+    repro: str                                                    # the reproducer in docs/xla_repro/
     says: str                                                     # the plan's note
 
 

@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from mshard._src.frontend.auto_parallel import AutoParallel
 from mshard._src.frontend.cell import Cell
 from mshard._src.frontend.optimizers import Optimizer
 from mshard._src.frontend.wrapper_cells import GradAccumulationCell, MicroBatchInterleaved, WithLossCell
@@ -395,6 +396,13 @@ class TrainOneStepCell(Cell):
         return rt
 
     def __call__(self, *data):
+        ap = next((m for _, m in nnx.iter_graph(self.network) if isinstance(m, AutoParallel)), None)
+        if ap is not None:          # TrainOneStepCell(AutoParallel(net)): the whole step runs under its settings
+            with ctxmod.parallel_context(**ap.settings):
+                return self._step(*data)
+        return self._step(*data)
+
+    def _step(self, *data):
         rt = self._rt
         fast = rt.fast
         if fast is not None:

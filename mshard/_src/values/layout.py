@@ -246,7 +246,8 @@ def check_fits(ts: TensorStrategy, shape: Sequence[int], device_num: int, where:
     for d, (c, size) in enumerate(zip(ts.counts, shape)):
         if c > 0 and size % c:
             raise StrategyError(f"{where}: split {c} on dim {d} does not divide its size {size} (shape "
-                                f"{tuple(shape)}); use a split count that divides {size}.")
+                                f"{tuple(shape)}); use a split count that divides {size}. Shapes are global: "
+                                f"the whole tensor, not one device's slice (a batch of {size} is split {c} ways).")
     if ts.mesh is None and device_num % ts.devices:
         raise StrategyError(f"{where}: strategy {ts.counts} splits over {ts.devices} devices, which "
                             f"{'exceeds' if ts.devices > device_num else 'does not divide'} device_num="

@@ -1,4 +1,4 @@
-"""Regression tests for the mshard bugs the differential fuzzer found (issue 13, ../shared/repro/): each but r9
+"""Regression tests for the mshard bugs the differential fuzzer found (issue 13, docs/xla_repro/): each but r9
 failed on main (be1613b) with a bare Python error or a refusal of valid input."""
 
 import jax.numpy as jnp

@@ -11,7 +11,9 @@ from flax import nnx
 from train_helpers import MLP, assert_params_close, assert_trees_close, batches, mse, reference_train
 
 import mshard as ms
+from mshard import nn
 from mshard.errors import ContextError
+from mshard.parallel.auto_parallel import AutoParallel
 
 DATA = batches(2, [(32, 16), (32, 8)], seed=4)
 
@@ -19,10 +21,10 @@ DATA = batches(2, [(32, 16), (32, 8)], seed=4)
 def _script(parallel_mode, strategy_file):
     """A MindSpore 2.6 AutoParallel training script, mshard's imports in place of mindspore's:
     ``from mindspore.communication import init`` -> ``from mshard.communication import init``,
-    ``from mindspore.parallel.auto_parallel import AutoParallel`` -> ``from mshard._src.frontend.auto_parallel ...``."""
+    ``from mindspore.parallel.auto_parallel import AutoParallel`` -> ``from mshard.parallel.auto_parallel ...``."""
     from mshard import nn
-    from mshard._src.frontend.auto_parallel import AutoParallel
     from mshard.communication import init
+    from mshard.parallel.auto_parallel import AutoParallel
 
     init(quiet=True)
     net = MLP(nnx.Rngs(0))
@@ -55,7 +57,7 @@ def test_a_mindspore_26_script_runs_and_equals_one_device(tmp_path, mode):
 
 
 def test_bad_settings_are_refused_when_made():
-    from mshard._src.frontend.auto_parallel import AutoParallel
+    from mshard.parallel.auto_parallel import AutoParallel
     with pytest.raises(ContextError, match="Did you mean 'semi_auto'"):
         AutoParallel(lambda x: x, parallel_mode="semi_aut")
     p = AutoParallel(ms.jit(lambda x: x + 1))
@@ -63,3 +65,50 @@ def test_bad_settings_are_refused_when_made():
         p.dataset_strategy("full_batches")
     assert "dataset_strategy" not in p.settings                # a refused setting changes nothing
     assert float(p(jnp.ones((8,)))[0]) == 2.0
+
+
+def _reference_sgd(w, b, data, lr):
+    """One device, plain JAX: SGD on the MSE of x @ w.T + b, step by step."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(p, x, y):
+        return jnp.mean((x @ p[0].T + p[1] - y) ** 2)
+
+    p = (jnp.asarray(w), jnp.asarray(b))
+    for x, y in data:
+        g = jax.grad(loss)(p, x, y)
+        p = tuple(a - lr * ga for a, ga in zip(p, g, strict=True))
+    return [np.asarray(a) for a in p]
+
+
+@pytest.mark.parametrize("order", ["step(AutoParallel(net))", "AutoParallel(step(net))", "Model(AutoParallel(net))"])
+def test_auto_parallel_composes_with_train_one_step_cell_and_model_in_either_order(order):
+    """MindSpore wraps either way round (issue 41: TrainOneStepCell(AutoParallel(net)) raised a flax IndexError).
+    The step runs under the wrapper's settings (the column-parallel strategy applies: the weight is stored split
+    4 ways) and equals one device; the global context stays as it was. Tolerance: an 8-term dot product in float32."""
+    import jax.numpy as jnp
+    import optax
+
+    rng = np.random.default_rng(0)
+    data = [(jnp.asarray(rng.normal(size=(16, 8)), jnp.float32), jnp.asarray(rng.normal(size=(16, 4)), jnp.float32))
+            for _ in range(3)]
+    net = nn.Dense(8, 4, weight_init="normal", bias_init="zeros")
+    w0, b0 = np.asarray(net.weight[...]), np.asarray(net.bias[...])
+    net.matmul.shard(((2, 1), (4, 1)))
+    if order == "step(AutoParallel(net))":
+        step = nn.TrainOneStepCell(AutoParallel(nn.WithLossCell(net, nn.MSELoss()), "semi_auto"), optax.sgd(0.1))
+        for x, y in data:
+            step(x, y)
+    elif order == "AutoParallel(step(net))":
+        step = AutoParallel(nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), optax.sgd(0.1)), "semi_auto")
+        for x, y in data:
+            step(x, y)
+    else:
+        model = ms.Model(AutoParallel(net, "semi_auto"), nn.MSELoss(), optax.sgd(0.1))
+        model.train(1, data)
+    assert ms.get_auto_parallel_context("parallel_mode") == "stand_alone"
+    assert net.weight[...].sharding.shard_shape((4, 8)) == (1, 8)
+    want_w, want_b = _reference_sgd(w0, b0, data, 0.1)
+    np.testing.assert_allclose(np.asarray(net.weight[...]), want_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(net.bias[...]), want_b, rtol=1e-5, atol=1e-6)

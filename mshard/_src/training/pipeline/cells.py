@@ -357,7 +357,7 @@ def _param_specs(pplan: PipelinePlan, n: int) -> list:
     """The parameters' layouts inside a stage: the cells' strategies where they carry them, else replicated over
     the stage's devices (data parallel). Said outright rather than left to XLA: propagation otherwise may split an
     embedding table on its rows along the token ids' batch split, a gather XLA's partitioner aborts on inside the
-    stage's shard_map (../shared/repro/r15_gather_partial_manual_abort.py, JAX 0.10)."""
+    stage's shard_map (seen with JAX 0.10; no reproducer kept)."""
     return pplan.specs if pplan.specs is not None else [P()] * n
 
 
