@@ -24,6 +24,7 @@ from mshard._src.frontend.optimizers import AdamWeightDecay as AdamWeightDecay
 from mshard._src.frontend.optimizers import DistributedGradReducer as DistributedGradReducer
 from mshard._src.frontend.optimizers import Momentum as Momentum
 from mshard._src.frontend.optimizers import Optimizer as Optimizer
+from mshard._src.frontend.parameter import no_init_parameters as no_init_parameters
 from mshard._src.training.pipeline.cells import Pipeline as Pipeline
 from mshard._src.training.pipeline.cells import PipelineCell as PipelineCell
 from mshard._src.training.train_cells import GradAccumulationCell as GradAccumulationCell
@@ -62,6 +63,7 @@ __all__ = [
     "TrainOneStepCell",
     "TransformerBlock",
     "WithLossCell",
+    "no_init_parameters",
     "recompute",
 ]
 

@@ -6,6 +6,7 @@ from mshard._src.frontend.comm_ops import AlltoAll as AlltoAll
 from mshard._src.frontend.comm_ops import Broadcast as Broadcast
 from mshard._src.frontend.comm_ops import ReduceScatter as ReduceScatter
 from mshard._src.frontend.comm_ops import SendReceive as SendReceive
+from mshard._src.frontend.functional import GradOperation as GradOperation
 from mshard._src.frontend.primitive_base import Primitive as Primitive
 from mshard._src.frontend.primitive_ops import Add as Add
 from mshard._src.frontend.primitive_ops import AvgPool as AvgPool
@@ -66,6 +67,7 @@ __all__ = [
     "Flatten",
     "Gather",
     "GeLU",
+    "GradOperation",
     "LayerNorm",
     "Log",
     "LogSoftmax",

@@ -252,3 +252,44 @@ def value_and_grad(fn: Callable, grad_position: int | Sequence[int] | None = 0,
 
     run._mshard_reaches = (fn, ws)
     return run
+
+
+class GradOperation:
+    """MindSpore's ``ops.GradOperation(get_all=False, get_by_list=False, sens_param=False)``: ``grad(fn, weights)``
+    is a function of ``fn``'s inputs returning gradients, as :func:`value_and_grad` computes them.
+
+    Neither flag: the gradient of the first input. ``get_all``: a tuple, one per input. ``get_by_list``: a tuple, one
+    per weight. Both: ``(inputs' tuple, weights' tuple)``. ``sens_param``: the last input is the output's
+    sensitivity (the cotangent), as in MindSpore; otherwise the output must be a scalar.
+
+    Args:
+        get_all: differentiate every positional input.
+        get_by_list: differentiate the ``weights`` given at the call.
+        sens_param: the gradient function takes the output's sensitivity as its last argument.
+
+    >>> import jax.numpy as jnp, mshard as ms
+    >>> from mshard import ops
+    >>> w = ms.Parameter(jnp.array([2.0]))
+    >>> g = ops.GradOperation(get_all=True, get_by_list=True)(lambda x: (w[...] * x * x).sum(), [w])
+    >>> gx, gw = g(jnp.array([3.0]))
+    >>> gx[0].tolist(), gw[0].tolist()
+    ([12.0], [9.0])
+    """
+
+    def __init__(self, get_all: bool = False, get_by_list: bool = False, sens_param: bool = False):
+        self.get_all, self.get_by_list, self.sens_param = get_all, get_by_list, sens_param
+
+    def __call__(self, fn: Callable, weights: Any = None) -> Callable:
+        if self.get_by_list and weights is None:
+            raise CellTypeError("GradOperation(get_by_list=True): pass the weights, grad_op(fn, net.trainable_params()).")
+
+        def grad_fn(*args):
+            args = list(args)
+            sens = args.pop() if self.sens_param else None
+            f = fn if sens is None else (lambda *a: jax.numpy.sum(fn(*a) * sens))
+            position = tuple(range(len(args))) if self.get_all else (None if self.get_by_list else 0)
+            _, grads = value_and_grad(f, position, weights if self.get_by_list else None)(*args)
+            return grads
+
+        grad_fn._mshard_reaches = (fn, weights)
+        return grad_fn

@@ -7,8 +7,9 @@ global seed (``ms.set_seed``) where MindSpore draws lazily.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -377,3 +378,20 @@ def _value(default_input: Any) -> jax.Array:
         return default_input[...]
     arr = jnp.asarray(default_input)
     return arr.astype(jnp.float32) if arr.dtype == jnp.float64 else arr
+
+
+@contextlib.contextmanager
+def no_init_parameters() -> Iterator[None]:
+    """MindSpore's ``nn.no_init_parameters()``: a block whose Cells defer initialising their parameters. flax builds
+    parameters when the model is built, so here the block changes nothing; it is kept so such scripts run.
+
+    Returns:
+        A context manager.
+
+    >>> from mshard import nn
+    >>> with nn.no_init_parameters():
+    ...     net = nn.Dense(2, 2)
+    >>> net.weight[...].shape
+    (2, 2)
+    """
+    yield

@@ -3,10 +3,10 @@ says so, names the MindSpore concept, and gives the mshard way or the nearest na
 
 >>> getattr_ = missing_names("mshard.ops", ["MatMul", "ReLU"])
 >>> try:
-...     getattr_("GradOperation")
+...     getattr_("Depend")
 ... except AttributeError as e:
-...     print(str(e)[:79])
-module 'mshard.ops' has no attribute 'GradOperation': MindSpore's GradOperation
+...     print(str(e)[:65])
+module 'mshard.ops' has no attribute 'Depend': MindSpore's Depend
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ NOT_OFFERED: dict[str, dict[str, str]] = {
         "MnistDataset", "Cifar10Dataset", "Cifar100Dataset", "ImageFolderDataset", "MindDataset", "TFRecordDataset",
         "CSVDataset", "TextFileDataset", "CocoDataset", "VOCDataset", "CelebADataset")},
     "mshard.ops": {
-        "GradOperation": "use ms.value_and_grad(fn, grad_position, weights) (the same gradients, as a function)",
         "Print": "use jax.debug.print inside a jitted function, or print outside it",
         "Depend": "JAX orders effects by data dependence itself; drop it",
         "Dropout": "use nn.Dropout (a Cell; set_train(False) turns it off)",
     },
     "mshard.nn": {
-        "no_init_parameters": "flax builds parameters when the model is built; drop the context manager",
         "TrainOneStepWithLossScaleCell": "use nn.TrainOneStepCell with the optimizer's loss_scale (a fixed scale)",
         "DynamicLossScaleUpdateCell": "dynamic loss scaling is not offered; use a fixed loss_scale on the optimizer",
         "FixedLossScaleUpdateCell": "use the optimizer's loss_scale",
