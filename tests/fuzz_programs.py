@@ -127,6 +127,10 @@ def _reshape(rnd, s):
     return _step({}, [("x", s)], ((-1, *new[1:]) if _separable(rnd) else new,), new)
 
 
+def _flatten(rnd, s):
+    return None if len(s) < 3 else _step({}, [("x", s)], (), (s[0], math.prod(s[1:])))
+
+
 def _expand(rnd, s):
     return None if len(s) > 3 else _step({}, [("x", s)], (1,), s[:1] + (1,) + s[1:])
 
@@ -239,7 +243,7 @@ OPS: dict[str, tuple[Callable[[], ops.Primitive], Callable]] = {
     "ReduceMax": (ops.ReduceMax, _reduce),
     "Softmax": (ops.Softmax, _unary), "LogSoftmax": (ops.LogSoftmax, _unary),
     "LayerNorm": (ops.LayerNorm, _layer_norm), "SoftmaxCrossEntropyWithLogits": (ops.SoftmaxCrossEntropyWithLogits, _sce),
-    "Transpose": (ops.Transpose, _transpose), "Reshape": (ops.Reshape, _reshape),
+    "Transpose": (ops.Transpose, _transpose), "Reshape": (ops.Reshape, _reshape), "Flatten": (ops.Flatten, _flatten),
     "ExpandDims": (ops.ExpandDims, _expand), "Squeeze": (ops.Squeeze, _squeeze), "Concat": (ops.Concat, _concat),
     "StridedSlice": (ops.StridedSlice, _strided_slice), "Gather": (ops.Gather, _gather),
     "OneHot": (ops.OneHot, _one_hot),

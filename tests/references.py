@@ -173,6 +173,10 @@ def _reshape(prim, x, shape):
     return x.reshape(shape)
 
 
+def _flatten(prim, x):
+    return x.reshape(x.shape[0], math.prod(x.shape[1:]))
+
+
 def _expand_dims(prim, x, axis):
     a = axis if axis >= 0 else axis + x.ndim + 1
     return x.reshape(x.shape[:a] + (1,) + x.shape[a:])
@@ -335,7 +339,7 @@ REFERENCES: dict[str, Callable[..., Any]] = {
     "ReduceSum": _reduce_sum, "ReduceMean": _reduce_mean, "ReduceMax": _reduce_max,
     "Softmax": _softmax, "LogSoftmax": _log_softmax, "LayerNorm": _layer_norm,
     "SoftmaxCrossEntropyWithLogits": _softmax_cross_entropy,
-    "Transpose": _transpose, "Reshape": _reshape, "ExpandDims": _expand_dims, "Squeeze": _squeeze,
+    "Transpose": _transpose, "Reshape": _reshape, "Flatten": _flatten, "ExpandDims": _expand_dims, "Squeeze": _squeeze,
     "Concat": _concat, "StridedSlice": _strided_slice, "Gather": _gather, "OneHot": _one_hot,
     "Conv2D": _conv2d, "MaxPool": lambda prim, x: _pool(prim, x, "max"), "AvgPool": lambda prim, x: _pool(prim, x, "avg"),
     "BatchNorm": _batch_norm,
@@ -359,7 +363,7 @@ def _split_args(prim, args: Sequence[Any]) -> tuple[list[Shape], list[Any]]:
 # -- reduction lengths, for float32 tolerances ---------------------------------------------------------------------
 _ELEMENTWISE = {"Add", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "ReLU", "GeLU", "Tanh", "Sigmoid", "Exp", "Log",
                 "Sqrt", "Square", "BiasAdd", "Cast"}
-_EXACT = {"Transpose", "Reshape", "ExpandDims", "Squeeze", "Concat", "StridedSlice", "Gather", "OneHot", "MaxPool",
+_EXACT = {"Transpose", "Reshape", "Flatten", "ExpandDims", "Squeeze", "Concat", "StridedSlice", "Gather", "OneHot", "MaxPool",
           "ReduceMax"}
 
 

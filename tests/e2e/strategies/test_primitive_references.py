@@ -103,6 +103,8 @@ CASES: list[tuple[str, Callable[[], Any], list[np.ndarray], list[Any], tuple]] =
     ("Transpose", lambda: ops.Transpose(), [r(0, 8, 16)], [(1, 0)], ((2, 4),)),
     ("Transpose-3d", lambda: ops.Transpose(), [r(0, 4, 8, 2)], [(2, 0, 1)], ((2, 4, 1),)),
     ("Reshape", lambda: ops.Reshape(), [r(0, 64, 8)], [(8, -1)], ((8, 1),)),
+    # the batch split 2 and the first flattened dim 4: the leading dim of the merged run
+    ("Flatten", lambda: ops.Flatten(), [r(0, 8, 4, 2, 3)], [], ((2, 4, 1, 1),)),
     ("ExpandDims", lambda: ops.ExpandDims(), [r(0, 8, 16)], [-1], ((2, 4),)),
     ("Squeeze", lambda: ops.Squeeze(axis=1), [r(0, 8, 1, 16)], [], ((8, 1, 1),)),
     ("Squeeze-all", lambda: ops.Squeeze(), [r(0, 8, 1, 16, 1)], [], ((2, 1, 4, 1),)),
