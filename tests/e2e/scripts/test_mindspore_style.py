@@ -5,6 +5,7 @@ stand-alone on one device (the same script: mshard ignores strategies there and 
 every parameter must agree."""
 
 import importlib.util
+import sys
 import warnings
 
 import numpy as np
@@ -15,18 +16,23 @@ from mshard.errors import StrategyIgnoredWarning
 
 # float32 SGD over 4 steps of a 784-512-512-10 MLP: the sharded matmuls sum 784/512-term dot products in another
 # order (relative rounding ~1e-6 each); the loss and the updated weights agree to ~1e-5 relative
+SCRIPTS = ROOT / "examples" / "mindspore_style"
 TOL = dict(rtol=2e-5, atol=2e-6)
 
 
 def _script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / "mindspore_style" / f"{name}.py")
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))              # the scripts' shared _common.py, as when run as scripts
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["operator_parallel", "data_parallel", "model_train"])
+@pytest.mark.parametrize("name", ["operator_parallel", "operator_parallel_layout", "data_parallel", "model_train",
+                                  "sharding_propagation", "gradient_accumulation", "optimizer_parallel",
+                                  "multiple_copy", "recompute"])
 def test_mindspore_style_script_equals_one_device(name):
     """``main`` returns (losses or the trained model's logits, {parameter: value})."""
     mod = _script(name)
