@@ -13,6 +13,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import numpy as np
+from _common import FakeMnist
 
 import mshard as ms
 import mshard.dataset as ds
@@ -38,23 +39,8 @@ class Network(nn.Cell):
         return logits
 
 
-class RandomMnist:
-    """MNIST's shapes in memory: image [1, 28, 28] float32, label int32."""
-
-    def __init__(self, n, seed=0):
-        rng = np.random.default_rng(seed)
-        self.images = rng.normal(size=(n, 1, 28, 28)).astype(np.float32)
-        self.labels = rng.integers(0, 10, size=(n,)).astype(np.int32)
-
-    def __getitem__(self, i):
-        return self.images[i], self.labels[i]
-
-    def __len__(self):
-        return len(self.labels)
-
-
 def create_dataset(batch_size):
-    dataset = ds.GeneratorDataset(RandomMnist(128), ["image", "label"], shuffle=False)
+    dataset = ds.GeneratorDataset(FakeMnist(128), ["image", "label"], shuffle=False)
     return dataset.batch(batch_size)
 
 

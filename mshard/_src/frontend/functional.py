@@ -92,9 +92,6 @@ def reachable(fn: Callable) -> dict[str, Any]:
             for gname in _names(code):
                 if gname in obj.__globals__:
                     visit(gname, obj.__globals__[gname], depth + 1)
-            extra = getattr(obj, "_mshard_reaches", None)
-            if extra is not None:
-                visit(name, extra, depth + 1)
 
     visit(getattr(fn, "__name__", "fn"), fn, 0)
     return found
@@ -250,7 +247,6 @@ def value_and_grad(fn: Callable, grad_position: int | Sequence[int] | None = 0,
             return out, tuple(gw)
         return out, (gx, tuple(gw))
 
-    run._mshard_reaches = (fn, ws)
     return run
 
 
@@ -291,5 +287,4 @@ class GradOperation:
             _, grads = value_and_grad(f, position, weights if self.get_by_list else None)(*args)
             return grads
 
-        grad_fn._mshard_reaches = (fn, weights)
         return grad_fn
