@@ -22,6 +22,7 @@ import jax
 from flax import nnx
 from flax.nnx import tracers
 
+from mshard._src.jaxpr import marks
 from mshard._src.runtime.region import Region
 from mshard._src.values.errors import CellTypeError
 
@@ -140,6 +141,9 @@ class ClosureRegion:
         functools.update_wrapper(self, fn)
 
     def _body(self, held: _Held, *args):
+        record = marks.current_region()
+        if record is not None:          # a PipelineCell called in here runs its schedule (training.pipeline.cells)
+            record.hand_written = True
         inner = _variables(held)
         with swapped(self.originals, [raw(v) for v in inner]):
             out = self.fn(*args)

@@ -122,6 +122,8 @@ class TraceRecord:
     module_paths: dict[int, str] = field(default_factory=dict)        # id(module) -> "dense1.inner"
     param_plans: list[tuple[str, str, Any]] = field(default_factory=list)   # (cell path, key, strategy)
     scope_stack: list[str] = field(default_factory=list)              # paths of the module calls in progress
+    hand_written: bool = False        # the region runs a training step written by hand (``ms.jit`` over a closure)
+    pipelines: list[str] = field(default_factory=list)   # PipelineCells whose schedule ran in this trace
 
     def scope_of(self, path: str) -> str:
         """The named scope of a call of the module at ``path``: its path relative to the module call it is made

@@ -275,7 +275,8 @@ class Region:
         if self.input_layout_hook is None:     # not a training wrapper's own step (TrainOneStepCell)
             kinds = [type(v) for s in states for v in jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, nnx.Variable))]
             _check_training_settings(self.name, ctx, [param_names[j] for j in changed
-                                                      if j < len(kinds) and issubclass(kinds[j], nnx.Param)])
+                                                      if j < len(kinds) and issubclass(kinds[j], nnx.Param)],
+                                     pipelined=bool(trace.pipelines))
         mod_out = [in_sh[j] for j in changed]
         out_sh = [None] * n_user + mod_out
 
@@ -489,13 +490,16 @@ def _module_classes(graphdefs) -> set:
             if isinstance(getattr(n, "type", None), type) and issubclass(n.type, nnx.Module)}
 
 
-def _check_training_settings(name: str, ctx, written: list[str]) -> None:
+def _check_training_settings(name: str, ctx, written: list[str], pipelined: bool = False) -> None:
     """A region that writes parameters is a training step written by hand (``ms.jit`` of value_and_grad + an
-    optimizer update). The context's pipeline and optimizer-parallel settings are applied by ``TrainOneStepCell``,
-    which plans the step around them; such a hand-written step would silently ignore them, so it is refused."""
+    optimizer update). The context's optimizer-parallel setting is applied by ``TrainOneStepCell``, which plans the
+    step around it, and so is ``pipeline_stages`` unless the step ran a PipelineCell's schedule (``pipelined``: a
+    PipelineCell differentiated inside ``ms.jit``, mshard._src.training.pipeline.cells); such a hand-written step
+    would silently ignore them, so it is refused."""
     if not written or ctx.parallel_mode == "stand_alone":
         return
-    asked = [f"{k}={v!r}" for k, v, on in (("pipeline_stages", ctx.pipeline_stages, ctx.pipeline_stages > 1),
+    asked = [f"{k}={v!r}" for k, v, on in (("pipeline_stages", ctx.pipeline_stages,
+                                            ctx.pipeline_stages > 1 and not pipelined),
                                          ("enable_parallel_optimizer", ctx.enable_parallel_optimizer,
                                           ctx.enable_parallel_optimizer)) if on]
     if asked:

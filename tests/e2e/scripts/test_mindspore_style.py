@@ -32,7 +32,7 @@ def _script(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["operator_parallel", "operator_parallel_layout", "data_parallel", "model_train",
                                   "sharding_propagation", "gradient_accumulation", "optimizer_parallel",
-                                  "multiple_copy", "recompute"])
+                                  "multiple_copy", "recompute", "pipeline"])
 def test_mindspore_style_script_equals_one_device(name):
     """``main`` returns (losses or the trained model's logits, {parameter: value})."""
     mod = _script(name)
@@ -52,3 +52,23 @@ def _fresh(mod):
     """The script's parameters before training (its seed, no step run)."""
     return mod.main(parallel=False, verbose=False, **{"epochs" if "epochs" in mod.main.__code__.co_varnames
                                                       else "steps": 0})
+
+
+@pytest.mark.slow
+def test_the_functional_pipeline_step_runs_its_schedule_between_stage_groups():
+    """pipeline.py's ``@ms.jit`` step (value_and_grad over a ``Pipeline`` cell, ``optimizer(grads)``) under
+    ``AutoParallel(...).pipeline(stages=2)`` is compiled as a pipeline: stage 0's devices send their activations
+    to stage 1's and receive their gradients back, ``collective-permute``s in the HLO. A data-parallel step has
+    none (its gradient sum is an all-reduce), and the same step without the pipeline is refused (ContextError)."""
+    import jax.numpy as jnp
+
+    import mshard as ms
+
+    mod = _script("pipeline")
+    parallel_net, _ = mod.build(parallel=True)
+    image, label = jnp.zeros((32, 1, 28, 28)), jnp.zeros((32,), jnp.int32)
+    with ms.parallel_context(**parallel_net.settings):
+        hlo = parallel_net.network.lower(image, label).compile().as_text()
+    ms.reset_auto_parallel_context()
+    sends = [ln for ln in hlo.splitlines() if "collective-permute" in ln and "=" in ln]
+    assert len(sends) >= 2, hlo[-3000:]

@@ -66,8 +66,10 @@ from mshard._src.training.pipeline.run import ring_size, run_gpipe_keeping_resid
 from mshard._src.training.pipeline.schedule import make_schedule
 from mshard._src.training.pipeline.stages import cut
 from mshard._src.training.pipeline.storage import StageStorage
+from mshard._src.jaxpr import marks
+from mshard._src.values import context as ctxmod
 from mshard._src.values.errors import PipelineError
-from mshard._src.values.layout import choose_axes, jax_mesh
+from mshard._src.values.layout import choose_axes, jax_mesh, prime_mesh
 
 __all__ = ["Pipeline", "PipelineCell", "PipelinePlan"]
 
@@ -109,13 +111,15 @@ class PipelineCell(Cell):
         for x in inputs:
             if hasattr(x, "shape") and x.ndim and x.shape[0] % n:
                 raise PipelineError(_batch_message(x.shape, n))
-        outs = [self.network(*[x[k::n] if hasattr(x, "shape") and x.ndim else x for x in inputs]) for k in range(n)]
-        return jax.tree.map(lambda *o: sum(o[1:], o[0]) / n, *outs)
+        if _differentiated_in_hand_written_step(self):
+            return _scheduled_loss(self, inputs)
+        return _sequential(self, inputs)
 
 
 class Pipeline(PipelineCell):
-    """``Pipeline(network, micro_size, stage_config)``: MindSpore's newer form, the stages given by cell path
-    (``{"embedding": 0, "blocks.0": 0, "blocks.1": 1, "head": 1}``) instead of ``cell.pipeline_stage``.
+    """``Pipeline(network, micro_size, stage_config=None)``: MindSpore's newer form, the stages given by cell path
+    (``{"embedding": 0, "blocks.0": 0, "blocks.1": 1, "head": 1}``) or, without ``stage_config``, by each cell's
+    ``pipeline_stage`` as in :class:`PipelineCell`.
 
     Otherwise a :class:`PipelineCell`; the paths are attribute paths inside ``network`` (so
     ``"backbone.<path>"`` under a :class:`~mshard.nn.WithLossCell`).
@@ -123,7 +127,7 @@ class Pipeline(PipelineCell):
     Args:
         network: the network with loss; every array input's dim 0 must be divisible by ``micro_size``.
         micro_size: the number of micro-batches (a positive int, at least ``pipeline_stages``).
-        stage_config: a non-empty dict of cell path -> stage.
+        stage_config: a non-empty dict of cell path -> stage, or None (the cells' ``pipeline_stage``).
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -138,11 +142,73 @@ class Pipeline(PipelineCell):
     ((('backbone.a', 0), ('backbone.b', 1)), ())
     """
 
-    def __init__(self, network: nnx.Module, micro_size: int, stage_config: dict[str, int]):
-        if not isinstance(stage_config, dict) or not stage_config:
+    def __init__(self, network: nnx.Module, micro_size: int = 1, stage_config: dict[str, int] | None = None):
+        if stage_config is not None and (not isinstance(stage_config, dict) or not stage_config):
             raise PipelineError(f"nn.Pipeline: stage_config must be a non-empty dict of cell path -> stage, got "
                                 f"{stage_config!r}.")
         super().__init__(network, micro_size, stage_config)
+
+
+def _sequential(cell: PipelineCell, inputs: tuple) -> Any:
+    """The micro-batches one after another on the caller's devices; the mean of their losses."""
+    n = cell.micro_size
+    outs = [cell.network(*[x[k::n] if hasattr(x, "shape") and x.ndim else x for x in inputs]) for k in range(n)]
+    return jax.tree.map(lambda *o: sum(o[1:], o[0]) / n, *outs)
+
+
+# the tracers of JAX's differentiation: JVP, and the direct linearization jax.vjp / value_and_grad use by default
+_DIFFERENTIATING = tuple(t for t in (getattr(jax._src.interpreters.ad, n, None) for n in ("JVPTracer", "LinearizeTracer"))
+                         if t is not None)
+
+
+def _differentiated_in_hand_written_step(cell: PipelineCell) -> bool:
+    """Whether this call is MindSpore's functional pipeline step: inside an ``ms.jit`` training step written by
+    hand (``value_and_grad`` + ``optimizer(grads)``, mshard._src.frontend.functional), under
+    ``pipeline_stages > 1``, with the network's parameters being differentiated."""
+    record = marks.current_region()
+    ctx = ctxmod.current()
+    if record is None or not record.hand_written or ctx.pipeline_stages <= 1 or ctx.parallel_mode == "stand_alone":
+        return False
+    leaves = jax.tree.leaves(nnx.as_pure(nnx.state(cell.network, nnx.Param)))
+    return any(isinstance(x, _DIFFERENTIATING) for x in leaves)
+
+
+def _scheduled_loss(cell: PipelineCell, inputs: tuple) -> Any:
+    """The PipelineCell's loss whose gradient is the pipeline schedule's: MindSpore's functional pipeline step
+    (``ms.value_and_grad`` over a function that calls the PipelineCell, inside ``ms.jit``).
+
+    The schedule computes the loss and the parameters' gradient together (its backward interleaves with the
+    forward: 1F1B), so it runs as the forward of a ``jax.custom_vjp`` whose backward scales the gradient it
+    already has by the loss's cotangent. The stages are cut on the step's whole mesh (``prime_mesh`` of the
+    context's devices); the rest of the step (the optimizer update) is planned around it as usual. Gradients
+    with respect to the PipelineCell's inputs are not computed (zero), as in MindSpore's pipeline, which
+    differentiates the weights."""
+    ctx = ctxmod.current()
+    record = marks.current_region()
+    record.pipelines.append(type(cell).__name__)
+    data = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in inputs)
+    with marks.recording_into(None):            # the stage cut traces the network on its own
+        pplan = pipeline_plan(cell, data, prime_mesh(ctx.devices), ctx)
+    graphdef, params, rest = nnx.split(cell, nnx.Param, ...)
+    p_leaves, p_tree = jax.tree.flatten(nnx.as_pure(params))
+
+    def rebuild(leaves):
+        return nnx.merge(graphdef, nnx.State(jax.tree.unflatten(p_tree, list(leaves))), rest)
+
+    @jax.custom_vjp
+    def loss_of(leaves, xs):
+        return _sequential(rebuild(leaves), xs)
+
+    def forward(leaves, xs):
+        loss, g = pipeline_grads(rebuild(leaves), xs, pplan)
+        return loss, jax.tree.leaves(g)
+
+    def backward(grads, ct):
+        return [g * ct for g in grads], jax.tree.map(lambda x: None, xs_shape)
+
+    xs_shape = inputs
+    loss_of.defvjp(forward, backward)
+    return loss_of(p_leaves, inputs)
 
 
 def _batch_message(shape, n: int) -> str:
