@@ -32,7 +32,7 @@ def _script(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["operator_parallel", "operator_parallel_layout", "data_parallel", "model_train",
                                   "sharding_propagation", "gradient_accumulation", "optimizer_parallel",
-                                  "multiple_copy", "recompute", "pipeline"])
+                                  "multiple_copy", "recompute", "pipeline", "checkpoint"])
 def test_mindspore_style_script_equals_one_device(name):
     """``main`` returns (losses or the trained model's logits, {parameter: value})."""
     mod = _script(name)

@@ -315,6 +315,42 @@ def test_infer_predict_layout_and_load_distributed_checkpoint(tmp_path):
     np.testing.assert_allclose(np.asarray(net(x)), np.asarray(ref(x)), rtol=1e-6, atol=1e-6)
 
 
+def test_mindspore_parameter_dict_holds_every_saved_leaf_and_loads_into_any_layout(tmp_path):
+    """``ms.load_checkpoint(dir)`` without an object is MindSpore's parameter dict: every saved leaf (parameters,
+    Adam's moments, the step count) equal to what was saved; ``ms.load_param_into_net`` writes it into a network
+    that keeps its own layout, and says what it did not load."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    train = nn.TrainOneStepCell(nn.WithLossCell(MLP(nnx.Rngs(0)).megatron(2, 4), mse), optax.adamw(1e-2))
+    train(*DATA[0])
+    ms.save_checkpoint(train, tmp_path).wait()
+    saved = _values(train)
+    d = ms.load_checkpoint(tmp_path)
+    assert isinstance(d, ms.checkpoint.ParamDict) and d.step == 1
+    assert sorted(d) == sorted(saved)
+    for k, x in d.items():
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        assert np.array_equal(np.asarray(x), saved[k]), k
+    net = MLP(nnx.Rngs(5))
+    net.fc1.matmul.shard(((1, 1), (8, 1)))
+    net.shard(in_strategy=((1, 1),))
+    x = jnp.asarray(DATA[1][0])
+    lay = ms.infer_predict_layout(net, x)
+    ms.load_checkpoint(tmp_path, net, layouts=lay, strict=False)           # placed in the predict layout
+    for _, v in nnx.iter_graph(net):
+        if isinstance(v, nnx.Param):
+            v[...] = jnp.zeros_like(v[...])                                 # in place: the layout stays
+    not_loaded, unused = ms.load_param_into_net(net, d)
+    assert not_loaded == [] and all(k.startswith("optimizer.") for k in unused) and unused
+    assert net.fc1.weight[...].sharding.is_equivalent_to(lay["fc1.weight"], 2)
+    for name, value in _values(net).items():
+        assert np.array_equal(value, saved["network.backbone." + name]), name
+    with pytest.raises(CheckpointError, match="strict_load=False"):
+        ms.load_param_into_net(MLP(nnx.Rngs(1)), {"fc1.weight": d["network.backbone.fc1.weight"]}, strict_load=True)
+    with pytest.raises(TypeError, match="one directory"):
+        ms.load_distributed_checkpoint(net, [tmp_path, tmp_path / "other"])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "bool", "uint32"])
 def test_checksum_does_not_depend_on_the_layout_and_sees_one_flipped_bit(dtype):
     from jax.sharding import PartitionSpec as P

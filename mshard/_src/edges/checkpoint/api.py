@@ -271,11 +271,22 @@ def _place(obj: nnx.Module, inputs: tuple) -> None:
         Region(lambda m, *a: m(*a), name=type(obj).__name__).place(obj, *inputs)
 
 
-def load_checkpoint(directory: str | os.PathLike, obj: nnx.Module, *, step: int | None = None,
+class ParamDict(dict):
+    """What ``ms.load_checkpoint(directory)`` returns without an object: saved leaf name -> global array (on this
+    process's first device, or replicated over the job's devices with several processes), MindSpore's parameter
+    dict. ``kinds``: leaf name -> its Variable type (Param, OptVariable, ...). Load it with
+    :func:`load_param_into_net`."""
+
+    kinds: dict[str, str]
+    step: int
+
+
+def load_checkpoint(directory: str | os.PathLike, obj: nnx.Module | None = None, *, step: int | None = None,
                     strict: bool = True, inputs: tuple | None = None,
-                    layouts: dict[str, jax.sharding.Sharding] | None = None) -> LoadResult:
+                    layouts: dict[str, jax.sharding.Sharding] | None = None) -> LoadResult | ParamDict:
     """Restore a step of ``directory`` into ``obj`` in place (MindSpore's ``load_checkpoint`` and
-    ``load_param_into_net`` in one call).
+    ``load_param_into_net`` in one call); without ``obj``, MindSpore's parameter dict (:class:`ParamDict`, every
+    leaf verified and read whole) for :func:`load_param_into_net`.
 
     Each leaf is read straight into the layout ``obj``'s variable has now (a trained step's plan, or one device for
     a fresh module); the saved layout, device count and process count do not matter. Every leaf's content checksum
@@ -311,6 +322,8 @@ def load_checkpoint(directory: str | os.PathLike, obj: nnx.Module, *, step: int 
     directory = os.path.abspath(os.fspath(directory))
     step = store.resolve_step(directory, step, what)
     meta = store.read_meta(directory, step, what)
+    if obj is None:
+        return _param_dict(directory, step, meta, what)
     if inputs is not None:
         _place(obj, tuple(inputs))
     targets = leaves_of(obj)
@@ -354,6 +367,74 @@ def load_checkpoint(directory: str | os.PathLike, obj: nnx.Module, *, step: int 
     return LoadResult(step, meta.get("metadata", {}), not_loaded, sorted(extra), cast, meta.get("strategy"))
 
 
+def _whole_sharding() -> jax.sharding.Sharding:
+    if jax.process_count() > 1:
+        return NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("all",)), PartitionSpec())
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def _param_dict(directory: str, step: int, meta: dict, what: str) -> ParamDict:
+    saved = meta["leaves"]
+    tgt = {n: jax.ShapeDtypeStruct(tuple(i["shape"]), jnp.dtype(i["dtype"]), sharding=_whole_sharding())
+           for n, i in saved.items()}
+    store.check_files(directory, step, list(tgt), what)
+    restored = _restore(directory, step, tgt, what) if tgt else {}
+    _verify(restored, saved, directory, step, what)
+    out = ParamDict()
+    for n, x in restored.items():
+        impl = saved[n].get("key_impl")
+        out[n] = jax.random.wrap_key_data(x, impl=impl) if impl else x
+    out.kinds = {n: i["kind"] for n, i in saved.items()}
+    out.step = step
+    return out
+
+
+def load_param_into_net(net: nnx.Module, parameter_dict: dict, strict_load: bool = False) -> tuple[list, list]:
+    """MindSpore's ``load_param_into_net``: write a parameter dict (``ms.load_checkpoint(directory)``, or any dict
+    of name -> array) into ``net`` in place, each value placed in the layout its variable has now.
+
+    Names match exactly, else by one prefix (a TrainOneStepCell's ``network.backbone.`` against the bare network,
+    either way), as :func:`load_checkpoint` matches them.
+
+    Args:
+        net: the object to fill (a Cell, any nnx module or a TrainOneStepCell).
+        parameter_dict: name -> array (a :class:`ParamDict` or a plain dict).
+        strict_load: whether a leaf of ``net`` the dict does not fill, or a value of another shape, is an error.
+
+    Returns:
+        ``(param_not_load, ckpt_not_load)``: ``net``'s leaves not filled, and the dict's names that went nowhere.
+
+    >>> import tempfile, mshard as ms
+    >>> from flax import nnx
+    >>> d = tempfile.mkdtemp()
+    >>> _ = ms.save_checkpoint(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), d)
+    >>> ms.load_param_into_net(nnx.Linear(2, 3, use_bias=False, rngs=nnx.Rngs(1)), ms.load_checkpoint(d))
+    ([], ['bias'])
+    """
+    if not isinstance(parameter_dict, dict):
+        raise CheckpointTypeError(f"load_param_into_net: parameter_dict must be a dict of name -> array (what "
+                                  f"ms.load_checkpoint(directory) returns), got {type(parameter_dict).__name__}.")
+    kinds = getattr(parameter_dict, "kinds", {})
+    stored = {n: jax.random.key_data(x) if jnp.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key) else x
+              for n, x in parameter_dict.items()}          # a PRNG key as its key data, the form leaves_of gives
+    saved = {n: {"kind": kinds.get(n, "Param"), "shape": tuple(np.shape(x))} for n, x in stored.items()}
+    targets = leaves_of(net)
+    names = _match(targets, saved)
+    shapes = [t.name for t in targets if t.name in names and tuple(t.value.shape) != saved[names[t.name]]["shape"]]
+    missing = [t.name for t in targets if t.name not in names]
+    if strict_load and (missing or shapes):
+        raise CheckpointError(f"load_param_into_net: {type(net).__name__} leaves {missing + shapes} are not filled "
+                              f"by the dict (missing, or of another shape); pass strict_load=False to load the rest.")
+    values = {}
+    for t in targets:
+        if t.name in names and t.name not in shapes:
+            x = stored[names[t.name]]
+            values[t.path] = jax.device_put(jnp.asarray(x, t.value.dtype), t.value.sharding)
+    assign(net, values)
+    used = {names[t.name] for t in targets if t.name in names and t.name not in shapes}
+    return missing + shapes, sorted(n for n in parameter_dict if n not in used)
+
+
 def _restore(directory, step: int, tgt: dict, what: str) -> dict:
     """Read the leaves ``tgt`` names (saved name -> target ShapeDtypeStruct) of one step with orbax."""
     m = store.manager(directory, for_restore=True)
@@ -367,7 +448,7 @@ def _restore(directory, step: int, tgt: dict, what: str) -> dict:
 
 
 # -- MindSpore's distributed names -----------------------------------------------------------------------
-def load_distributed_checkpoint(network: nnx.Module, checkpoint_dir: str | os.PathLike,
+def load_distributed_checkpoint(network: nnx.Module, checkpoint_dir: str | os.PathLike | list,
                                 predict_strategy: dict[str, jax.sharding.Sharding] | None = None, *,
                                 step: int | None = None, strict_load: bool = False,
                                 inputs: tuple | None = None) -> LoadResult:
@@ -379,7 +460,8 @@ def load_distributed_checkpoint(network: nnx.Module, checkpoint_dir: str | os.Pa
 
     Args:
         network: the object to fill (a Cell or any nnx module).
-        checkpoint_dir: a checkpoint directory written by :func:`save_checkpoint`.
+        checkpoint_dir: a checkpoint directory written by :func:`save_checkpoint` (or a list naming it once per rank,
+            as MindSpore's per-rank file list).
         predict_strategy: leaf name -> ``jax.sharding.Sharding``, as ``ms.infer_predict_layout`` returns; leaves
             it does not name keep their current layout. None: every leaf keeps its current layout.
         step: the step to load; None: the last committed one.
@@ -398,6 +480,16 @@ def load_distributed_checkpoint(network: nnx.Module, checkpoint_dir: str | os.Pa
     >>> r.step, r.param_not_load
     (0, [])
     """
+    if isinstance(checkpoint_dir, (list, tuple)):
+        # MindSpore passes one checkpoint file per rank; here every rank's list entry names the same checkpoint
+        # (global arrays), which may be given once per rank
+        dirs = sorted({os.path.abspath(os.fspath(d)) for d in checkpoint_dir})
+        if len(dirs) != 1:
+            raise CheckpointTypeError(
+                f"load_distributed_checkpoint: checkpoint_filenames names {len(dirs)} checkpoints ({dirs[:3]}...); "
+                f"an mshard checkpoint holds every rank's shards in one directory: pass that directory (e.g. "
+                f"ModelCheckpoint's latest_ckpt_file_name).")
+        checkpoint_dir = dirs[0]
     return load_checkpoint(checkpoint_dir, network, step=step, strict=strict_load, inputs=inputs,
                            layouts=predict_strategy)
 
