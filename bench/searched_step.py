@@ -1,7 +1,7 @@
 """Communication of searched training steps against the user's strategies alone.
 
     .venv/bin/python bench/searched_step.py            # table + bench/out/searched_step.json (--out PATH)
-    .venv/bin/python bench/searched_step.py --smoke    # fully_use_devices=False, no ilp: that it runs and writes its JSON
+    .venv/bin/python bench/searched_step.py --smoke    # fully_use_devices=False, dynamic_programming: that it runs
 
 One training step (SGD) of a 1-layer GPT with ``shard_megatron(2, 4)`` on 8 simulated CPU devices: planned
 from the strategies alone (semi_auto_parallel) and by each searcher in auto_parallel with the same strategies
@@ -80,10 +80,10 @@ def main(argv=None):
     ap.add_argument("--searchers", default=",".join(SEARCHERS))
     ap.add_argument("--out", default=str(_cpu8.ROOT / "bench" / "out" / "searched_step.json"))
     ap.add_argument("--smoke", action="store_true",
-                    help="fully_use_devices=False only, every searcher but ilp (seconds of search): checks that it runs")
+                    help="fully_use_devices=False only, dynamic_programming only: checks that it runs")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.searchers = ",".join(s for s in SEARCHERS if s != "ilp")
+        args.searchers = "dynamic_programming"
     rows = []
     for fully in (False,) if args.smoke else (False, True):
         ms.reset_algo_parameters()

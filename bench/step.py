@@ -4,7 +4,7 @@ and per-device memory of each training feature on and off.
     python bench/step.py [--steps 10] [--repeats 7] [--size tiny|small|medium] [--modes data_parallel,semi_auto_parallel]
                          [--features optimizer_parallel,optimizer_level2,optimizer_level3,recompute,
                                      grad_accumulation,pipeline]
-    python bench/step.py --smoke          # a 1-layer model, 2 steps, 1 repeat: that it runs and writes its JSON
+    python bench/step.py --smoke          # a 1-layer model, 2 steps, 1 repeat, Megatron + 2 features: that it runs
 
 Time: a 4-layer GPT (nn.TransformerBlock) trained with AdamW. The hand-written step is plain JAX: one
 ``jax.jit`` of ``nnx.value_and_grad`` + ``optax`` over the TrainOneStepCell's state pytree, with
@@ -476,7 +476,9 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="1-layer model, 2 steps, 1 repeat: checks that it runs")
     args = ap.parse_args(argv)
     if args.smoke:
+        # the Megatron mode (its fused step too) and two features: every code path of the bench, not every row
         args.size, args.steps, args.repeats = "smoke", 2, 1
+        args.modes, args.features = "semi_auto_parallel", "optimizer_level3,pipeline"
     cfg = SIZES[args.size]
     n = jax.device_count()
     report: dict = {"devices": n, "platform": jax.devices()[0].platform, "model": dict(cfg),

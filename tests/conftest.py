@@ -64,7 +64,7 @@ def _fresh_mshard_context():
     ms.reset_algo_parameters()
     ms.reset_cost_model_context()
     ms.set_seed(0)
-    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
     yield
     ms.reset_auto_parallel_context()
     ms.reset_algo_parameters()

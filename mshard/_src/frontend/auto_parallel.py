@@ -18,7 +18,8 @@ the update, level2 is the same program (mshard's level1 already reduce-scatters 
 the weights sharded (FSDP);
 ``no_init_parameters_in_compile`` does nothing (flax creates parameters when the model is built);
 ``pipeline`` sets ``pipeline_stages`` only (its ``output_broadcast``, ``interleave`` and ``scheduler`` are ignored;
-the training step's network must be a PipelineCell, as with the context's ``pipeline_stages``).
+the step must train a PipelineCell: ``TrainOneStepCell(PipelineCell(...))``, or an ``ms.jit`` step that calls
+``value_and_grad`` over a function of a ``Pipeline`` cell, MindSpore's functional form).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from mshard._src.jaxpr.marks import CallSite
 from mshard._src.jaxpr.user_trace import call_in_user_trace
 from mshard._src.runtime.fusion import ordered_after
 from mshard._src.runtime.region import Region
+from mshard._src.values import run_mode
 from mshard._src.values.errors import CellError, CellTypeError, ParameterPlanError, PipelineError, StrategyTypeError
 from mshard._src.values.layout import normalize_in_strategy
 
@@ -47,6 +48,8 @@ def _wrap_call(call: Callable) -> Callable:
             sharded = cfg is not None and not kwargs
             if sharded and site is CallSite.EAGER:
                 return cell_region(self)(self, *args)
+            if site is CallSite.EAGER and not kwargs and run_mode.graph_mode() and _compiled_in_graph_mode(self):
+                return graph_region(self)(self, *args)
             if sharded and site is CallSite.USER_TRACE:
                 return call_in_user_trace(self, f"Cell {type(self).__name__}", lambda: cell_region(self)(self, *args),
                                           lambda: _plain(self, call, args, kwargs))
@@ -175,6 +178,26 @@ _MS_RECOMPUTE_KWARGS = ("mp_comm_recompute", "parallel_optimizer_comm_recompute"
 
 
 _regions: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+_graph_regions: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _compiled_in_graph_mode(cell: Cell) -> bool:
+    """A user's Cell (a class defined outside mshard) is compiled whole when called under ``GRAPH_MODE``; mshard's
+    own Cells (layers, wrappers, training cells) run as they always do: a layer op by op, a training cell as its
+    own region."""
+    return not type(cell).__module__.startswith("mshard.")
+
+
+def graph_region(cell: Cell) -> Region:
+    """The region a user's Cell without a shard configuration runs as when called eagerly under ``GRAPH_MODE``
+    (MindSpore's static graph): one jitted program, planned under the current parallel context, made once per
+    Cell."""
+    region = _graph_regions.get(cell)
+    if region is None:
+        region = _graph_regions[cell] = Region(lambda c, *a: c(*a), name=type(cell).__name__)
+    return region
 
 
 def cell_region(cell: Cell) -> Region:

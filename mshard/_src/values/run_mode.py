@@ -1,8 +1,11 @@
 """MindSpore's ``set_context`` / ``get_context``: the execution mode and device target of a script.
 
-mshard runs what JAX runs. ``GRAPH_MODE`` and ``PYNATIVE_MODE`` are both accepted and recorded; in both, training
-steps, ``ms.jit`` regions and sharded Cells compile one XLA program, and a Cell without a strategy called outside a
-jitted region runs op by op (JAX's eager mode, MindSpore's PyNative). ``device_target`` names the backend a user
+mshard runs what JAX runs. In both modes training steps, ``ms.jit`` regions and sharded Cells compile one XLA
+program. The mode decides how a user's Cell without a strategy runs when called outside a jitted region:
+``PYNATIVE_MODE`` (MindSpore 2's default, and mshard's) runs it op by op (JAX's eager mode); ``GRAPH_MODE`` compiles
+the call into one region, planned under the parallel context, as MindSpore's static graph does
+(:func:`mshard._src.frontend.cell.graph_region`). mshard's own layers (``nn.Dense``, ...) called directly run op by
+op in either mode. ``device_target`` names the backend a user
 expects; JAX picks the backend itself, and a target with no device of that kind fails early.
 """
 
@@ -25,13 +28,18 @@ _ACCEPTED = ("device_id", "max_device_memory", "save_graphs", "save_graphs_path"
              "deterministic", "pynative_synchronize", "enable_compile_cache", "compile_cache_path", "inter_op_parallel_num",
              "print_file_path", "env_config_path", "precompile_only", "ascend_config", "gpu_config", "mempool_block_size",
              "op_timeout", "aoe_tune_mode", "check_bprop", "enable_reduce_precision", "variable_memory_max_size")
-_context: dict[str, Any] = {"mode": GRAPH_MODE, "device_target": "CPU"}
+_context: dict[str, Any] = {"mode": PYNATIVE_MODE, "device_target": "CPU"}
+
+
+def graph_mode() -> bool:
+    """Whether ``set_context(mode=GRAPH_MODE)`` is in force (a user's Cell called eagerly is compiled)."""
+    return _context["mode"] == GRAPH_MODE
 
 
 def set_context(**kwargs: Any) -> None:
     """Set MindSpore's execution context keys (``mode``, ``device_target``, and MindSpore's other keys).
 
-    ``mode`` is ``ms.GRAPH_MODE`` or ``ms.PYNATIVE_MODE`` (recorded; see the module doc for what runs compiled).
+    ``mode`` is ``ms.GRAPH_MODE`` or ``ms.PYNATIVE_MODE`` (``GRAPH_MODE``: a user's Cell called eagerly is compiled, module doc).
     ``device_target`` ``"CPU"`` / ``"GPU"`` must have such a device (``"Ascend"`` is refused: XLA has no Ascend
     backend here). MindSpore's tuning keys (``max_device_memory``, ``jit_config``, ``save_graphs``, ...) are accepted
     and have no effect on XLA. An unknown key raises ``ContextError`` with the nearest name.
@@ -73,7 +81,7 @@ def get_context(key: str) -> Any:
         key: the key, e.g. ``"mode"``.
 
     Returns:
-        Its value (``mode`` defaults to ``GRAPH_MODE``, ``device_target`` to ``"CPU"``, the others to None).
+        Its value (``mode`` defaults to ``PYNATIVE_MODE``, ``device_target`` to ``"CPU"``, the others to None).
 
     >>> import mshard as ms
     >>> ms.get_context("device_target")

@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -94,3 +95,35 @@ def test_set_context_takes_mindsporess_keys_and_refuses_unknown_ones():
         ms.set_context(device_target="Ascend")
     with pytest.raises(ms.errors.ContextError, match="GRAPH_MODE"):
         ms.set_context(mode=3)
+
+
+def test_graph_mode_compiles_a_user_cell_call_and_pynative_runs_it_op_by_op():
+    """MindSpore's two modes: under PYNATIVE_MODE (the default) a user's Cell called eagerly runs op by op (each
+    op sees concrete arrays); under GRAPH_MODE the call is one compiled region (the ops see tracers, the region's
+    plan exists), with the same value."""
+    seen = []
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.w = ms.Parameter(jnp.arange(6.0).reshape(3, 2))
+
+        def construct(self, x):
+            seen.append(isinstance(x, jax.core.Tracer))
+            return jnp.tanh(x @ self.w[...])
+
+    net, x = Net(), jnp.ones((4, 3))
+    assert ms.get_context("mode") == ms.PYNATIVE_MODE
+    eager = net(x)
+    assert seen == [False]
+    ms.set_context(mode=ms.GRAPH_MODE)
+    compiled = net(x)
+    assert seen[1:] == [True]                         # traced once, inside the region
+    net(x)
+    assert len(seen) == 2                             # the second call reuses the compiled program
+    from mshard._src.frontend.cell import graph_region
+    assert graph_region(net).plan(net, x) is not None
+    np.testing.assert_array_equal(np.asarray(compiled), np.asarray(eager))
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    net(x)
+    assert seen[-1] is False

@@ -272,10 +272,23 @@ def _place(obj: nnx.Module, inputs: tuple) -> None:
 
 
 class ParamDict(dict):
-    """What ``ms.load_checkpoint(directory)`` returns without an object: saved leaf name -> global array (on this
-    process's first device, or replicated over the job's devices with several processes), MindSpore's parameter
-    dict. ``kinds``: leaf name -> its Variable type (Param, OptVariable, ...). Load it with
-    :func:`load_param_into_net`."""
+    """What ``ms.load_checkpoint(directory)`` returns without an object: MindSpore's parameter dict.
+
+    A dict of saved leaf name -> global array (on this process's first device, or replicated over the job's devices
+    with several processes). Load it with :func:`load_param_into_net`.
+
+    Args:
+        none: made by :func:`load_checkpoint`; ``kinds`` maps each name to its Variable type (Param,
+            OptVariable, ...) and ``step`` is the step read.
+
+    >>> import tempfile, mshard as ms
+    >>> from flax import nnx
+    >>> d = tempfile.mkdtemp()
+    >>> _ = ms.save_checkpoint(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), d)
+    >>> p = ms.load_checkpoint(d)
+    >>> sorted(p), p.kinds["kernel"], p.step
+    (['bias', 'kernel'], 'Param', 0)
+    """
 
     kinds: dict[str, str]
     step: int
