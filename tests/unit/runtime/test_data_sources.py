@@ -172,3 +172,28 @@ def test_rows_that_do_not_fit_are_named():
     ragged = GeneratorDataset([np.zeros(2), np.zeros(3)], ["v"], shuffle=False).batch(2)
     with pytest.raises(DatasetStrategyError, match=r"column 'v' has rows of shapes \[\(2,\), \(3,\)\]"):
         rows_of(ragged)
+
+
+def test_the_tutorials_mnist_pipeline_maps_rescale_normalize_hwc2chw_and_typecast():
+    """MindSpore's tutorial pipeline over MNIST-shaped rows ([28, 28, 1] uint8 images, uint32 labels): the images
+    rescaled to [0, 1], normalised with MNIST's mean/std, made [1, 28, 28]; the labels cast to int32. Checked
+    against the same formula written with NumPy on the whole batch."""
+    import mshard as ms
+    from mshard.dataset import transforms, vision
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(8, 28, 28, 1)).astype(np.uint8)
+    labels = rng.integers(0, 10, size=(8,)).astype(np.uint32)
+    dataset = GeneratorDataset(list(zip(images, labels, strict=True)), ["image", "label"], shuffle=False)
+    dataset = dataset.map([vision.Rescale(1.0 / 255.0, 0), vision.Normalize(mean=(0.1307,), std=(0.3081,)),
+                           vision.HWC2CHW()], "image")
+    dataset = dataset.map(transforms.TypeCast(ms.int32), "label").batch(4)
+    got = list(dataset.create_tuple_iterator(output_numpy=True))
+    want = ((images.astype(np.float64) / 255.0 - 0.1307) / 0.3081).transpose(0, 3, 1, 2)
+    assert len(got) == 2
+    for k, (x, y) in enumerate(got):
+        assert x.shape == (4, 1, 28, 28) and x.dtype == np.float32 and y.dtype == np.int32
+        np.testing.assert_allclose(x, want[4 * k:4 * k + 4], rtol=1e-6, atol=1e-6)   # float32 of a float64 formula
+        np.testing.assert_array_equal(y, labels[4 * k:4 * k + 4].astype(np.int32))
+    with pytest.raises(ms.errors.DatasetStrategyError, match="is_hwc"):
+        vision.Normalize(mean=(0.1, 0.2, 0.3), std=(1, 1, 1))(np.zeros((28, 28, 1)))

@@ -11,6 +11,8 @@ from mshard._src.runtime.data_sources import NumpySlicesDataset as NumpySlicesDa
 from mshard._src.runtime.dataset import batch_shardings as batch_shardings
 from mshard._src.runtime.dataset import shard_batch as shard_batch
 from mshard._src.values.names import missing_names
+from mshard.dataset import transforms as transforms
+from mshard.dataset import vision as vision
 
 __all__ = [
     "Dataset",
@@ -18,6 +20,8 @@ __all__ = [
     "NumpySlicesDataset",
     "batch_shardings",
     "shard_batch",
+    "transforms",
+    "vision",
 ]
 
 __getattr__ = missing_names(__name__, __all__)      # a name not offered says so, and what to use
