@@ -18,6 +18,8 @@ from mshard._src.frontend.primitive_ops import Concat as Concat
 from mshard._src.frontend.primitive_ops import Conv2D as Conv2D
 from mshard._src.frontend.primitive_ops import Exp as Exp
 from mshard._src.frontend.primitive_ops import ExpandDims as ExpandDims
+from mshard._src.frontend.layers import DropoutOp as Dropout
+from mshard._src.frontend.debug_print import Print as Print
 from mshard._src.frontend.primitive_ops import Flatten as Flatten
 from mshard._src.frontend.primitive_ops import Gather as Gather
 from mshard._src.frontend.primitive_ops import GeLU as GeLU
@@ -64,7 +66,9 @@ __all__ = [
     "Conv2D",
     "Exp",
     "ExpandDims",
+    "Dropout",
     "Flatten",
+    "Print",
     "Gather",
     "GeLU",
     "GradOperation",

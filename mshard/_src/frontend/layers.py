@@ -31,6 +31,7 @@ from mshard._src.frontend import primitive_ops as ops
 from mshard._src.frontend.cell import Cell
 from mshard._src.frontend.parameter import HeUniform, Uniform, initializer
 from mshard._src.values.errors import CellError
+from mshard._src.values.seed import next_key
 
 _ACT: dict[str, Callable] = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "tanh": jnp.tanh,
                              "sigmoid": jax.nn.sigmoid}
@@ -231,7 +232,8 @@ class Dropout(Cell):
     Args:
         keep_prob: MindSpore's older argument, the probability of keeping an element (``p = 1 - keep_prob``).
         p: the probability of zeroing an element, in ``[0, 1)``; wins over ``keep_prob``.
-        rngs: ``flax.nnx.Rngs``; its ``dropout`` stream (or its default one) draws the masks.
+        rngs: ``flax.nnx.Rngs``; its ``dropout`` stream (or its default one) draws the masks. None: a stream
+            seeded from the global seed (``ms.set_seed``), as MindSpore's Dropout without seeds.
         deterministic: start switched off (the input passes through unchanged).
 
     >>> import jax.numpy as jnp
@@ -244,7 +246,7 @@ class Dropout(Cell):
     [1.0, 1.0, 1.0]
     """
 
-    def __init__(self, keep_prob: float | None = None, p: float | None = None, *, rngs: nnx.Rngs,
+    def __init__(self, keep_prob: float | None = None, p: float | None = None, *, rngs: nnx.Rngs | None = None,
                  deterministic: bool = False):
         if p is None:
             p = 0.5 if keep_prob is None else 1.0 - keep_prob
@@ -253,11 +255,17 @@ class Dropout(Cell):
                              f"of zeroing an element.")
         self.p = float(p)
         self.deterministic = deterministic
+        if rngs is None:
+            rngs = nnx.Rngs(dropout=next_key())
         self.rngs = rngs["dropout"].fork()
 
     def __call__(self, x):
         if self.deterministic or self.p == 0.0:
             return x
+        return jnp.where(self._keep(x), x / (1.0 - self.p), jnp.zeros_like(x))
+
+    def _keep(self, x):
+        """The mask of the elements kept (bool, ``x``'s shape): one device's draw, in a replica its rows of it."""
         key, rep = self.rngs(), _replica.now
         if rep is None:
             keep = jax.random.bernoulli(key, 1.0 - self.p, x.shape)
@@ -267,7 +275,41 @@ class Dropout(Cell):
             keep = jax.lax.dynamic_slice_in_dim(whole, index * rows, rows, axis=0)
         else:
             keep = jax.random.bernoulli(jax.random.fold_in(key, rep[0]), 1.0 - self.p, x.shape)
-        return jnp.where(keep, x / (1.0 - self.p), jnp.zeros_like(x))
+        return keep
+
+
+class DropoutOp(Dropout):
+    """MindSpore's primitive ``ops.Dropout(keep_prob=0.5, Seed0=0, Seed1=0)``: ``output, mask = dropout(x)``.
+
+    Always active (a primitive has no training switch); ``mask`` is 1.0 where an element was kept and 0.0 where it
+    was zeroed, in ``x``'s dtype. Nonzero seeds give a fixed stream (``Seed0`` and ``Seed1`` combined); zero seeds
+    draw from the global seed (``ms.set_seed``). Differences from MindSpore: it is a Cell (its RNG state is part of
+    the network), so build it in ``__init__`` as MindSpore scripts do.
+
+    Args:
+        keep_prob: the probability of keeping an element, in ``(0, 1]``.
+        Seed0: the first seed (0: the global seed).
+        Seed1: the second seed.
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import ops
+    >>> out, mask = ops.Dropout(keep_prob=0.5, Seed0=1)(jnp.ones(6))
+    >>> bool(((out == 2 * mask) & ((mask == 0) | (mask == 1))).all())
+    True
+    """
+
+    def __init__(self, keep_prob: float = 0.5, Seed0: int = 0, Seed1: int = 0):
+        if not 0.0 < keep_prob <= 1.0:
+            raise CellError(f"ops.Dropout: keep_prob={keep_prob} must be in (0, 1]: the probability of keeping an "
+                            f"element.")
+        rngs = nnx.Rngs(dropout=jax.random.fold_in(jax.random.key(Seed0), Seed1)) if (Seed0 or Seed1) else None
+        super().__init__(p=1.0 - keep_prob, rngs=rngs)
+
+    def __call__(self, x):
+        if self.p == 0.0:
+            return x, jnp.ones_like(x)
+        keep = self._keep(x)
+        return jnp.where(keep, x / (1.0 - self.p), jnp.zeros_like(x)), keep.astype(x.dtype)
 
 
 class Conv2d(Cell):

@@ -201,6 +201,7 @@ def _norm(axis: int, rank: int) -> int:
 
 
 # -- safe defaults -----------------------------------------------------------------------------
+@register("debug_print")      # ops.Print inside a region: what it prints is gathered whole (a debugging aid)
 def replicated_rule(in_shapes, out_shapes, **_) -> IterSpace:
     """Every dim unsplittable: operands replicated, each result dim its own unsplittable loop dim."""
     outs = [tuple(f"r{j}_{k}" for k in range(len(s))) for j, s in enumerate(out_shapes)]

@@ -23,9 +23,7 @@ NOT_OFFERED: dict[str, dict[str, str]] = {
         "MnistDataset", "Cifar10Dataset", "Cifar100Dataset", "ImageFolderDataset", "MindDataset", "TFRecordDataset",
         "CSVDataset", "TextFileDataset", "CocoDataset", "VOCDataset", "CelebADataset")},
     "mshard.ops": {
-        "Print": "use jax.debug.print inside a jitted function, or print outside it",
         "Depend": "JAX orders effects by data dependence itself; drop it",
-        "Dropout": "use nn.Dropout (a Cell; set_train(False) turns it off)",
     },
     "mshard.nn": {
         "TrainOneStepWithLossScaleCell": "use nn.TrainOneStepCell with the optimizer's loss_scale (a fixed scale)",
