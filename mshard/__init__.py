@@ -52,8 +52,8 @@ from mshard._src.values.seed import set_seed as set_seed
 from mshard.checkpoint import CheckpointManager as CheckpointManager
 from mshard.checkpoint import infer_predict_layout as infer_predict_layout
 from mshard.checkpoint import load_checkpoint as load_checkpoint
-from mshard.checkpoint import load_param_into_net as load_param_into_net
 from mshard.checkpoint import load_distributed_checkpoint as load_distributed_checkpoint
+from mshard.checkpoint import load_param_into_net as load_param_into_net
 from mshard.checkpoint import save_checkpoint as save_checkpoint
 from mshard.checkpoint import transform_checkpoints as transform_checkpoints
 from mshard.context import ParallelMode as ParallelMode
@@ -106,8 +106,8 @@ __all__ = [
                       "int64",
                       "jit",
                       "load_checkpoint",
-                      "load_param_into_net",
                       "load_distributed_checkpoint",
+                      "load_param_into_net",
                       "load_plan",
                       "nn",
                       "ops",

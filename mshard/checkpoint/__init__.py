@@ -5,11 +5,11 @@ The implementation is in ``mshard/_src/edges/checkpoint/``: ``api`` (save/load),
 """
 
 from mshard._src.edges.checkpoint.api import LoadResult as LoadResult
-from mshard._src.edges.checkpoint.api import SaveHandle as SaveHandle
 from mshard._src.edges.checkpoint.api import ParamDict as ParamDict
+from mshard._src.edges.checkpoint.api import SaveHandle as SaveHandle
 from mshard._src.edges.checkpoint.api import load_checkpoint as load_checkpoint
-from mshard._src.edges.checkpoint.api import load_param_into_net as load_param_into_net
 from mshard._src.edges.checkpoint.api import load_distributed_checkpoint as load_distributed_checkpoint
+from mshard._src.edges.checkpoint.api import load_param_into_net as load_param_into_net
 from mshard._src.edges.checkpoint.api import save_checkpoint as save_checkpoint
 from mshard._src.edges.checkpoint.api import transform_checkpoints as transform_checkpoints
 from mshard._src.edges.checkpoint.infer import infer_predict_layout as infer_predict_layout

@@ -6,7 +6,9 @@ from mshard._src.frontend.comm_ops import AlltoAll as AlltoAll
 from mshard._src.frontend.comm_ops import Broadcast as Broadcast
 from mshard._src.frontend.comm_ops import ReduceScatter as ReduceScatter
 from mshard._src.frontend.comm_ops import SendReceive as SendReceive
+from mshard._src.frontend.debug_print import Print as Print
 from mshard._src.frontend.functional import GradOperation as GradOperation
+from mshard._src.frontend.layers import DropoutOp as Dropout
 from mshard._src.frontend.primitive_base import Primitive as Primitive
 from mshard._src.frontend.primitive_ops import Add as Add
 from mshard._src.frontend.primitive_ops import AvgPool as AvgPool
@@ -18,8 +20,6 @@ from mshard._src.frontend.primitive_ops import Concat as Concat
 from mshard._src.frontend.primitive_ops import Conv2D as Conv2D
 from mshard._src.frontend.primitive_ops import Exp as Exp
 from mshard._src.frontend.primitive_ops import ExpandDims as ExpandDims
-from mshard._src.frontend.layers import DropoutOp as Dropout
-from mshard._src.frontend.debug_print import Print as Print
 from mshard._src.frontend.primitive_ops import Flatten as Flatten
 from mshard._src.frontend.primitive_ops import Gather as Gather
 from mshard._src.frontend.primitive_ops import GeLU as GeLU
@@ -64,11 +64,10 @@ __all__ = [
     "Cast",
     "Concat",
     "Conv2D",
+    "Dropout",
     "Exp",
     "ExpandDims",
-    "Dropout",
     "Flatten",
-    "Print",
     "Gather",
     "GeLU",
     "GradOperation",
@@ -82,6 +81,7 @@ __all__ = [
     "Mul",
     "OneHot",
     "Primitive",
+    "Print",
     "ReLU",
     "RealDiv",
     "ReduceMax",

@@ -342,6 +342,23 @@ class Cell(nnx.Module):
         self.set_attributes(deterministic=not mode, use_running_average=not mode, raise_if_not_found=False)
         return self
 
+    def set_comm_fusion(self, fusion_type: int, recurse: bool = True) -> Cell:
+        """MindSpore's ``set_comm_fusion``: the fusion index of this Cell's parameters' gradient collectives
+        (``recurse``: and its sub-Cells'). Recorded (``comm_fusion_index``); XLA fuses collectives itself, so it
+        does not change the program (``comm_fusion`` in the parallel context sizes mshard's own buckets)."""
+        if not isinstance(fusion_type, int) or isinstance(fusion_type, bool) or fusion_type < 0:
+            raise CellTypeError(f"{type(self).__name__}.set_comm_fusion({fusion_type!r}): the fusion index is an "
+                                f"int >= 0.")
+        cells = [m for _, m in nnx.iter_graph(self) if isinstance(m, Cell)] if recurse else [self]
+        for c in cells:
+            c._mshard_fusion = fusion_type
+        return self
+
+    @property
+    def comm_fusion_index(self) -> int | None:
+        """The index ``set_comm_fusion`` gave this Cell, or None."""
+        return getattr(self, "_mshard_fusion", None)
+
     @property
     def pipeline_stage(self) -> int:
         return getattr(self, "_mshard_stage", 0)

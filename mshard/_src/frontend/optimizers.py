@@ -33,6 +33,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from mshard._src.frontend.functional_zero import zero_layouts
 from mshard._src.values.errors import CellError, CellTypeError
 
 __all__ = ["SGD", "Adam", "AdamWeightDecay", "Momentum", "Optimizer"]
@@ -290,8 +291,14 @@ class Optimizer:
         state = jax.tree.unflatten(self._state_def, [v[...] for v in state_vars])
         keys = self._keys()
         params = self._values()
-        updates, new_state = self.tx.update(dict(zip(keys, grads, strict=True)), state, params)
+        grads = dict(zip(keys, grads, strict=True))
+        zero = zero_layouts(params)                 # optimizer parallel inside a hand-written ms.jit step
+        if zero:
+            grads, params, state = (zero.constrain(grads), zero.constrain(params), zero.constrain(state))
+        updates, new_state = self.tx.update(grads, state, params)
         new = optax.apply_updates(params, updates)
+        if zero:
+            new_state, new = zero.constrain(new_state), zero.constrain(new)
         for k, p in zip(keys, self.parameters, strict=True):
             p[...] = new[k].astype(p[...].dtype)
         for v, x in zip(state_vars, jax.tree.leaves(new_state), strict=True):

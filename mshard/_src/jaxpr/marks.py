@@ -124,6 +124,7 @@ class TraceRecord:
     scope_stack: list[str] = field(default_factory=list)              # paths of the module calls in progress
     hand_written: bool = False        # the region runs a training step written by hand (``ms.jit`` over a closure)
     pipelines: list[str] = field(default_factory=list)   # PipelineCells whose schedule ran in this trace
+    zero: bool = False                # an optimizer Cell applied optimizer parallel in this trace (functional_zero)
 
     def scope_of(self, path: str) -> str:
         """The named scope of a call of the module at ``path``: its path relative to the module call it is made

@@ -276,7 +276,7 @@ class Region:
             kinds = [type(v) for s in states for v in jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, nnx.Variable))]
             _check_training_settings(self.name, ctx, [param_names[j] for j in changed
                                                       if j < len(kinds) and issubclass(kinds[j], nnx.Param)],
-                                     pipelined=bool(trace.pipelines))
+                                     pipelined=bool(trace.pipelines), zero=trace.zero)
         mod_out = [in_sh[j] for j in changed]
         out_sh = [None] * n_user + mod_out
 
@@ -490,24 +490,26 @@ def _module_classes(graphdefs) -> set:
             if isinstance(getattr(n, "type", None), type) and issubclass(n.type, nnx.Module)}
 
 
-def _check_training_settings(name: str, ctx, written: list[str], pipelined: bool = False) -> None:
+def _check_training_settings(name: str, ctx, written: list[str], pipelined: bool = False, zero: bool = False) -> None:
     """A region that writes parameters is a training step written by hand (``ms.jit`` of value_and_grad + an
     optimizer update). The context's optimizer-parallel setting is applied by ``TrainOneStepCell``, which plans the
-    step around it, and so is ``pipeline_stages`` unless the step ran a PipelineCell's schedule (``pipelined``: a
-    PipelineCell differentiated inside ``ms.jit``, mshard._src.training.pipeline.cells); such a hand-written step
-    would silently ignore them, so it is refused."""
+    step around it, unless an optimizer Cell applied it while the step was traced (``zero``,
+    mshard._src.frontend.functional_zero), and so is ``pipeline_stages`` unless the step ran a PipelineCell's
+    schedule (``pipelined``: a PipelineCell differentiated inside ``ms.jit``, mshard._src.training.pipeline.cells);
+    such a hand-written step would silently ignore them, so it is refused."""
     if not written or ctx.parallel_mode == "stand_alone":
         return
     asked = [f"{k}={v!r}" for k, v, on in (("pipeline_stages", ctx.pipeline_stages,
                                             ctx.pipeline_stages > 1 and not pipelined),
                                          ("enable_parallel_optimizer", ctx.enable_parallel_optimizer,
-                                          ctx.enable_parallel_optimizer)) if on]
+                                          ctx.enable_parallel_optimizer and not zero)) if on]
     if asked:
         raise ContextError(
             f"ms.jit region {name!r} updates parameters ({', '.join(written[:3])}{', ...' if len(written) > 3 else ''}"
-            f"): a training step written by hand, but the context's {' and '.join(asked)} is applied only by "
-            f"nn.TrainOneStepCell, which plans the step around it. Train with nn.TrainOneStepCell(nn.WithLossCell("
-            f"net, loss_fn), optimizer) (nn.PipelineCell for stages), or set "
+            f"): a training step written by hand, but the context's {' and '.join(asked)} is not applied to it. "
+            f"Train with nn.TrainOneStepCell(nn.WithLossCell(net, loss_fn), optimizer) (nn.PipelineCell for "
+            f"stages); or, in a hand-written step, update with an mshard optimizer Cell (nn.Momentum(...)(grads), "
+            f"which applies optimizer parallel) and differentiate a Pipeline cell (which runs the stages); or set "
             f"{' and '.join(a.split('=')[0] + '=' + ('1' if a.startswith('pipeline') else 'False') for a in asked)} "
             f"for this step.")
 

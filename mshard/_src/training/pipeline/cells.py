@@ -61,12 +61,12 @@ from jax.sharding import PartitionSpec as P
 
 from mshard._src.frontend.cell import Cell
 from mshard._src.frontend.wrapper_cells import GradAccumulationCell, MicroBatchInterleaved, _split_rows, check_rows
+from mshard._src.jaxpr import marks
 from mshard._src.training.pipeline.report import build_report, with_layouts
 from mshard._src.training.pipeline.run import ring_size, run_gpipe_keeping_residuals, run_pipeline
 from mshard._src.training.pipeline.schedule import make_schedule
 from mshard._src.training.pipeline.stages import cut
 from mshard._src.training.pipeline.storage import StageStorage
-from mshard._src.jaxpr import marks
 from mshard._src.values import context as ctxmod
 from mshard._src.values.errors import PipelineError
 from mshard._src.values.layout import choose_axes, jax_mesh, prime_mesh
