@@ -285,8 +285,8 @@ def test_transform_checkpoints_to_another_strategy_file(tmp_path):
     other.plan(*DATA[0])
     assert dst_plan.exists()
     with pytest.raises(CheckpointError, match="was not saved with"):
-        ms.checkpoint.transform_checkpoints(tmp_path / "a", tmp_path / "bad", dst_plan, dst_plan)
-    assert ms.transform_checkpoints(tmp_path / "a", tmp_path / "b", src_plan, dst_plan) == 1
+        ms.checkpoint.transform_checkpoints(tmp_path / "a", tmp_path / "bad", "checkpoint_", dst_plan, dst_plan)
+    assert ms.transform_checkpoints(tmp_path / "a", tmp_path / "b", "checkpoint_", src_plan, dst_plan) == 1
     meta = json.loads((tmp_path / "b" / "1" / "mshard" / "metadata").read_text())
     src_meta = json.loads((tmp_path / "a" / "1" / "mshard" / "metadata").read_text())
     name = "network.backbone.fc1.weight"

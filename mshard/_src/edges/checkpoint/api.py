@@ -526,8 +526,9 @@ def _dst_layouts(plan, saved: dict, devices) -> dict[str, NamedSharding]:
 
 
 def transform_checkpoints(src_checkpoints_dir: str | os.PathLike, dst_checkpoints_dir: str | os.PathLike,
-                          src_strategy_file: str | os.PathLike | None = None,
-                          dst_strategy_file: str | os.PathLike | None = None, *, step: int | None = None) -> int:
+                          ckpt_prefix: str | None = None, src_strategy_file: str | os.PathLike | None = None,
+                          dst_strategy_file: str | os.PathLike | None = None, process_num: int = 1,
+                          output_format: str = "ckpt", *, step: int | None = None) -> int:
     """MindSpore's ``transform_checkpoints``: rewrite a step of a checkpoint saved under one strategy as a
     checkpoint laid out by another strategy file (``plan.save`` / ``strategy_ckpt_config``), on that strategy's
     device count. Leaves the destination strategy does not name are replicated (optimizer state follows its
@@ -536,9 +537,13 @@ def transform_checkpoints(src_checkpoints_dir: str | os.PathLike, dst_checkpoint
 
     Args:
         src_checkpoints_dir: the checkpoint directory to read.
-        dst_checkpoints_dir: the checkpoint directory to write; it must not hold the step already.
+        dst_checkpoints_dir: the checkpoint directory to write (the whole checkpoint, every rank's shards: load
+            it with ``ms.load_checkpoint(dst_checkpoints_dir, net)``); it must not hold the step already.
+        ckpt_prefix: MindSpore's per-rank file prefix; accepted, unused (one directory, no per-rank files).
         src_strategy_file: optional (the checkpoint records its layouts); when given, it must agree with them.
         dst_strategy_file: the strategy file to lay the checkpoint out by (required).
+        process_num: MindSpore's worker count; accepted, unused (orbax reads and writes in parallel itself).
+        output_format: ``"ckpt"`` or ``"safetensors"``; accepted, the format is always this module's.
         step: the step to transform; None: the last committed one.
 
     Returns:
