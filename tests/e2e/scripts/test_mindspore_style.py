@@ -65,13 +65,19 @@ def test_the_functional_pipeline_step_runs_its_schedule_between_stage_groups():
     import mshard as ms
 
     mod = _script("pipeline")
-    parallel_net, _ = mod.build(parallel=True)
+    parallel_net, net = mod.build(parallel=True)
     image, label = jnp.zeros((32, 1, 28, 28)), jnp.zeros((32,), jnp.int32)
     with ms.parallel_context(**parallel_net.settings):
         hlo = parallel_net.network.lower(image, label).compile().as_text()
+    parallel_net(image, label)
     ms.reset_auto_parallel_context()
     sends = [ln for ln in hlo.splitlines() if "collective-permute" in ln and "=" in ln]
     assert len(sends) >= 2, hlo[-3000:]
+    # every parameter belongs to one stage, so it is stored split over the 2 stage groups on dim 0 (each device
+    # holds half), as TrainOneStepCell(PipelineCell) stores it; stand-alone, each is whole
+    for p in net.trainable_params():
+        a = p[...]
+        assert a.sharding.shard_shape(a.shape) == (a.shape[0] // 2, *a.shape[1:]), (p.name, a.sharding)
 
 
 @pytest.mark.slow

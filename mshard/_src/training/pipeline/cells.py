@@ -180,9 +180,10 @@ def _scheduled_loss(cell: PipelineCell, inputs: tuple) -> Any:
     The schedule computes the loss and the parameters' gradient together (its backward interleaves with the
     forward: 1F1B), so it runs as the forward of a ``jax.custom_vjp`` whose backward scales the gradient it
     already has by the loss's cotangent. The stages are cut on the step's whole mesh (``prime_mesh`` of the
-    context's devices); the rest of the step (the optimizer update) is planned around it as usual. Gradients
-    with respect to the PipelineCell's inputs are not computed (zero), as in MindSpore's pipeline, which
-    differentiates the weights."""
+    context's devices); the rest of the step (the optimizer update) is planned around it as usual. The schedule's
+    ``shard_map`` is on the region's mesh, so its parameter layouts are fixed in the region's plan: a parameter one
+    stage owns is stored split over the stage axes, as under TrainOneStepCell. Gradients with respect to the
+    PipelineCell's inputs are not computed (zero), as in MindSpore's pipeline, which differentiates the weights."""
     ctx = ctxmod.current()
     record = marks.current_region()
     record.pipelines.append(type(cell).__name__)
