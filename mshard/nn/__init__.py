@@ -15,8 +15,12 @@ from mshard._src.frontend.layers import MaxPool2d as MaxPool2d
 from mshard._src.frontend.layers import MultiHeadAttention as MultiHeadAttention
 from mshard._src.frontend.layers import ReLU as ReLU
 from mshard._src.frontend.layers import TransformerBlock as TransformerBlock
+from mshard._src.frontend.losses import BCEWithLogitsLoss as BCEWithLogitsLoss
 from mshard._src.frontend.losses import CrossEntropyLoss as CrossEntropyLoss
+from mshard._src.frontend.losses import L1Loss as L1Loss
 from mshard._src.frontend.losses import MSELoss as MSELoss
+from mshard._src.frontend.losses import NLLLoss as NLLLoss
+from mshard._src.frontend.losses import SmoothL1Loss as SmoothL1Loss
 from mshard._src.frontend.losses import SoftmaxCrossEntropyWithLogits as SoftmaxCrossEntropyWithLogits
 from mshard._src.frontend.optimizers import SGD as SGD
 from mshard._src.frontend.optimizers import Adam as Adam
@@ -37,6 +41,7 @@ __all__ = [
     "SGD",
     "Adam",
     "AdamWeightDecay",
+    "BCEWithLogitsLoss",
     "Cell",
     "CellList",
     "Conv2d",
@@ -48,17 +53,20 @@ __all__ = [
     "FeedForward",
     "Flatten",
     "GradAccumulationCell",
+    "L1Loss",
     "LayerNorm",
     "MSELoss",
     "MaxPool2d",
     "MicroBatchInterleaved",
     "Momentum",
     "MultiHeadAttention",
+    "NLLLoss",
     "Optimizer",
     "Pipeline",
     "PipelineCell",
     "ReLU",
     "SequentialCell",
+    "SmoothL1Loss",
     "SoftmaxCrossEntropyWithLogits",
     "TrainOneStepCell",
     "TransformerBlock",

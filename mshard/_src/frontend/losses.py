@@ -135,3 +135,115 @@ class CrossEntropyLoss(Cell):
         target = (1 - self.label_smoothing) * target + self.label_smoothing / c
         per = -jnp.sum(logp * target * w, axis=-1)
         return _reduce(per, self.reduction)
+
+
+class L1Loss(Cell):
+    """``L1Loss(reduction='mean')``: ``|logits - labels|``, reduced.
+
+    Args:
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import nn
+    >>> float(nn.L1Loss()(jnp.array([1.0, -3.0]), jnp.zeros(2)))
+    2.0
+    """
+
+    def __init__(self, reduction: str = "mean"):
+        self.reduction = _check(reduction, "L1Loss")
+
+    def __call__(self, logits, labels):
+        return _reduce(jnp.abs(logits - labels), self.reduction)
+
+
+class SmoothL1Loss(Cell):
+    """``SmoothL1Loss(beta=1.0, reduction='none')``: ``0.5 d**2 / beta`` where ``|d| < beta``, else
+    ``|d| - 0.5 beta`` (``d = logits - labels``); MindSpore's default reduction is ``'none'``.
+
+    Args:
+        beta: the threshold between the quadratic and the linear part (> 0).
+        reduction: ``"none"``, ``"mean"`` or ``"sum"``.
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import nn
+    >>> nn.SmoothL1Loss()(jnp.array([0.5, 3.0]), jnp.zeros(2)).tolist()
+    [0.125, 2.5]
+    """
+
+    def __init__(self, beta: float = 1.0, reduction: str = "none"):
+        if not beta > 0:
+            raise CellError(f"SmoothL1Loss: beta={beta} must be > 0.")
+        self.beta = float(beta)
+        self.reduction = _check(reduction, "SmoothL1Loss")
+
+    def __call__(self, logits, labels):
+        d = jnp.abs(logits - labels)
+        loss = jnp.where(d < self.beta, 0.5 * d * d / self.beta, d - 0.5 * self.beta)
+        return _reduce(loss, self.reduction)
+
+
+class BCEWithLogitsLoss(Cell):
+    """``BCEWithLogitsLoss(reduction='mean', weight=None, pos_weight=None)``: binary cross entropy of logits
+    against targets in ``[0, 1]``, computed stably (``max(x, 0) - x y + log(1 + exp(-|x|))``, with ``pos_weight``
+    weighing the positive term and ``weight`` each element).
+
+    Args:
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+        weight: a weight broadcast against the loss, or None.
+        pos_weight: a weight of the positive examples broadcast against the loss (per class), or None.
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import nn
+    >>> round(float(nn.BCEWithLogitsLoss()(jnp.zeros(3), jnp.ones(3))), 4)          # log(2)
+    0.6931
+    """
+
+    def __init__(self, reduction: str = "mean", weight=None, pos_weight=None):
+        self.reduction = _check(reduction, "BCEWithLogitsLoss")
+        self.weight = None if weight is None else jnp.asarray(weight, jnp.float32)
+        self.pos_weight = None if pos_weight is None else jnp.asarray(pos_weight, jnp.float32)
+
+    def __call__(self, logits, labels):
+        x, y = logits.astype(jnp.float32), labels.astype(jnp.float32)
+        log_sig_neg = jax.nn.log_sigmoid(-x)          # log(1 - sigmoid(x))
+        log_sig = jax.nn.log_sigmoid(x)
+        pw = 1.0 if self.pos_weight is None else self.pos_weight
+        loss = -(pw * y * log_sig + (1.0 - y) * log_sig_neg)
+        if self.weight is not None:
+            loss = loss * self.weight
+        return _reduce(loss, self.reduction)
+
+
+class NLLLoss(Cell):
+    """``NLLLoss(weight=None, ignore_index=-100, reduction='mean')``: the negative log likelihood of log
+    probabilities ``[N, C]`` at class ids ``[N]``; ``'mean'`` divides by the summed weights of the samples not
+    ignored, as MindSpore's (and torch's).
+
+    Args:
+        weight: per-class weights ``[C]``, or None.
+        ignore_index: a class id whose samples are left out.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+
+    >>> import jax.numpy as jnp
+    >>> from mshard import nn
+    >>> logp = jnp.log(jnp.array([[0.5, 0.5], [0.25, 0.75]]))
+    >>> round(float(nn.NLLLoss()(logp, jnp.array([0, 1]))), 4)              # -(log 0.5 + log 0.75) / 2
+    0.4904
+    """
+
+    def __init__(self, weight=None, ignore_index: int = -100, reduction: str = "mean"):
+        self.weight = None if weight is None else jnp.asarray(weight, jnp.float32)
+        self.ignore_index = int(ignore_index)
+        self.reduction = _check(reduction, "NLLLoss")
+
+    def __call__(self, logits, labels):
+        labels = labels.astype(jnp.int32)
+        keep = labels != self.ignore_index
+        safe = jnp.where(keep, labels, 0)
+        picked = -jnp.take_along_axis(logits.astype(jnp.float32), safe[:, None], axis=1)[:, 0]
+        w = jnp.ones_like(picked) if self.weight is None else self.weight[safe]
+        w = jnp.where(keep, w, 0.0)
+        loss = picked * w
+        if self.reduction == "mean":
+            return jnp.sum(loss) / jnp.sum(w)
+        return _reduce(loss, self.reduction)
