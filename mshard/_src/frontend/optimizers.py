@@ -49,10 +49,8 @@ def _check_params(where: str, params: Any) -> list[nnx.Param]:
     if not params:
         raise CellError(f"{where}: params is an empty list; pass net.trainable_params().")
     if any(isinstance(p, dict) for p in params):
-        raise CellError(f"{where}: group parameters (a list of dicts with 'params', 'lr', 'weight_decay', "
-                        "'order_params') are not supported yet; build one optimizer per network with a single "
-                        "learning rate and weight decay, or write the groups as optax.multi_transform and pass "
-                        "that to nn.TrainOneStepCell.")
+        raise CellTypeError(f"{where}: a list of groups must hold only dicts ({{'params': [...], 'lr': ..., "
+                            f"'weight_decay': ...}}), not a mix of dicts and parameters.")
     bad = [type(p).__name__ for p in params if not isinstance(p, nnx.Param)]
     if bad:
         raise CellTypeError(f"{where}: params must be nnx.Param Variables (net.trainable_params()), got "
@@ -60,6 +58,33 @@ def _check_params(where: str, params: Any) -> list[nnx.Param]:
     if len({id(p) for p in params}) != len(params):
         raise CellError(f"{where}: a parameter appears more than once in params; pass each parameter once.")
     return params
+
+
+_GROUP_KEYS = ("params", "lr", "learning_rate", "weight_decay", "grad_centralization")
+
+
+def _groups(where: str, params: Any) -> tuple[list[nnx.Param], list[tuple[list[nnx.Param], dict]] | None]:
+    """-> (the parameters in the optimizer's order, the groups or None): MindSpore's group parameters, a list of
+    dicts ``{"params": [...], "lr": ..., "weight_decay": ...}`` and at most one ``{"order_params": [...]}``."""
+    if not (isinstance(params, (list, tuple)) and params and all(isinstance(g, dict) for g in params)):
+        return _check_params(where, params), None
+    groups, order = [], None
+    for i, g in enumerate(params):
+        if "order_params" in g:
+            order = _check_params(where, g["order_params"])
+            continue
+        unknown = sorted(set(g) - set(_GROUP_KEYS))
+        if unknown or "params" not in g:
+            raise CellError(f"{where}: group {i} has keys {sorted(g)}; a group is a dict with 'params' and "
+                            f"optionally {', '.join(repr(k) for k in _GROUP_KEYS[1:])} (or {{'order_params': ...}}).")
+        groups.append((_check_params(where, g["params"]), g))
+    flat = [p for ps, _ in groups for p in ps]
+    if len({id(p) for p in flat}) != len(flat):
+        raise CellError(f"{where}: a parameter is in more than one group; put each parameter in one group.")
+    if order is not None and {id(p) for p in order} != {id(p) for p in flat}:
+        raise CellError(f"{where}: order_params must hold exactly the grouped parameters ({len(flat)}), got "
+                        f"{len(order)}.")
+    return (order if order is not None else flat), groups
 
 
 def _non_negative(where: str, name: str, value: Any) -> float:
@@ -209,12 +234,16 @@ class Optimizer:
     """MindSpore's ``nn.Optimizer`` base: the parameters, learning rate, weight decay and loss scale of an update rule.
 
     ``tx`` is the ``optax.GradientTransformation`` of the rule (built by the subclass); ``nn.TrainOneStepCell`` applies
-    it to ``parameters``. Differences from MindSpore: the arguments are ``(params, learning_rate, ...)``; group
-    parameters (a list of dicts) are not supported; a
-    list ``learning_rate`` keeps its last value after the list ends; the base class has no rule of its own.
+    it to ``parameters``. Group parameters work as in MindSpore: each group's ``lr`` and ``weight_decay`` (else the
+    optimizer's) apply to its parameters, the weight decay to all of them (the beta/gamma filter is for ungrouped
+    parameters), and ``order_params`` orders ``parameters``; each group is one ``optax.multi_transform`` branch.
+    Differences from MindSpore: a list ``learning_rate`` keeps its last value after the list ends; the base class has
+    no rule of its own; ``grad_centralization`` is accepted and not applied.
 
     Args:
-        params: the parameters to train: a list of ``nnx.Param`` Variables (``net.trainable_params()``).
+        params: the parameters to train: a list of ``nnx.Param`` Variables (``net.trainable_params()``), or MindSpore's
+            groups, a list of dicts ``{"params": [...], "lr": ..., "weight_decay": ...}`` (and ``{"order_params":
+            [...]}``).
         learning_rate: a float, a callable ``step -> lr`` (an optax schedule) or a 1-D list of per-step values.
         weight_decay: the L2 coefficient added to the gradient (not to ``beta``/``gamma`` parameters).
         loss_scale: the gradients are divided by it before the update (MindSpore's fixed loss scale).
@@ -229,13 +258,14 @@ class Optimizer:
 
     def __init__(self, params: Any, learning_rate: Any, weight_decay: float = 0.0, loss_scale: float = 1.0):
         where = type(self).__name__
-        self.parameters: list[nnx.Param] = _check_params(where, params)
+        self.parameters, groups = _groups(where, params)
         self.learning_rate: float | Callable = _schedule(where, learning_rate)
         self.weight_decay = _non_negative(where, "weight_decay", weight_decay)
         self.loss_scale = _non_negative(where, "loss_scale", loss_scale)
         if self.loss_scale <= 0.0:
             raise CellError(f"{where}: loss_scale={loss_scale}; it must be > 0.")
-        self.tx: optax.GradientTransformation = self._rule()
+        self._grouped = groups is not None
+        self.tx: optax.GradientTransformation = self._rule() if groups is None else self._grouped_rule(groups)
         self._state: list[nnx.Variable] | None = None
         self._state_def: Any = None
 
@@ -244,9 +274,31 @@ class Optimizer:
                         "nn.Momentum, nn.Adam or nn.AdamWeightDecay, or pass an optax transformation to "
                         "nn.TrainOneStepCell (a subclass with its own construct is not supported yet).")
 
+    def _grouped_rule(self, groups: list[tuple[list[nnx.Param], dict]]) -> optax.GradientTransformation:
+        """One branch of ``optax.multi_transform`` per group: the rule with the group's lr and weight decay."""
+        where = type(self).__name__
+        default_lr, default_wd = self.learning_rate, self.weight_decay
+        branches, label_of = {}, {}
+        try:
+            for i, (ps, g) in enumerate(groups):
+                lr = g.get("lr", g.get("learning_rate"))
+                self.learning_rate = default_lr if lr is None else _schedule(where, lr)
+                wd = g.get("weight_decay")
+                self.weight_decay = default_wd if wd is None else _non_negative(where, "weight_decay", wd)
+                branches[f"group{i}"] = self._rule()
+                for p in ps:
+                    label_of[id(p)] = f"group{i}"
+        finally:
+            self.learning_rate, self.weight_decay = default_lr, default_wd
+        self.group_branches, self.group_of = branches, label_of      # for a network's own tree (TrainOneStepCell)
+        labels = {k: label_of[id(p)] for k, p in zip(self._keys(), self.parameters, strict=True)}
+        return optax.multi_transform(branches, labels)
+
     def _chain(self, *rule: optax.GradientTransformation, decay: Callable | None = _decay_mask,
                decay_after: bool = False) -> optax.GradientTransformation:
         """``gradient / loss_scale``, ``+ weight_decay * p`` (before the rule, or after it), the rule, ``* -lr``."""
+        if getattr(self, "_grouped", False):
+            decay = None                   # a group's weight decay applies to every parameter of the group
         parts: list[optax.GradientTransformation] = []
         if self.loss_scale != 1.0:
             parts.append(optax.scale(1.0 / self.loss_scale))

@@ -335,6 +335,10 @@ def _optimizer_cell_tx(network: nnx.Module, opt: Optimizer) -> optax.GradientTra
         raise CellError(f"TrainOneStepCell: {len(ours - theirs)} of the {len(ours)} parameters of "
                         f"{type(opt).__name__} are not parameters of the network; build the optimizer from this "
                         f"network's trainable_params().")
+    branches = getattr(opt, "group_branches", None)
+    if branches is not None:          # group parameters: each Variable's group, the network's others frozen
+        labels = jax.tree.map(lambda v: opt.group_of.get(id(v), "frozen"), state, is_leaf=is_var)
+        return optax.multi_transform({**branches, "frozen": optax.set_to_zero()}, labels)
     if ours == theirs:
         return opt.tx
     mask = jax.tree.map(lambda v: id(v) in ours, state, is_leaf=is_var)

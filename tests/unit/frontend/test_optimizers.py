@@ -297,11 +297,79 @@ def test_functional_step_with_momentum_matches_one_device(jitted):
 
 
 # -- what is not supported, and wrong arguments --------------------------------------------------------
-def test_group_parameters_and_calling_the_cell_raise():
+def _grouped(net):
+    """MindSpore's group parameters over Net: fc1 and the LayerNorm (gamma/beta: decayed, since a group's weight
+    decay covers all of it) with lr 0.05 and weight decay 0.1; fc2 with the optimizer's lr 0.1 and no decay;
+    ``order_params`` in the network's order."""
+    ps = trainable(net)
+    names = [p.name for p in net.trainable_params()]
+    by = dict(zip(names, net.trainable_params(), strict=True))
+    first = [by[n] for n in names if n.startswith(("fc1.", "ln."))]
+    second = [by[n] for n in names if n.startswith("fc2.")]
+    groups = [{"params": first, "lr": 0.05, "weight_decay": 0.1}, {"params": second}, {"order_params": ps}]
+    return groups, {n: (0.05, 0.1) if n.startswith(("fc1.", "ln.")) else (0.1, 0.0) for n in names}
+
+
+def _momentum_by_group(p, grads, per, momentum):
+    """float64 ApplyMomentum with each parameter's own (lr, weight decay), decay on every decayed parameter."""
+    moments = {k: np.zeros_like(v) for k, v in p.items()}
+    for g in grads:
+        for k in p:
+            lr, wd = per[k]
+            gk = g[k] + wd * p[k]
+            moments[k] = moments[k] * momentum + gk
+            p[k] = p[k] - lr * moments[k]
+    return p, moments
+
+
+def test_group_parameters_follow_each_groups_lr_and_weight_decay():
+    """The optimizer called as ``optimizer(grads)`` (the functional form), and inside TrainOneStepCell against
+    plain jax.grad on one device: every parameter and moment equals MindSpore's update with its group's settings."""
+    net = Net(nnx.Rngs(0))
+    groups, per = _grouped(net)
+    opt = Momentum(groups, learning_rate=0.1, momentum=0.9)
+    assert [p.name for p in opt.parameters] == [p.name for p in net.trainable_params()]
+    start = {p.name: np.asarray(p[...], np.float64) for p in net.trainable_params()}
+    rng = np.random.default_rng(1)
+    grads = [{p.name: rng.normal(size=p[...].shape) for p in opt.parameters} for _ in range(STEPS)]
+    for g in grads:
+        opt([jnp.asarray(g[p.name], jnp.float32) for p in opt.parameters])
+    want_p, want_m = _momentum_by_group(dict(start), grads, per, 0.9)
+    for p in opt.parameters:
+        np.testing.assert_allclose(np.asarray(p[...]), want_p[p.name], rtol=RTOL, atol=ATOL, err_msg=p.name)
+    assert per["ln.gamma"] == (0.05, 0.1)           # the group's decay reaches gamma/beta (MindSpore's rule)
+    with pytest.raises(CellError, match="more than one group"):
+        Momentum([{"params": trainable(net)}, {"params": trainable(net)[:1]}], learning_rate=0.1, momentum=0.9)
+    with pytest.raises(CellError, match="group 0 has keys"):
+        Momentum([{"params": trainable(net), "momentum": 0.5}], learning_rate=0.1, momentum=0.9)
+
+    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True)
+    net, twin = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+    groups, per = _grouped(net)
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), Momentum(groups, learning_rate=0.1, momentum=0.9))
+    data = batches(3, [(16, 4), (16, 3)], seed=2)
+    graphdef, params, rest = nnx.split(twin, nnx.Param, ...)
+    p = named(nnx.as_pure(params))
+    moments = {k: np.zeros_like(v) for k, v in p.items()}
+    for x, y in data:
+        step(x, y)
+        cur = jax.tree_util.tree_map_with_path(lambda path, a: jnp.asarray(p[_name(path)], a.dtype),
+                                               nnx.as_pure(params))
+        g = named(on_one_device(jax.grad(lambda ps, x, y: jnp.mean((nnx.merge(graphdef, ps, rest)(x) - y) ** 2)),
+                                cur, x, y))
+        for k in p:
+            lr, wd = per[k]
+            moments[k] = moments[k] * 0.9 + g[k] + wd * p[k]
+            p[k] = p[k] - lr * moments[k]
+    got = named(nnx.as_pure(nnx.state(net, nnx.Param)))
+    for k in got:
+        np.testing.assert_allclose(got[k], p[k], rtol=PARAM_RTOL, atol=PARAM_ATOL, err_msg=k)
+    ms.reset_auto_parallel_context()
+
+
+def test_calling_the_cell_with_the_wrong_gradients_or_the_base_class_raises():
     net = Net(nnx.Rngs(0))
     ps = trainable(net)
-    with pytest.raises(CellError, match="group parameters.*optax.multi_transform"):
-        Momentum([{"params": ps[:2], "lr": 0.01}, {"params": ps[2:]}], learning_rate=0.1, momentum=0.9)
     opt = Momentum(ps, learning_rate=0.1, momentum=0.9)
     with pytest.raises(CellError, match=r"Momentum: 1 gradients for 6 parameters"):
         opt([jnp.zeros(3)])
