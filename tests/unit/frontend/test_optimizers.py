@@ -337,6 +337,14 @@ def test_group_parameters_follow_each_groups_lr_and_weight_decay():
     want_p, want_m = _momentum_by_group(dict(start), grads, per, 0.9)
     for p in opt.parameters:
         np.testing.assert_allclose(np.asarray(p[...]), want_p[p.name], rtol=RTOL, atol=ATOL, err_msg=p.name)
+    # the moments: each parameter's, under its own key in its group's branch of the state
+    state_leaves = opt.state_variables()[len(opt.parameters):]
+    tree = jax.tree.unflatten(opt._state_def, [v[...] for v in state_leaves])
+    moments = {str(path[-1].key).split(".", 1)[1]: np.asarray(x) for path, x in
+               jax.tree_util.tree_flatten_with_path(tree)[0] if isinstance(path[-1], jax.tree_util.DictKey)}
+    assert moments.keys() == want_m.keys()
+    for k, m in moments.items():
+        np.testing.assert_allclose(m, want_m[k], rtol=RTOL, atol=ATOL, err_msg=k)
     assert per["ln.gamma"] == (0.05, 0.1)           # the group's decay reaches gamma/beta (MindSpore's rule)
     with pytest.raises(CellError, match="more than one group"):
         Momentum([{"params": trainable(net)}, {"params": trainable(net)[:1]}], learning_rate=0.1, momentum=0.9)
