@@ -131,7 +131,9 @@ class Region:
         statics = []
         treedef_args = []
         for i, a in enumerate(args):
-            if isinstance(a, nnx.Module):
+            # a Module, or another nnx object that holds Variables (nnx.Optimizer): its state is the region's
+            # parameters, never data (a batch split of Adam's moments made no sense)
+            if isinstance(a, nnx.Module) or (isinstance(a, nnx.Pytree) and nnx.graph.is_graph_node(a)):
                 modules.append(a)
                 mod_pos.append(i)
                 treedef_args.append(("module", len(modules) - 1))
