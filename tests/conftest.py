@@ -118,3 +118,26 @@ def _keep_shard(config, items) -> None:
     keep = [item for item in items if owner[item.nodeid.split("::")[0]] == k]
     config.hook.pytest_deselected(items=[item for item in items if owner[item.nodeid.split("::")[0]] != k])
     items[:] = keep
+
+
+# MSHARD_TEST_DURATIONS_OUT=<file>: write each test file's seconds (setup + call + teardown of its tests) as JSON
+# when the session ends (``<file>.<k>`` per shard of scripts/test.sh), to refresh tests/durations.json from a run
+# on 2 cores
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("MSHARD_TEST_DURATIONS_OUT"):
+        f = report.nodeid.split("::")[0]
+        _file_seconds[f] = _file_seconds.get(f, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = os.environ.get("MSHARD_TEST_DURATIONS_OUT")
+    if out and _file_seconds:
+        import json
+        shard = os.environ.get("MSHARD_TEST_SHARD")
+        if shard:                                  # one file per shard: <out>.<k>
+            out = f"{out}.{shard.split('/')[0]}"
+        with open(out, "w") as fh:
+            json.dump({k: round(v, 1) for k, v in sorted(_file_seconds.items())}, fh, indent=1)
