@@ -60,6 +60,7 @@ from mshard.context import ParallelMode as ParallelMode
 from mshard.context import get_algo_parameters as get_algo_parameters
 from mshard.context import get_auto_parallel_context as get_auto_parallel_context
 from mshard.context import get_cost_model_context as get_cost_model_context
+from mshard.context import get_offload_context as get_offload_context
 from mshard.context import parallel_context as parallel_context
 from mshard.context import reset_algo_parameters as reset_algo_parameters
 from mshard.context import reset_auto_parallel_context as reset_auto_parallel_context
@@ -67,6 +68,7 @@ from mshard.context import reset_cost_model_context as reset_cost_model_context
 from mshard.context import set_algo_parameters as set_algo_parameters
 from mshard.context import set_auto_parallel_context as set_auto_parallel_context
 from mshard.context import set_cost_model_context as set_cost_model_context
+from mshard.context import set_offload_context as set_offload_context
 
 __all__ = [
                       "GRAPH_MODE",
@@ -98,6 +100,7 @@ __all__ = [
                       "get_auto_parallel_context",
                       "get_context",
                       "get_cost_model_context",
+                      "get_offload_context",
                       "get_seed",
                       "infer_predict_layout",
                       "int8",
@@ -123,6 +126,7 @@ __all__ = [
                       "set_auto_parallel_context",
                       "set_context",
                       "set_cost_model_context",
+                      "set_offload_context",
                       "set_seed",
                       "shard",
                       "train",

@@ -17,6 +17,7 @@ from mshard._src.values.context import SearchMode as SearchMode
 from mshard._src.values.context import get_algo_parameters as get_algo_parameters
 from mshard._src.values.context import get_auto_parallel_context as get_auto_parallel_context
 from mshard._src.values.context import get_cost_model_context as get_cost_model_context
+from mshard._src.values.context import get_offload_context as get_offload_context
 from mshard._src.values.context import parallel_context as parallel_context
 from mshard._src.values.context import reset_algo_parameters as reset_algo_parameters
 from mshard._src.values.context import reset_auto_parallel_context as reset_auto_parallel_context
@@ -24,6 +25,7 @@ from mshard._src.values.context import reset_cost_model_context as reset_cost_mo
 from mshard._src.values.context import set_algo_parameters as set_algo_parameters
 from mshard._src.values.context import set_auto_parallel_context as set_auto_parallel_context
 from mshard._src.values.context import set_cost_model_context as set_cost_model_context
+from mshard._src.values.context import set_offload_context as set_offload_context
 
 __all__ = [
     "OPTIMIZER_LEVELS",
@@ -37,6 +39,7 @@ __all__ = [
     "get_algo_parameters",
     "get_auto_parallel_context",
     "get_cost_model_context",
+    "get_offload_context",
     "parallel_context",
     "reset_algo_parameters",
     "reset_auto_parallel_context",
@@ -44,4 +47,5 @@ __all__ = [
     "set_algo_parameters",
     "set_auto_parallel_context",
     "set_cost_model_context",
+    "set_offload_context",
 ]

@@ -95,6 +95,9 @@ class Region:
             re-lay out inputs after planning (optimizer state following its parameter, ZeRO sharding);
             ``statics`` are the call's static (non-array) arguments, in order (a training step passes its plan so).
         donate_params: donate the written parameter buffers (a training step updates them in place).
+        memory_kind_hook: ``hook(infos, statics=...) -> [memory kind or None per input]``: inputs stored in another
+            memory than the device's (``"pinned_host"``: a training step's offloaded optimizer state); an input
+            written back keeps its memory kind.
 
     >>> import jax.numpy as jnp, mshard as ms
     >>> f = ms.jit(lambda x: jnp.tanh(x) * 2)
@@ -109,9 +112,11 @@ class Region:
     """
 
     def __init__(self, fn: Callable, *, data_strategy: tuple | None = None, name: str | None = None,
-                 input_layout_hook: Callable | None = None, donate_params: bool = False):
+                 input_layout_hook: Callable | None = None, donate_params: bool = False,
+                 memory_kind_hook: Callable | None = None):
         """The arguments are described in the class docstring."""
         self.fn = fn
+        self.memory_kind_hook = memory_kind_hook
         if data_strategy is not None and not all(s is None or isinstance(s, TensorStrategy) for s in data_strategy):
             where = f"ms.Region {name or getattr(fn, '__name__', 'region')!r} data_strategy"
             data_strategy = tuple(None if s is None else (s if isinstance(s, TensorStrategy) else
@@ -268,7 +273,11 @@ class Region:
             planned = dataclasses.replace(planned, plan=dataclasses.replace(
                 planned.plan, notes=tuple(planned.plan.notes) + tuple(guarded)))
         mesh = jax_mesh(layouts.mesh)
-        in_sh = [NamedSharding(mesh, spec_of(lay)) for lay in layouts.inputs]
+        kinds = [None] * len(layouts.inputs)
+        if self.memory_kind_hook is not None:
+            statics = [s[1] for t in treedef_args if t[0] == "tree" for s in t[2] if s[0] == "static"]
+            kinds = list(self.memory_kind_hook(infos, statics=statics))
+        in_sh = [NamedSharding(mesh, spec_of(lay), memory_kind=k) for lay, k in zip(layouts.inputs, kinds, strict=True)]
         run = emit(closed, layouts, planned.eqn_out, planned.eqn_in)
         n_out = len(jax.tree.leaves(out_shape))
         n_user = n_out - n_state
@@ -498,7 +507,15 @@ def _check_training_settings(name: str, ctx, written: list[str], pipelined: bool
     step around it, unless an optimizer Cell applied it while the step was traced (``zero``,
     mshard._src.frontend.functional_zero), and so is ``pipeline_stages`` unless the step ran a PipelineCell's
     schedule (``pipelined``: a PipelineCell differentiated inside ``ms.jit``, mshard._src.training.pipeline.cells);
-    such a hand-written step would silently ignore them, so it is refused."""
+    such a hand-written step would silently ignore them, so it is refused. So is host offload
+    (``set_offload_context``), in every mode: only TrainOneStepCell keeps the optimizer state in host memory."""
+    where = f"ms.jit region {name!r} updates parameters ({', '.join(written[:3])}{', ...' if len(written) > 3 else ''})"
+    if written and ctx.offload_config.get("offload_param") == "cpu":
+        raise ContextError(
+            f"{where}: a training step written by hand, but set_offload_context(offload_config={{'offload_param': "
+            f"'cpu'}}) keeps the optimizer state in host memory only in nn.TrainOneStepCell. Train with "
+            f"nn.TrainOneStepCell(nn.WithLossCell(net, loss_fn), optimizer), or set "
+            f"set_offload_context(offload_config={{'offload_param': ''}}) for this step.")
     if not written or ctx.parallel_mode == "stand_alone":
         return
     asked = [f"{k}={v!r}" for k, v, on in (("pipeline_stages", ctx.pipeline_stages,
@@ -507,8 +524,7 @@ def _check_training_settings(name: str, ctx, written: list[str], pipelined: bool
                                           ctx.enable_parallel_optimizer and not zero)) if on]
     if asked:
         raise ContextError(
-            f"ms.jit region {name!r} updates parameters ({', '.join(written[:3])}{', ...' if len(written) > 3 else ''}"
-            f"): a training step written by hand, but the context's {' and '.join(asked)} is not applied to it. "
+            f"{where}: a training step written by hand, but the context's {' and '.join(asked)} is not applied to it. "
             f"Train with nn.TrainOneStepCell(nn.WithLossCell(net, loss_fn), optimizer) (nn.PipelineCell for "
             f"stages); or, in a hand-written step, update with an mshard optimizer Cell (nn.Momentum(...)(grads), "
             f"which applies optimizer parallel) and differentiate a Pipeline cell (which runs the stages); or set "

@@ -77,7 +77,8 @@ class _Runtime:
     (static) argument, so the traced step and the input-layout hook read the plan they were built for."""
 
     def __init__(self, name: str):
-        self.region = Region(self.step_fn, name=name, input_layout_hook=self.hook, donate_params=True)
+        self.region = Region(self.step_fn, name=name, input_layout_hook=self.hook, donate_params=True,
+                             memory_kind_hook=self.memory_kinds)
         self.probe = Region(lambda *a: a[-1](*a[:-1]), name=f"{name}.forward")
         self.last: _StepPlan | None = None    # the plan of the latest step run through the region (for reports)
         self.plans: dict = {}                 # plan() per (context stamp, network structure, shapes): computed once
@@ -247,7 +248,12 @@ class _Runtime:
         p_tree = jax.tree.unflatten(ptree, p_in)
         g_tree = jax.tree.unflatten(ptree, grads)
         opt_arrays = nnx.as_pure(opt.opt_state)
+        offload = _offloaded(ctxmod.current())
+        if offload:                     # the state lives in host memory between steps: on the device for the update
+            opt_arrays = jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), opt_arrays)
         updates, new_opt = opt.tx.update(g_tree, opt_arrays, p_tree)
+        if offload:
+            new_opt = jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), new_opt)
         new = jax.tree.leaves(optax.apply_updates(p_tree, updates))
         nnx.update(opt.opt_state, nnx.state(new_opt, graph=opt.graph))
         opt.step[...] += 1
@@ -285,6 +291,13 @@ class _Runtime:
                 new[i] = jax.lax.with_sharding_constraint(new[i], NamedSharding(mesh, spec_of(lay)))
         return jax.tree.unflatten(ptree, new)
 
+    @staticmethod
+    def memory_kinds(infos, statics):
+        """The step's inputs' memory kinds: every optimizer-state leaf in host memory (``pinned_host``) under
+        ``set_offload_context(offload_config={"offload_param": "cpu"})``, the rest on the device."""
+        host = "pinned_host" if _offloaded(ctxmod.current()) else None
+        return [host if info.name.startswith("optimizer.opt_state.") else None for info in infos]
+
     # after planning the step: optimizer state follows its parameter (or its ZeRO layout)
     @staticmethod
     def hook(infos, layouts, statics):
@@ -314,6 +327,11 @@ class _Runtime:
                     inputs[j] = plan.zero.get("network." + p, inputs[i])
                     break
         return inputs
+
+
+def _offloaded(ctx) -> bool:
+    """Whether ``set_offload_context(offload_config={"offload_param": "cpu"})`` is in force."""
+    return ctx.offload_config.get("offload_param") == "cpu"
 
 
 def _param_names(net: nnx.Module) -> tuple[list[str], list[Any]]:

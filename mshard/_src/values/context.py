@@ -141,6 +141,8 @@ class ParallelContext:
         comm_fusion: ``{kind: {"mode": "auto" | "size" | "index", "config": ...}}`` for the gradient buckets.
         all_reduce_fusion_config: increasing gradient indices that split the all-reduce buckets, or None.
         strategy_ckpt_config: ``{"save_file": path, "load_file": path, "only_trainable_params": bool}``.
+        offload_config: MindSpore's ``set_offload_context`` dict; ``{"offload_param": "cpu"}`` keeps a training
+            step's optimizer state in host memory between steps (:func:`set_offload_context`).
         search_mode_explicit: True once ``search_mode`` was set (semi_auto_parallel then honours
             ``sharding_propagation``).
         gradients_mean_explicit: True once ``gradients_mean`` was set (only then does False warn).
@@ -165,6 +167,7 @@ class ParallelContext:
     all_reduce_fusion_config: tuple[int, ...] | None = None
     strategy_ckpt_config: dict = field(default_factory=lambda: {
         "save_file": "", "load_file": "", "only_trainable_params": True})
+    offload_config: dict = field(default_factory=lambda: {"offload_param": ""})
     search_mode_explicit: bool = False          # set by set_auto_parallel_context(search_mode=...)
     gradients_mean_explicit: bool = False       # set by set_auto_parallel_context(gradients_mean=...)
 
@@ -376,6 +379,31 @@ def _v_ckpt(v, ctx):
     return out
 
 
+# MindSpore's set_offload_context keys with no meaning here: accepted, recorded, no effect
+_OFFLOAD_ACCEPTED = ("offload_path", "offload_checkpoint", "offload_ddr_size", "offload_cpu_size", "offload_disk_size",
+                     "enable_aio", "aio_block_size", "aio_queue_depth", "enable_pinned_mem", "auto_offload",
+                     "host_mem_block_size")
+
+
+def _v_offload(v, ctx):
+    if not isinstance(v, dict):
+        raise ContextTypeError(f"set_offload_context: offload_config must be a dict like {{'offload_param': 'cpu'}}, "
+                               f"got {type(v).__name__}.")
+    out = dict(ctx.offload_config)
+    for k, x in v.items():
+        if k == "offload_param":
+            if x not in ("", "cpu", "disk"):
+                raise ContextError(f"set_offload_context: offload_param={x!r}; expected 'cpu' (or '' for none).")
+            if x == "disk":
+                raise ContextError("set_offload_context: offload_param='disk' is not offered: JAX offloads to host "
+                                   "memory only; use 'cpu'.")
+        elif k not in _OFFLOAD_ACCEPTED:
+            raise ContextError(f"set_offload_context: unknown key {k!r}."
+                               f"{did_you_mean(k, ('offload_param',) + _OFFLOAD_ACCEPTED)}")
+        out[k] = x
+    return out
+
+
 _VALIDATORS: dict[str, Callable[[Any, ParallelContext], Any]] = {
     "parallel_mode": _v_mode,
     "device_num": _v_device_num,
@@ -389,6 +417,7 @@ _VALIDATORS: dict[str, Callable[[Any, ParallelContext], Any]] = {
     "comm_fusion": _v_fusion,
     "all_reduce_fusion_config": _v_arfc,
     "strategy_ckpt_config": _v_ckpt,
+    "offload_config": _v_offload,
 }
 # device_num first: other checks (dataset_strategy, pipeline_stages) depend on it
 _ORDER = ("device_num",) + tuple(k for k in _VALIDATORS if k != "device_num")
@@ -480,6 +509,40 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
     global _current
     _current = _with(_current, **kwargs)
     _touch()
+
+
+def set_offload_context(offload_config: dict) -> None:
+    """MindSpore's ``set_offload_context``: ``{"offload_param": "cpu"}`` keeps every training step's optimizer state
+    in host memory (JAX's ``pinned_host`` memory kind) between steps; the step moves it to the device for the
+    update and back. ``""`` turns it off. MindSpore's other keys (``offload_path``, ``enable_aio``, ...) are accepted
+    and have no effect; ``"disk"`` is refused.
+
+    Differences from MindSpore: what is offloaded is the optimizer state (MindSpore's ``offload_param`` also moves
+    weights the forward is not using); the weights stay on the device.
+
+    Args:
+        offload_config: the keys to set.
+
+    >>> import mshard as ms
+    >>> ms.set_offload_context(offload_config={"offload_param": "cpu"})
+    >>> ms.get_offload_context()["offload_param"]
+    'cpu'
+    >>> ms.reset_auto_parallel_context()
+    """
+    set_auto_parallel_context(offload_config=offload_config)
+
+
+def get_offload_context() -> dict:
+    """MindSpore's ``get_offload_context``: the offload settings (a copy).
+
+    Returns:
+        The ``offload_config`` dict (``offload_param``: ``"cpu"`` or ``""``).
+
+    >>> import mshard as ms
+    >>> ms.get_offload_context()["offload_param"]
+    ''
+    """
+    return dict(_current.offload_config)
 
 
 def get_auto_parallel_context(key: str) -> Any:

@@ -24,6 +24,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "fuzz": ("cases", "outcomes", "by_mode", "by_primitive", "findings"),
     "infer": ("platform", "devices", "tokens", "ratio_mshard_vs_jax_jit", "ratio_mshard_bound_vs_jax_jit"),
     "launch": ("first_step_s", "faults", "dry_run"),
+    "memory": ("config", "rows", "summary"),
     "mutate": ("rev", "results", "caught", "total"),
     "pipeline": ("bubble", "memory", "time"),
     "plans_snapshot": ("models", "plans"),

@@ -141,6 +141,9 @@ def block_sums(xs: list, grids: list[tuple[int, ...]]) -> list[np.ndarray]:
     (it is a collective over global arrays) and gets the same values."""
     out: list = [None] * len(xs)
     groups: dict = {}
+    # an array kept in host memory (offloaded optimizer state) is hashed from a device copy of it
+    xs = [jax.device_put(x, x.sharding.with_memory_kind("device"))
+          if getattr(x.sharding, "memory_kind", None) not in (None, "device") else x for x in xs]
     for i, x in enumerate(xs):
         groups.setdefault(tuple(sorted(d.id for d in x.sharding.device_set)), []).append(i)
     for ids, idx in groups.items():
