@@ -278,6 +278,8 @@ UNTESTED = {
     "reshard": "needs Explicit mesh axes; same rule as sharding_constraint",
     "pvary": "only inside shard_map bodies, which are one replicated op",
     "io_callback": "same rule as pure_callback", "debug_callback": "same rule as pure_callback",
+    "debug_print": "replicated_rule (ops.Print gathers what it prints); run inside a region in "
+                   "tests/unit/frontend/test_mindspore_ops.py",
     "custom_partitioning": "replicated_rule, as shard_map", "ffi_call": "replicated_rule, as shard_map",
     "linear_call": "replicated_rule, as shard_map", "run_state": "replicated_rule, as shard_map",
     "select_and_scatter": "only from lax internals; same window_rule as select_and_scatter_add",
