@@ -257,8 +257,9 @@ class Region:
         honour = ctx.parallel_mode in ("semi_auto_parallel", "auto_parallel")
         param_plans = (annotated_plans(states, param_names) if honour else []) + list(trace.param_plans)
         hook = None
+        # the call's static (non-array) arguments, in order: what the hooks are given (a training step's plan)
+        statics = [s[1] for t in treedef_args if t[0] == "tree" for s in t[2] if s[0] == "static"]
         if self.input_layout_hook is not None:
-            statics = [s[1] for t in treedef_args if t[0] == "tree" for s in t[2] if s[0] == "static"]
             hook = functools.partial(self.input_layout_hook, statics=statics)
         planned = search_region(closed, infos, ctx=ctx, algorithm=search_algorithm(ctx) or ctx.parallel_mode,
                                 param_plans=param_plans, input_layout_hook=hook)
@@ -275,7 +276,6 @@ class Region:
         mesh = jax_mesh(layouts.mesh)
         kinds = [None] * len(layouts.inputs)
         if self.memory_kind_hook is not None:
-            statics = [s[1] for t in treedef_args if t[0] == "tree" for s in t[2] if s[0] == "static"]
             kinds = list(self.memory_kind_hook(infos, statics=statics))
         in_sh = [NamedSharding(mesh, spec_of(lay), memory_kind=k) for lay, k in zip(layouts.inputs, kinds, strict=True)]
         run = emit(closed, layouts, planned.eqn_out, planned.eqn_in)

@@ -205,9 +205,8 @@ def _scheduled_loss(cell: PipelineCell, inputs: tuple) -> Any:
         return loss, jax.tree.leaves(g)
 
     def backward(grads, ct):
-        return [g * ct for g in grads], jax.tree.map(lambda x: None, xs_shape)
+        return [g * ct for g in grads], jax.tree.map(lambda _: None, inputs)    # no input gradient (docstring)
 
-    xs_shape = inputs
     loss_of.defvjp(forward, backward)
     return loss_of(p_leaves, inputs)
 
