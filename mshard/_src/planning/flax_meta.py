@@ -8,7 +8,9 @@ A model written for flax's sharding API names, per parameter, the mesh axis of e
 2. the mesh of the parameter's value, where flax placed it (a model created under ``jax.set_mesh(mesh)``);
 3. the mesh set by ``jax.set_mesh`` / ``jax.sharding.use_mesh`` around the call.
 
-So a model created for flax's sharding runs unchanged without a global mesh when it is called. Names that no mesh
+So a model created for flax's sharding runs unchanged without a global mesh when it is called. Activations
+annotated with ``out_sharding=`` (JAX's explicit sharding) are read by :mod:`mshard._src.jaxpr.explicit_types`,
+on the mesh set around the call or, without one, the mesh these annotations name. Names that no mesh
 sizes are a :class:`~mshard.errors.ParameterPlanError` naming the parameter and the fixes (nothing is silently
 replicated). A ``parameter_plan`` entry for the same parameter wins over the annotation.
 
@@ -46,7 +48,7 @@ def _names(meta: dict) -> tuple | None:
     return None
 
 
-def _ambient_mesh():
+def ambient_mesh():
     """The concrete mesh set around the call (``jax.set_mesh`` / ``jax.sharding.use_mesh``), or None."""
     try:
         from jax._src import mesh as mesh_lib  # JAX 0.10 exposes no public getter for the concrete mesh
@@ -76,7 +78,7 @@ def annotated_plans(states: Sequence[Any], param_names: Sequence[str]) -> list[t
             sh = getattr(v.get_value(), "sharding", None)
             mesh = sh.mesh if isinstance(sh, NamedSharding) and not isinstance(sh.mesh, jax.sharding.AbstractMesh) \
                 else None
-        mesh = mesh or _ambient_mesh()
+        mesh = mesh or ambient_mesh()
         if mesh is None:
             raise ParameterPlanError(
                 f"parameter {name!r}: nnx.with_partitioning names mesh axes {names} but no mesh gives them sizes; "

@@ -18,11 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 
 from mshard._src.jaxpr import marks
+from mshard._src.jaxpr.explicit_types import NO_MESH, data_spec, erase_types, explicit_mesh, typed_avals
 from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts
-from mshard._src.planning.flax_meta import annotated_plans
+from mshard._src.planning.flax_meta import ambient_mesh, annotated_plans
 from mshard._src.planning.search import search_region
 from mshard._src.planning.xla_guards import apply_guards
 from mshard._src.runtime import dryrun
@@ -37,7 +38,7 @@ from mshard._src.runtime.fastcall import (
     same_structure,
 )
 from mshard._src.values import context as ctxmod
-from mshard._src.values.errors import ContextError, DatasetStrategyError, RegionTypeError
+from mshard._src.values.errors import ContextError, DatasetStrategyError, ParameterPlanError, RegionTypeError
 from mshard._src.values.layout import TensorStrategy, jax_mesh, normalize_in_strategy, spec_of
 
 
@@ -232,9 +233,31 @@ class Region:
             new_states = [jax.tree.leaves(nnx.state(m)) for m in mods]
             return out, [x for s in new_states for x in s]
 
-        flat_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_leaves + list(flat_data)]
-        with marks.recording_into(trace), marks.module_scopes(trace, _module_classes(graphdefs)):
-            closed, out_shape = jax.make_jaxpr(pure, return_shape=True)(*flat_avals)
+        def traced(mesh):
+            # mesh: None for a plain trace; else the user's mesh, for a program written for explicit sharding
+            # (jaxpr/explicit_types: traced typed under its Explicit form, then its types erased to constraints)
+            with marks.recording_into(trace), marks.module_scopes(trace, _module_classes(graphdefs)):
+                if mesh is None:
+                    flat_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_leaves + list(flat_data)]
+                    return jax.make_jaxpr(pure, return_shape=True)(*flat_avals)
+                specs = _annotated_specs(states, param_names, n_state) + [data_spec(x, mesh) for x in flat_data]
+                avals = typed_avals(state_leaves + list(flat_data), specs, mesh)
+                with jax.sharding.use_abstract_mesh(explicit_mesh(mesh)):
+                    typed, out_shape = jax.make_jaxpr(pure, return_shape=True)(*avals)
+            return erase_types(typed, mesh), out_shape
+
+        user_mesh = ambient_mesh()
+        explicit = user_mesh is not None and AxisType.Explicit in tuple(user_mesh.axis_types)
+        try:
+            closed, out_shape = traced(user_mesh if explicit else None)
+        except ValueError as e:
+            # out_sharding= / PartitionSpec in code traced without an Explicit mesh: retrace it as explicit code
+            # on the user's mesh (set around the call, or the one the parameters' annotations name)
+            user_mesh = user_mesh or _annotated_mesh(states, param_names)
+            if explicit or user_mesh is None or not any(m in str(e) for m in _EXPLICIT_ONLY):
+                raise
+            trace = marks.TraceRecord(device_num=ctx.devices)
+            closed, out_shape = traced(user_mesh)
         out_tree = jax.tree.structure(out_shape)
         infos = [InputInfo("param", tuple(x.shape), nm) for x, nm in zip(state_leaves, param_names)]
         for x, nm, pos in zip(flat_data, data_names, data_pos):
@@ -298,7 +321,8 @@ class Region:
             # plan (it was made for these shapes), so it is refused here and the call goes through the region
             if any((tuple(x.shape), x.dtype) != e for x, e in zip(flat, expected)):
                 raise InputsChanged(f"region {self.name!r}: called with other input shapes/dtypes")
-            outs = run(*flat)
+            with jax.sharding.use_abstract_mesh(NO_MESH):     # the emitted program's meshes are its own
+                outs = run(*flat)
             return list(outs[:n_user]) + [outs[n_user + j] for j in changed]
 
         donate = tuple(changed) if self.donate_params else ()
@@ -493,6 +517,28 @@ def _put(x, sh):
     if jax.process_count() > 1 and jnp.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
         return jax.random.wrap_key_data(jax.device_put(jax.random.key_data(x), sh), impl=jax.random.key_impl(x))
     return jax.device_put(x, sh)
+
+
+# what JAX says of out_sharding= / a PartitionSpec used outside an Explicit mesh
+_EXPLICIT_ONLY = ("cannot contain axis names that are of type Auto", "not under a mesh context")
+
+
+def _annotated_specs(states, param_names, n_state: int) -> list:
+    """Each state leaf's flax-annotated spec (None: replicated), typing it in an explicit trace."""
+    try:
+        plans = {nm: sh.spec for _, nm, sh in annotated_plans(states, param_names)}
+    except ParameterPlanError:
+        plans = {}
+    return [plans.get(nm) for nm in param_names[:n_state]]
+
+
+def _annotated_mesh(states, param_names):
+    """The mesh the parameters' flax annotations are on, or None."""
+    try:
+        plans = annotated_plans(states, param_names)
+    except ParameterPlanError:
+        return None
+    return next((sh.mesh for _, _, sh in plans if isinstance(sh.mesh, jax.sharding.Mesh)), None)
 
 
 def _module_classes(graphdefs) -> set:

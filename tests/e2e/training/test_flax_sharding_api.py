@@ -1,0 +1,132 @@
+"""flax's sharding API as users write it, trained under mshard equal to one device (issue 39).
+
+The model (``tests/flax_sharded_llm.py``) annotates its weights with ``nnx.with_partitioning`` for an
+``fsdp x tp`` mesh and its activations with ``out_sharding=`` (the Explicit-axes form) or
+``with_sharding_constraint`` (the Auto-axes form). It is created under ``jax.set_mesh`` and trained by the flax
+step users write, with ``@nnx.jit`` replaced by ``@ms.jit``.
+
+The reference is the same model with no activation annotation, trained by plain flax + optax under ``jax.jit`` on
+one device: it shares no mshard code. SGD with momentum: the momentum leaf is the sum of the gradients, so a
+gradient-scale bug shows in it and in every weight (Adam would normalise it away).
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax_sharded_llm import Config, Decoder, loss_fn
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from train_helpers import assert_trees_close
+
+import mshard as ms
+
+SIZES = {"fsdp": 2, "tp": 4}
+RNG = np.random.default_rng(4)
+DATA = [(RNG.integers(0, 64, (8, 16)).astype(np.int32), RNG.integers(0, 64, (8, 16)).astype(np.int32))
+        for _ in range(3)]
+
+
+def _tx():
+    return optax.sgd(0.1, momentum=0.9)
+
+
+def _flax_step(model, opt, tokens, labels):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, labels)
+    opt.update(model, grads)
+    return loss
+
+
+def _reference():
+    model = Decoder(Config(style="none"), rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
+    step = nnx.jit(_flax_step)
+    losses = [float(step(model, opt, t, lab)) for t, lab in DATA]
+    return model, opt, losses
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference()
+
+
+def _train(style: str, axis_type: AxisType, mode: str, ambient: bool):
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(axis_type,) * 2)
+    ms.set_auto_parallel_context(parallel_mode=mode, device_num=8)
+    with jax.set_mesh(mesh):
+        model = Decoder(Config(style=style), rngs=nnx.Rngs(0))
+        opt = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
+    step = ms.jit(_flax_step)
+    losses = []
+    for t, lab in DATA:
+        # placed as the public examples place their batches: split over fsdp
+        t, lab = (jax.device_put(a, NamedSharding(mesh, P("fsdp", None))) for a in (t, lab))
+        if ambient:
+            with jax.set_mesh(mesh):
+                losses.append(float(step(model, opt, t, lab)))
+        else:       # no mesh around the call: the mesh is the one the parameters were created on
+            losses.append(float(step(model, opt, t, lab)))
+    jaxpr = step.jaxpr(model, opt, *DATA[0])
+    ms.reset_auto_parallel_context()
+    return model, opt, losses, jaxpr
+
+
+def _stored_as_annotated(model, opt):
+    """Every weight and its momentum are stored as its flax names say, on the 2 x 4 mesh."""
+    params = [v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
+    moments = jax.tree.leaves(nnx.state(opt, nnx.OptState))
+    moments = [m for m in moments if getattr(m, "ndim", 0) > 0]
+    assert len(params) == len(moments)
+    for v, m in zip(params, moments, strict=True):
+        names = v.get_metadata()["out_sharding"]
+        want = tuple(n // (SIZES[a] if a else 1) for n, a in zip(v.shape, names, strict=True))
+        x = v[...]
+        assert x.sharding.shard_shape(x.shape) == want, (names, x.sharding)
+        assert m.sharding.shard_shape(m.shape) == want, (names, m.sharding)
+
+
+CASES = {
+    # (activation style, the mesh's axis types, mode, a mesh set around the call)
+    "out_sharding_explicit_mesh": ("explicit", AxisType.Explicit, "semi_auto_parallel", True),
+    "out_sharding_auto_mesh": ("explicit", AxisType.Auto, "semi_auto_parallel", True),
+    "out_sharding_mesh_from_parameters": ("explicit", AxisType.Explicit, "semi_auto_parallel", False),
+    "constraints_auto_mesh": ("constraint", AxisType.Auto, "semi_auto_parallel", True),
+    "out_sharding_auto_parallel": ("explicit", AxisType.Explicit, "auto_parallel", True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_flax_model_written_for_sharding_trains_like_one_device(case, reference):
+    ref_model, ref_opt, ref_losses = reference
+    model, opt, losses, jaxpr = _train(*CASES[case])
+    # float32 softmax over 64 logits and sums over 8 x 16 tokens, reordered by the split reductions: a few ulps
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    assert_trees_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
+    assert_trees_close(nnx.state(opt, nnx.OptState), nnx.state(ref_opt, nnx.OptState))
+    _stored_as_annotated(model, opt)
+    # the activations' annotations reach the planner as layouts: each is a constraint in the region's program
+    specs = {tuple(e.params["sharding"].spec) for e in jaxpr.eqns if e.primitive.name == "sharding_constraint"}
+    assert {("fsdp", None, "tp", None), ("fsdp", None, "tp"), ("fsdp", None, None)} <= specs, specs
+    # and no sharding type is left in it: the types were erased to those constraints
+    assert all(getattr(v.aval, "sharding", None) is None or all(a is None for a in v.aval.sharding.spec)
+               for e in jaxpr.eqns for v in e.outvars)
+
+
+def test_the_model_is_valid_explicit_sharding_code_under_plain_jax():
+    """The ``"explicit"`` model is what a user of JAX's explicit sharding writes: plain ``jax.jit`` on an Explicit
+    mesh traces its training step (so the test above is not of a program JAX itself refuses)."""
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        model = Decoder(Config(style="explicit"), rngs=nnx.Rngs(0))
+        opt = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
+        t = jax.device_put(DATA[0][0], P("fsdp", None))
+        graph, state = nnx.split((model, opt))
+
+        def pure(state, t):
+            m, o = nnx.merge(graph, state)
+            return _flax_step(m, o, t, t)
+
+        out = jax.eval_shape(pure, state, t)
+    assert out.shape == ()
