@@ -92,3 +92,14 @@ def annotated_plans(states: Sequence[Any], param_names: Sequence[str]) -> list[t
                                      f"{tuple(mesh.axis_names)}.")
         out.append(("", name, NamedSharding(mesh, PartitionSpec(*names))))
     return out
+
+
+def creation_mesh(module: Any) -> jax.sharding.Mesh | None:
+    """The mesh a module's annotated parameters were created on (the mesh of the first one placed on a concrete
+    mesh), or None. flax needs it around creating Variables that copy the annotations (an optimizer's moments)."""
+    for _, v in nnx.iter_graph(module):
+        if isinstance(v, nnx.Variable) and _names(v.get_metadata()) is not None:
+            sh = getattr(v.get_value(), "sharding", None)
+            if isinstance(sh, NamedSharding) and isinstance(sh.mesh, jax.sharding.Mesh):
+                return sh.mesh
+    return None

@@ -19,6 +19,7 @@ buckets, per-replica sums, optimizer parallel) is in docs/gradients.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 import weakref
@@ -37,6 +38,7 @@ from mshard._src.frontend.cell import Cell
 from mshard._src.frontend.optimizers import Optimizer
 from mshard._src.frontend.wrapper_cells import GradAccumulationCell, MicroBatchInterleaved, WithLossCell
 from mshard._src.jaxpr import marks
+from mshard._src.planning.flax_meta import ambient_mesh, creation_mesh
 from mshard._src.runtime import fusion
 from mshard._src.runtime.fastcall import MISS
 from mshard._src.runtime.region import Region, search_algorithm
@@ -407,7 +409,11 @@ class TrainOneStepCell(Cell):
                                 f"nn.Momentum(net.trainable_params(), 0.01, 0.9)) or an optax GradientTransformation "
                                 f"(e.g. optax.adamw(1e-3)), got {type(optimizer).__name__}.")
         self.network = network
-        self.optimizer = nnx.Optimizer(network, optimizer, wrt=nnx.Param)
+        # flax creates moments that copy a parameter's sharding names under a mesh: the parameters' own, where
+        # none is set around this call
+        mesh = None if ambient_mesh() is not None else creation_mesh(network)
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            self.optimizer = nnx.Optimizer(network, optimizer, wrt=nnx.Param)
         self.sens = float(sens)
 
     @property

@@ -10,6 +10,8 @@ one device: it shares no mshard code. SGD with momentum: the momentum leaf is th
 gradient-scale bug shows in it and in every weight (Adam would normalise it away).
 """
 
+import functools
+
 import jax
 import numpy as np
 import optax
@@ -51,23 +53,33 @@ def reference():
     return _reference()
 
 
-def _train(style: str, axis_type: AxisType, mode: str, ambient: bool):
+def _token_loss(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _train(style: str, axis_type: AxisType, mode: str, ambient: bool, cell: bool = False):
     mesh = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(axis_type,) * 2)
     ms.set_auto_parallel_context(parallel_mode=mode, device_num=8)
     with jax.set_mesh(mesh):
         model = Decoder(Config(style=style), rngs=nnx.Rngs(0))
-        opt = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
-    step = ms.jit(_flax_step)
+    if cell:        # MindSpore's form, built with no mesh around it
+        step = ms.nn.TrainOneStepCell(ms.nn.WithLossCell(model, _token_loss), _tx())
+        opt, region = step.optimizer, None
+    else:
+        with jax.set_mesh(mesh):
+            opt = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
+        region = ms.jit(_flax_step)
+        step = functools.partial(region, model, opt)
     losses = []
     for t, lab in DATA:
         # placed as the public examples place their batches: split over fsdp
         t, lab = (jax.device_put(a, NamedSharding(mesh, P("fsdp", None))) for a in (t, lab))
         if ambient:
             with jax.set_mesh(mesh):
-                losses.append(float(step(model, opt, t, lab)))
+                losses.append(float(step(t, lab)))
         else:       # no mesh around the call: the mesh is the one the parameters were created on
-            losses.append(float(step(model, opt, t, lab)))
-    jaxpr = step.jaxpr(model, opt, *DATA[0])
+            losses.append(float(step(t, lab)))
+    jaxpr = region.jaxpr(model, opt, *DATA[0]) if region is not None else None
     ms.reset_auto_parallel_context()
     return model, opt, losses, jaxpr
 
@@ -93,6 +105,7 @@ CASES = {
     "out_sharding_mesh_from_parameters": ("explicit", AxisType.Explicit, "semi_auto_parallel", False),
     "constraints_auto_mesh": ("constraint", AxisType.Auto, "semi_auto_parallel", True),
     "out_sharding_auto_parallel": ("explicit", AxisType.Explicit, "auto_parallel", True),
+    "out_sharding_train_one_step_cell": ("explicit", AxisType.Explicit, "semi_auto_parallel", False, True),
 }
 
 
@@ -106,6 +119,8 @@ def test_a_flax_model_written_for_sharding_trains_like_one_device(case, referenc
     assert_trees_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
     assert_trees_close(nnx.state(opt, nnx.OptState), nnx.state(ref_opt, nnx.OptState))
     _stored_as_annotated(model, opt)
+    if jaxpr is None:
+        return
     # the activations' annotations reach the planner as layouts: each is a constraint in the region's program
     specs = {tuple(e.params["sharding"].spec) for e in jaxpr.eqns if e.primitive.name == "sharding_constraint"}
     assert {("fsdp", None, "tp", None), ("fsdp", None, "tp"), ("fsdp", None, None)} <= specs, specs
