@@ -124,6 +124,7 @@ class _Runtime:
             zero_plan = dataclasses.replace(plan, dp_axes=tuple(a for a in plan.dp_axes if a not in pp.stage_axes))
         if ctx.enable_parallel_optimizer and ctx.parallel_mode != "stand_alone":
             _zero_layouts(zero_plan, list(zip(names, params)), ctx)
+            plan.store_sharded = zero_plan.store_sharded    # level3 under stages: set on the copy, stored by plan
         else:
             for nm, x in zip(names, params):
                 plan.info[nm] = {"shape": tuple(x.shape), "layout": plan.param_layouts.get(nm), "sharded": False,

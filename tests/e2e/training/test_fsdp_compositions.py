@@ -52,6 +52,6 @@ def test_fsdp_x_tp_composes_and_trains_like_one_device(case):
         # every parameter belongs to one stage: stored split over the 2 stage groups at least
         for x in ps:
             assert np.prod(x.sharding.shard_shape(x.shape)) * 2 <= x.size, (x.shape, x.sharding)
-    else:
-        # dp 2 x mp 4, the ZeRO split over the data-parallel axis on top of Megatron's: an eighth per device
-        assert fraction == pytest.approx(1 / 8), fraction
+    # dp 2 x mp 4 (with stages: 2 stages x dp 2 x mp 2), the ZeRO split over the data-parallel axis on top: an
+    # eighth per device
+    assert fraction == pytest.approx(1 / 8), fraction
