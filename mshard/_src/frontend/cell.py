@@ -288,6 +288,26 @@ class Cell(nnx.Module):
         """
         return recompute(self, policy, **kwargs)
 
+    def offload(self, backward_prefetch: str | int = "Auto") -> Cell:
+        """MindSpore's ``Cell.offload``: keep this Cell's saved activations in host memory from its forward to its
+        backward. It is ``recompute(policy="offload")``: each matmul result the backward needs is moved to JAX's
+        ``pinned_host`` memory kind and back (JAX's ``offload_dot_with_no_batch_dims`` policy); the rest is
+        recomputed.
+
+        Args:
+            backward_prefetch: MindSpore's prefetch point for the backward: accepted, no effect (XLA schedules the
+                transfer back).
+
+        Returns:
+            This Cell.
+
+        >>> from mshard import nn
+        >>> cell = nn.Dense(4, 4).offload()
+        >>> cell._mshard_recompute is not None
+        True
+        """
+        return recompute(self, "offload")
+
     def trainable_params(self, recurse: bool = True) -> list[nnx.Param]:
         """MindSpore's ``trainable_params``: the Cell's trained parameters (its ``nnx.Param`` Variables, each once,
         in the order of ``nnx.state``), what an optimizer Cell takes.
@@ -393,8 +413,8 @@ def recompute(module: nnx.Module, policy: Callable | str | None = None, **kwargs
 
     Args:
         module: the Cell or ``nnx.Module`` whose ``__call__`` is recomputed.
-        policy: a ``jax.checkpoint_policies`` policy or its name (``"dots_saveable"``: keep the matmul outputs);
-            None saves nothing but the module's inputs.
+        policy: a ``jax.checkpoint_policies`` policy or its name (``"dots_saveable"``: keep the matmul outputs;
+            ``"offload"``: keep them in host memory, ``pinned_host``); None saves nothing but the module's inputs.
         **kwargs: MindSpore's ``mp_comm_recompute``, ``parallel_optimizer_comm_recompute`` and
             ``recompute_slice_activation``: accepted, no effect (XLA decides which collectives to redo).
 
@@ -415,10 +435,13 @@ def recompute(module: nnx.Module, policy: Callable | str | None = None, **kwargs
         if k not in _MS_RECOMPUTE_KWARGS:
             raise CellTypeError(f"{who}: unknown argument {k!r}; expected policy= or one of {_MS_RECOMPUTE_KWARGS}.")
     if isinstance(policy, str):
-        if policy not in _POLICIES:
-            raise CellError(f"{who}: unknown policy {policy!r}; use one of {_POLICIES} or a jax.checkpoint_policies "
-                            f"callable.")
-        policy = getattr(jax.checkpoint_policies, policy)
+        if policy == "offload":         # saved matmul results to host memory (JAX's memory kinds), the rest recomputed
+            policy = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+        elif policy not in _POLICIES:
+            raise CellError(f"{who}: unknown policy {policy!r}; use one of {_POLICIES + ('offload',)} or a "
+                            f"jax.checkpoint_policies callable.")
+        else:
+            policy = getattr(jax.checkpoint_policies, policy)
     cls = type(module)
     call = next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
     if not getattr(call, "_mshard_wrapped", False):

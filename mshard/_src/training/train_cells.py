@@ -466,6 +466,11 @@ class TrainOneStepCell(Cell):
         """The step's ``jax.stages.Lowered`` (``.compile().memory_analysis()``, ``.as_text()``)."""
         return self._rt.region.lower(*data, self, self._rt.plan(self, data))
 
+    def jaxpr(self, *data) -> jax.extend.core.ClosedJaxpr:
+        """The traced step (forward, backward and update) the plan is made for: what XLA is given, before the
+        plan's layouts."""
+        return self._rt.region.jaxpr(*data, self, self._rt.plan(self, data))
+
     def place(self, *data) -> None:
         """Put the parameters and optimizer state on the layouts this step's plan gives for ``data`` (plans,
         compiles nothing, runs nothing)."""
