@@ -47,22 +47,59 @@ def local_bytes(graph: Graph, op_id: int, strategy: Strategy) -> list[float]:
     return out
 
 
-def memory_profile(graph: Graph, strategies: Mapping[int, Strategy]) -> np.ndarray:
-    """Bytes per device live at every step under ``strategies``."""
+def fusible(graph: Graph, op_id: int) -> bool:
+    """Whether an op is one XLA fuses into its readers (an elementwise op or a broadcast): one result, every loop
+    dim a result dim (nothing reduced or contracted), every operand over a subset of them."""
+    op = graph.ops[op_id]
+    if op.is_source or len(op.outputs) != 1:
+        return False
+    out = {d for d in op.out_dims[0] if d is not None}
+    return set(op.dims) <= out and all({d for d in dims if d is not None} <= out for dims in op.in_dims)
+
+
+def fused_live_ranges(graph: Graph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(first, last, materialized)``: a tensor a fusible op computes for fusible readers only is not
+    materialized (XLA computes it inside its readers' fusions); those readers read the fusible op's operands
+    instead, so each operand lives to the last of them."""
     first, last = live_ranges(graph)
+    outputs = set(graph.outputs)
+    mat = np.ones(len(graph.tensors), dtype=bool)
+    for op in reversed(graph.ops):
+        if not fusible(graph, op.id):
+            continue
+        (o,) = op.outputs
+        readers = graph.tensors[o].consumers
+        if o in outputs or not readers or not all(fusible(graph, c) for c in readers):
+            continue
+        mat[o] = False
+        for t in op.inputs:
+            last[t] = max(last[t], last[o])
+    return first, last, mat
+
+
+def memory_profile(graph: Graph, strategies: Mapping[int, Strategy], fused: bool = False) -> np.ndarray:
+    """Bytes per device live at every step under ``strategies``. ``fused``: values XLA computes inside their
+    readers' fusions are not counted (:func:`fused_live_ranges`)."""
+    if fused:
+        first, last, mat = fused_live_ranges(graph)
+    else:
+        (first, last), mat = live_ranges(graph), None
     diff = np.zeros(len(graph.ops) + 1)
     for op in graph.ops:
         for tid, b in zip(op.outputs, local_bytes(graph, op.id, strategies[op.id])):
+            if mat is not None and not mat[tid]:
+                continue
             diff[first[tid]] += b
             diff[last[tid] + 1] -= b
     return np.cumsum(diff[:-1])
 
 
-def peak_memory(graph: Graph, strategies: Mapping[int, Strategy]) -> tuple[float, int]:
-    """``(peak bytes per device, step of the peak)``; ``(0.0, -1)`` for an empty graph."""
+def peak_memory(graph: Graph, strategies: Mapping[int, Strategy], fused: bool = False) -> tuple[float, int]:
+    """``(peak bytes per device, step of the peak)``; ``(0.0, -1)`` for an empty graph. ``fused``: as
+    :func:`memory_profile`."""
     if not graph.ops:
         return 0.0, -1
-    prof = memory_profile(graph, strategies)
+    prof = memory_profile(graph, strategies, fused)
     t = int(np.argmax(prof))
     return float(prof[t]), t
 

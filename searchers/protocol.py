@@ -47,13 +47,15 @@ class Searcher:
     so one search prices a training step's updated state in its stored layout. ``holds_state``:
     a searcher without exact ties that the planner runs a second time with every updated input held at the layout
     the first search gave it (a greedy search). ``options``: the keyword options it takes besides
-    ``fully_use_devices`` (others given to :meth:`search` are not passed)."""
+    ``fully_use_devices`` (others given to :meth:`search` are not passed). ``cost_model``: it minimises the cost
+    model (a training step's memory is then fitted to ``device_memory_capacity`` around it)."""
 
     name: str
     fn: SearchFn
     ties_exactly: bool = False
     holds_state: bool = False
     options: frozenset[str] = frozenset()
+    cost_model: bool = False
 
     def search(self, graph: Graph, params: CostParams, options: Mapping[str, Any]) -> SearchResult:
         """``fn`` with ``fully_use_devices`` and the options it declares, taken from ``options``."""
@@ -67,16 +69,17 @@ SEARCHERS: dict[str, Searcher] = {
     "sharding_propagation": Searcher("sharding_propagation", sharding_propagation),
     "follow_operands": Searcher("follow_operands", follow_operands),
     "data_parallel": Searcher("data_parallel", data_parallel, holds_state=True),
-    "dynamic_programming": Searcher("dynamic_programming", dynamic_programming, ties_exactly=True, options=_FOLLOW),
+    "dynamic_programming": Searcher("dynamic_programming", dynamic_programming, ties_exactly=True, options=_FOLLOW,
+                                    cost_model=True),
     "recursive_programming": Searcher("recursive_programming", recursive_programming, holds_state=True,
-                                      options=_FOLLOW),
-    "ilp": Searcher("ilp", ilp, ties_exactly=True, options=_FOLLOW),
+                                      options=_FOLLOW, cost_model=True),
+    "ilp": Searcher("ilp", ilp, ties_exactly=True, options=_FOLLOW, cost_model=True),
 }
 
 
 def register(name: str, fn: Callable[..., SearchResult], *, ties_exactly: bool = False, holds_state: bool = False,
-             options: frozenset[str] | set[str] = frozenset()) -> Searcher:
+             options: frozenset[str] | set[str] = frozenset(), cost_model: bool = False) -> Searcher:
     """Add (or replace) the search_mode ``name``."""
-    s = Searcher(name, fn, ties_exactly, holds_state, frozenset(options))
+    s = Searcher(name, fn, ties_exactly, holds_state, frozenset(options), cost_model)
     SEARCHERS[name] = s
     return s

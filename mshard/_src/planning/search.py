@@ -69,6 +69,7 @@ from searchers.graph import (
     split_counts,
     strategy_of_layout,
 )
+from searchers.memory import peak_memory
 from searchers.protocol import SEARCHERS, register
 from searchers.strategies import enumerate_strategies
 
@@ -553,7 +554,8 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
                   if not op.is_source or op.kind == "data"}
     program = graph_cost(graph, strategies, params, shared=True)     # what the compiled program runs
     return Plan(mesh, plan_ops, param_specs, PlanCost.of(program), algorithm, result.seconds, tuple(notes),
-                graph_axes, tuple(redistributions), _Explainer(graph, strategies, params, mesh))
+                graph_axes, tuple(redistributions), _Explainer(graph, strategies, params, mesh),
+                peak_bytes=peak_memory(graph, strategies, fused=True)[0])
 
 
 def _check_reported(trace: TraceResult, plan_ops, mesh: DeviceMesh) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -449,6 +450,20 @@ class Region:
     def layouts(self, *args) -> RegionLayouts:
         """The planned layouts (mesh, inputs, marks) for these arguments (traces, does not run)."""
         return self._prepare(args, {})[0].layouts
+
+    def state_bytes(self, *args) -> dict[str, float]:
+        """Bytes per device of every state input (the modules' Variables, by name) in its planned layout (traces
+        and plans, does not run)."""
+        comp = self._prepare(args, {})[0]
+        mesh = comp.layouts.mesh
+        out = {}
+        for info, lay in zip(comp.infos, comp.layouts.inputs, strict=True):
+            if info.kind != "param":
+                continue
+            aval = next(v.aval for v, i in zip(comp.closed.jaxpr.invars, comp.infos) if i is info)
+            split = math.prod(mesh.count(tuple(d)) for d in lay if d) if lay else 1
+            out[info.name] = math.prod(info.shape) * aval.dtype.itemsize / split
+        return out
 
     def plan(self, *args):
         """The Plan for these arguments (traced and planned, not run): the plan the region runs, in every mode

@@ -32,6 +32,8 @@ class _StepPlan:
     pipeline: Any = None                # a PipelineCell's mshard._src.training.pipeline.cells.PipelinePlan
     pipeline_report: Any = None         # a PipelineCell's stages (mshard._src.training.pipeline.report.PipelineReport)
     pipeline_layouts: bool = False      # param_layouts set by a pipeline's stage plan (the region stores them so)
+    memory: Any = None                  # the predicted mshard._src.training.memory_fit.StepMemory (cost-model search)
+    notes: list[str] = field(default_factory=list)     # what the memory fit chose (the step's plan shows them)
 
     @property
     def dp(self) -> int:

@@ -52,11 +52,13 @@ from mshard._src.training.grads import (
     _value_and_grad,
 )
 from mshard._src.training.pipeline.cells import check_pipeline, pipeline_grads, pipeline_plan
+from mshard._src.training.memory_fit import StepMemory, choose_level
 from mshard._src.training.step_layouts import _plan_step, _StepPlan
 from mshard._src.training.zero import _zero_layouts
 from mshard._src.values import context as ctxmod
 from mshard._src.values.errors import CellError, CellTypeError, CommFusionWarning, GradientsMeanWarning, StrategyError
 from mshard._src.values.layout import jax_mesh, spec_of
+from searchers.protocol import SEARCHERS
 
 __all__ = ["GradAccumulationCell", "MicroBatchInterleaved", "TrainOneStepCell", "WithLossCell"]
 
@@ -100,11 +102,30 @@ class _Runtime:
         if plan is None:
             if any(k[0] is not key[0] for k in self.plans):   # plans made under another context are not used again
                 self.plans.clear()
-            plan = self.plans[key] = self._plan(net, names, params, data)
+            plan = self.plans[key] = self._fitted_plan(cell, names, params, data)
         return plan
 
-    def _plan(self, net, names, params, data) -> _StepPlan:
+    def _fitted_plan(self, cell: TrainOneStepCell, names, params, data) -> _StepPlan:
+        """The step's plan; with a cost-model searcher, one whose predicted memory fits device_memory_capacity
+        (:mod:`mshard._src.training.memory_fit`)."""
         ctx = ctxmod.current()
+        net = cell.network
+        searcher = SEARCHERS.get(search_algorithm(ctx) or "")
+        if searcher is None or not searcher.cost_model or ctx.pipeline_stages > 1:
+            return self._plan(net, names, params, data, ctx)
+        def measure(plan: _StepPlan) -> StepMemory:
+            # the searched step (traced and planned, not compiled; the region keeps it for the call)
+            stored = self.region.state_bytes(*data, cell, plan)
+            plan.memory = StepMemory(sum(v for k, v in stored.items() if k.startswith("network.")),
+                                     sum(v for k, v in stored.items() if k.startswith("optimizer.")),
+                                     self.region.plan(*data, cell, plan).peak_bytes)
+            return plan.memory
+        capacity = ctxmod.get_cost_model_context().device_memory_capacity
+        plan, notes = choose_level(ctx, capacity, lambda c: self._plan(net, names, params, data, c), measure)
+        plan.notes = list(notes)
+        return plan
+
+    def _plan(self, net, names, params, data, ctx) -> _StepPlan:
         check_pipeline(ctx, net)
         plan = _plan_step(self.probe, data, net, ctx)
         if search_algorithm(ctx) is not None and not fusion.is_default(ctx):
@@ -486,4 +507,6 @@ class TrainOneStepCell(Cell):
         plan = self._rt.region.plan(*data, self, step_plan)
         if step_plan.pipeline_report is not None:
             plan = dataclasses.replace(plan, pipeline=step_plan.pipeline_report)
+        if step_plan.notes:
+            plan = dataclasses.replace(plan, notes=tuple(plan.notes) + tuple(step_plan.notes))
         return plan

@@ -116,6 +116,7 @@ class Plan:
         redistributions: the operands that arrive in another layout than their op computes in.
         _explainer: internal: what ``explain`` asks for alternatives (None for a loaded plan).
         pipeline: a pipelined training step's stages; None otherwise.
+        peak_bytes: the cost model's peak bytes per device over program order (every live value, inputs included).
 
     >>> import jax.numpy as jnp, mshard as ms
     >>> with ms.parallel_context(parallel_mode="data_parallel", device_num=8):
@@ -135,6 +136,9 @@ class Plan:
     redistributions: tuple[Redistribution, ...] = ()
     _explainer: Any = field(default=None, repr=False, compare=False)
     pipeline: Any = None      # a pipelined training step's stages (mshard._src.training.pipeline.report.PipelineReport)
+    # the cost model's peak bytes per device over program order (searchers.memory: every live value in its planned
+    # layout, the inputs included); a training step's memory fit reads it
+    peak_bytes: float = 0.0
 
     # -- queries -----------------------------------------------------------------------------
     @property

@@ -25,6 +25,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "infer": ("platform", "devices", "tokens", "ratio_mshard_vs_jax_jit", "ratio_mshard_bound_vs_jax_jit"),
     "launch": ("first_step_s", "faults", "dry_run"),
     "memory": ("config", "rows", "summary"),
+    "memory_fit": ("config", "rows"),
     "mutate": ("rev", "results", "caught", "total"),
     "pipeline": ("bubble", "memory", "time"),
     "plans_snapshot": ("models", "plans"),
