@@ -1,7 +1,7 @@
 """Plans that fit device_memory_capacity: a GPT-1.3B-shaped training step on 8 simulated devices, compiled, not run.
 
     python bench/memory_fit.py                       # GPT-1.3B shape: 24 blocks, d 2048, ffn 8192, vocab 50304
-    python bench/memory_fit.py --smoke               # 2 blocks, capacity scaled down, recursive_programming only
+    python bench/memory_fit.py --smoke               # a small GPT, capacity scaled down, recursive_programming only
 
 The step is ``TrainOneStepCell(WithLossCell(GPT), optax.adamw)`` with a batch of 8 sequences of 1024 tokens. It is
 built under ``nnx.eval_shape`` (no weight is allocated) and compiled by ``ms.dry_run`` (XLA:CPU's buffer assignment
@@ -36,7 +36,7 @@ from mshard import nn
 GIB = 2 ** 30
 SHAPES = {
     "gpt1.3b": dict(vocab=50304, hidden=2048, heads=16, ffn=8192, seq=1024, layers=24),
-    "smoke": dict(vocab=50304, hidden=2048, heads=16, ffn=8192, seq=1024, layers=2),
+    "smoke": dict(vocab=8192, hidden=512, heads=8, ffn=2048, seq=256, layers=2),
 }
 
 
@@ -60,10 +60,7 @@ def measure(shape: dict, mode: str, search_mode: str | None, capacity: float) ->
     plan = step._rt.plan(step, (ids, ids))
     m = dr.report["memory"]
     compiled = m["argument_bytes"] + m["temp_bytes"] + m["output_bytes"] - m["alias_bytes"]
-    level = (ms.get_auto_parallel_context("parallel_optimizer_config")["optimizer_level"]
-             if ms.get_auto_parallel_context("enable_parallel_optimizer") else None)
-    if plan.zero:
-        level = "level3" if plan.store_sharded else "level1/2"
+    level = plan.optimizer_level
     predicted = plan.memory.total if plan.memory is not None else None
     ms.reset_auto_parallel_context()
     ms.set_cost_model_context(device_memory_capacity=16 * GIB)
@@ -74,7 +71,7 @@ def measure(shape: dict, mode: str, search_mode: str | None, capacity: float) ->
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="2 blocks, capacity scaled to them: checks that it runs")
+    ap.add_argument("--smoke", action="store_true", help="a 2-block GPT of width 512, capacity 1/64: that it runs")
     ap.add_argument("--searchers", default=None,
                     help="comma-separated cost-model search modes (default dynamic_programming,recursive_programming; "
                          "--smoke: recursive_programming; ilp's memory rows on this graph take minutes)")
@@ -84,8 +81,8 @@ def main(argv=None):
     shape = SHAPES["smoke" if args.smoke else "gpt1.3b"]
     if args.searchers is None:
         args.searchers = "recursive_programming" if args.smoke else "dynamic_programming,recursive_programming"
-    # the smoke's 2 blocks need about a fifth of the 24 blocks' memory: the capacity scales with them
-    capacity = args.capacity_gib * GIB * (0.2 if args.smoke else 1.0)
+    # the smoke's GPT needs about 1/64 of GPT-1.3B's memory: the capacity scales with it
+    capacity = args.capacity_gib * GIB / (64 if args.smoke else 1)
     rows = [{"plan": "data_parallel", **measure(shape, "data_parallel", None, capacity)}]
     for s in filter(None, args.searchers.split(",")):
         rows.append({"plan": s, **measure(shape, "auto_parallel", s, capacity)})

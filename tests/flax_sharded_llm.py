@@ -12,6 +12,7 @@ model trains as written (its logits are gathered over ``tp`` before optax's inte
 sharding types need).
 """
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax

@@ -24,7 +24,7 @@ def _chain():
 def test_an_elementwise_value_read_only_by_elementwise_ops_is_not_stored():
     g, t = _chain()
     strategies = {op.id: tuple(() for _ in op.dims) for op in g.ops}
-    first, last, mat = fused_live_ranges(g)
+    _first, last, mat = fused_live_ranges(g)
     # add's result feeds tanh alone: fused; tanh's result feeds a dot: stored; dot's result feeds add: stored
     assert not mat[t["a"]] and mat[t["t"]] and mat[t["h"]]
     # tanh reads add's operands instead: the dot's result lives until tanh (step 6), not only until add (step 5)

@@ -33,6 +33,7 @@ class _StepPlan:
     pipeline_report: Any = None         # a PipelineCell's stages (mshard._src.training.pipeline.report.PipelineReport)
     pipeline_layouts: bool = False      # param_layouts set by a pipeline's stage plan (the region stores them so)
     memory: Any = None                  # the predicted mshard._src.training.memory_fit.StepMemory (cost-model search)
+    optimizer_level: str | None = None  # the optimizer level the memory fit planned this step under (None: off)
     notes: list[str] = field(default_factory=list)     # what the memory fit chose (the step's plan shows them)
 
     @property

@@ -51,8 +51,8 @@ from mshard._src.training.grads import (
     _run_replicas,
     _value_and_grad,
 )
-from mshard._src.training.pipeline.cells import check_pipeline, pipeline_grads, pipeline_plan
 from mshard._src.training.memory_fit import StepMemory, choose_level
+from mshard._src.training.pipeline.cells import check_pipeline, pipeline_grads, pipeline_plan
 from mshard._src.training.step_layouts import _plan_step, _StepPlan
 from mshard._src.training.zero import _zero_layouts
 from mshard._src.values import context as ctxmod
@@ -120,8 +120,14 @@ class _Runtime:
                                      sum(v for k, v in stored.items() if k.startswith("optimizer.")),
                                      self.region.plan(*data, cell, plan).peak_bytes)
             return plan.memory
+
+        def plan_with(c) -> _StepPlan:
+            plan = self._plan(net, names, params, data, c)
+            plan.optimizer_level = c.parallel_optimizer_config.get("optimizer_level", "level1") \
+                if c.enable_parallel_optimizer else None
+            return plan
         capacity = ctxmod.get_cost_model_context().device_memory_capacity
-        plan, notes = choose_level(ctx, capacity, lambda c: self._plan(net, names, params, data, c), measure)
+        plan, notes = choose_level(ctx, capacity, plan_with, measure)
         plan.notes = list(notes)
         return plan
 
