@@ -23,8 +23,8 @@ Per row: the collective bytes per device in the compiled HLO (``ms.comm_report``
 the compiled FLOPs per device (``cost_analysis``) and their ratio to the replicated program's (1/8 is a perfect
 split), the compiled program's time on the cost model's own alpha-beta terms (``score``: FLOPs at
 ``CostParams.flops_per_s``, 5 us per collective and its moved bytes at 100 GB/s, weighted by ``alpha``/``beta``, as
-``bench/rank_vs_hlo.py`` scores), the value it computes (the training step's loss, the forward's sum) and the search
-seconds.
+``bench/rank_vs_hlo.py`` scores), the value it computes (the training step's loss, the forward's sum), the search
+seconds, and the parameters' bytes per device as the plan stores them (``param_bytes``, ``param_bytes_vs_dp``).
 
 The baseline a searched plan is held to (``base``) is data_parallel where its value equals one device's
 (replicated's) and data_parallel_equal where it does not: a searched plan computes one device's values, so it is
@@ -50,6 +50,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "e2e" / "training")]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -137,13 +138,16 @@ def _measure(build, plan: str, dataset: str, training: bool) -> dict:
         p = f.plan(*args)
         out = f(*args)          # the training step's loss; the forward's outputs
         value = float(sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(out)))
+        # the parameters as the plan stores them (placed by the call): bytes one device holds
+        weights = jax.tree.leaves(nnx.state(m, nnx.Param))
+        param_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in weights)
     moved = float(sum(v["moved"] for v in rep.by_kind.values()))
     flops = float(cost.get("flops", 0.0))
     cp = CostParams()
     score = cp.alpha * flops / cp.flops_per_s + cp.beta * (5e-6 * rep.total_count + moved / 100e9)
     return {"bytes": int(sum(v["bytes"] for v in rep.by_kind.values())), "moved": moved,
             "collectives": rep.total_count, "flops": flops, "score": score, "value": value,
-            "search_s": float(getattr(p, "seconds", 0.0) or 0.0)}
+            "search_s": float(getattr(p, "seconds", 0.0) or 0.0), "param_bytes": param_bytes}
 
 
 def _ratio(a: float, b: float) -> float:
@@ -188,6 +192,8 @@ def main(argv=None) -> None:
                            "plan": plan, "base": base_name, **r}
                     if "bytes" in r and "bytes" in dp:
                         row["bytes_vs_dp"] = _ratio(r["bytes"], dp["bytes"])
+                    if "param_bytes" in r and "param_bytes" in dp:
+                        row["param_bytes_vs_dp"] = _ratio(r["param_bytes"], dp["param_bytes"])
                     for k in ("bytes", "moved", "score"):
                         if k in r and k in base:
                             row[f"{k}_vs_base"] = _ratio(r[k], base[k])
@@ -231,7 +237,7 @@ def main(argv=None) -> None:
     from rich.table import Table
     t = Table(title="plans vs baselines: collective bytes and FLOPs per device (compiled HLO, 8 CPU devices)")
     for c in ("model", "pass", "dataset", "plan", "bytes", "vs dp", "vs base", "moved vs base", "score vs base",
-              "collectives", "flops vs replicated", "= 1 device", "search s"):
+              "collectives", "flops vs replicated", "params vs dp", "= 1 device", "search s"):
         t.add_column(c, justify="left" if c in ("model", "pass", "dataset", "plan") else "right")
     for r in rows:
         t.add_row(r["model"], r["pass"], r["dataset"], r["plan"], f"{r.get('bytes', '-'):,}" if "bytes" in r
@@ -239,9 +245,10 @@ def main(argv=None) -> None:
                   *(f"{r[k + '_vs_base']:.2f}" if k + "_vs_base" in r else "-" for k in ("bytes", "moved", "score")),
                   str(r.get("collectives", "-")),
                   f"{r['flops_vs_replicated']:.3f}" if "flops_vs_replicated" in r else "-",
+                  f"{r['param_bytes_vs_dp']:.3f}" if "param_bytes_vs_dp" in r else "-",
                   {True: "yes", False: "NO"}.get(r.get("equals_one_device"), "-"),
                   f"{r.get('search_s', 0):.2f}")
-    Console(width=160).print(t)
+    Console(width=180).print(t)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as fh:
         json.dump({"rows": rows, "summary": summary}, fh, indent=1, default=str)
