@@ -36,7 +36,7 @@ import jax
 from jax.extend import core as jcore
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from mshard._src.jaxpr.walk import CALLS, REMAT
+from mshard._src.jaxpr.walk import CALLS, REMAT, eval_jaxpr
 
 # params through which an equation sets its result's sharding type
 _SHARDING_PARAMS = ("out_sharding", "sharding", "dst_sharding")
@@ -93,22 +93,7 @@ class _Eraser:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def eval(self, jaxpr: jcore.Jaxpr, consts, *args):
-        env: dict = {}
-
-        def read(v):
-            return v.val if isinstance(v, jcore.Literal) else env[v]
-
-        for v, x in zip(jaxpr.constvars, consts):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args):
-            env[v] = x
-        for eqn in jaxpr.eqns:
-            outs = self.eqn(eqn, [read(v) for v in eqn.invars])
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            for v, x in zip(eqn.outvars, outs):
-                env[v] = x
-        return [read(v) for v in jaxpr.outvars]
+        return eval_jaxpr(jaxpr, consts, args, self.eqn)
 
     def eqn(self, eqn, invals: list):
         prim = eqn.primitive

@@ -77,3 +77,24 @@ def iter_marks(jaxpr: jcore.Jaxpr) -> Iterator[Any]:
 
 def has_marks(j: Any) -> bool:
     return next(iter_marks(as_jaxpr(j)), None) is not None
+
+
+def eval_jaxpr(jaxpr: jcore.Jaxpr, consts, args, bind) -> list:
+    """Evaluate ``jaxpr`` equation by equation as ``jax.core.eval_jaxpr`` does, each equation by
+    ``bind(eqn, invals)`` (its result, or its results for a multiple-results primitive)."""
+    env: dict = {}
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        outs = bind(eqn, [read(v) for v in eqn.invars])
+        if not eqn.primitive.multiple_results:
+            outs = [outs]
+        for v, x in zip(eqn.outvars, outs):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]

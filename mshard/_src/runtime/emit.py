@@ -16,14 +16,13 @@ sees the user's program plus the constraints, and its SPMD partitioner inserts t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 
 from mshard._src.jaxpr.marks import mark_p
-from mshard._src.jaxpr.walk import CALLS, REMAT, jaxpr_params
+from mshard._src.jaxpr.walk import CALLS, REMAT, eval_jaxpr, jaxpr_params
 from mshard._src.jaxpr.walk import has_marks as _has_marks
 from mshard._src.planning.axis_assignment import RegionLayouts, exact_mark_key, mark_key
 from mshard._src.values.layout import jax_mesh, replica_layout, spec_of
@@ -54,23 +53,7 @@ class Emitter:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec_of(lay)))
 
     def eval(self, jaxpr: jcore.Jaxpr, consts, *args, path: tuple = ()):
-        env: dict[Any, Any] = {}
-
-        def read(v):
-            return v.val if isinstance(v, jcore.Literal) else env[v]
-
-        for v, x in zip(jaxpr.constvars, consts):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args):
-            env[v] = x
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            outs = self.eqn(eqn, invals, path)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            for v, x in zip(eqn.outvars, outs):
-                env[v] = x
-        return [read(v) for v in jaxpr.outvars]
+        return eval_jaxpr(jaxpr, consts, args, lambda eqn, invals: self.eqn(eqn, invals, path))
 
     def eqn(self, eqn, invals, path: tuple):
         prim = eqn.primitive

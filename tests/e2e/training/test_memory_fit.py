@@ -17,8 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import on_one_device
-from train_helpers import PARAM_ATOL, PARAM_RTOL
+from train_helpers import PARAM_ATOL, PARAM_RTOL, params_of, reference_train
 
 import mshard as ms
 from mshard import nn
@@ -51,19 +50,9 @@ def _mse(pred, y):
 
 
 def _reference():
-    """2 Adam steps, plain jax.grad + optax on one device."""
-    graphdef, params, rest = nnx.split(Net(nnx.Rngs(0)), nnx.Param, ...)
-    params = nnx.as_pure(params)
-    tx = _adam()
-    state = tx.init(params)
-
-    def one(params, state, x, y):
-        g = jax.grad(lambda p: _mse(nnx.merge(graphdef, p, rest)(x), y))(params)
-        updates, state = tx.update(g, state, params)
-        return optax.apply_updates(params, updates), state
-    for x, y in DATA:
-        params, state = on_one_device(one, params, state, x, y)
-    return params, state
+    """2 Adam steps, plain nnx + optax on one device: (parameters, optax state)."""
+    net, state, _ = reference_train(Net(nnx.Rngs(0)), _adam(), DATA, _mse)
+    return params_of(net), state
 
 
 @pytest.mark.parametrize("search_mode", ["recursive_programming", "dynamic_programming", "ilp"])
