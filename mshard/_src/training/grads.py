@@ -74,8 +74,10 @@ def _combine_rest(x):
 def _no_fusion_reason(plan: _StepPlan, ctx) -> str | None:
     """None when a model-parallel or searched step computes per-replica gradients to reduce them in fusion
     buckets (a step cut into data-parallel replicas, with a fusion setting beyond the default, which leaves the
-    grouping to XLA's combiner); else why not."""
-    if fusion.is_default(ctx):
+    grouping to XLA's combiner, or with a tied parameter: XLA's partitioner reduces each contribution to a tied
+    parameter's gradient by itself, and XLA:CPU does not reassociate them, where a replica adds them first and
+    the sum is reduced once); else why not."""
+    if fusion.is_default(ctx) and not plan.tied:
         return "the default setting"
     if not _replica_axes(plan, ctx):
         return f"every data-parallel mesh axis {plan.dp_axes} also splits a parameter (no replica group)"

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from mshard._src.jaxpr.walk import input_reads
 from mshard._src.runtime.region import Region, search_algorithm
 from mshard._src.values.layout import DimAxes
 from searchers import DeviceMesh
@@ -35,6 +36,9 @@ class _StepPlan:
     memory: Any = None                  # the predicted mshard._src.training.memory_fit.StepMemory (cost-model search)
     optimizer_level: str | None = None  # the optimizer level the memory fit planned this step under (None: off)
     notes: list[str] = field(default_factory=list)     # what the memory fit chose (the step's plan shows them)
+    # parameters the forward reads more than once (a tied embedding): their gradient is a sum of contributions
+    # that each replica adds before the one reduction (mshard._src.training.grads._no_fusion_reason)
+    tied: tuple[str, ...] = ()
 
     @property
     def dp(self) -> int:
@@ -48,7 +52,7 @@ class _StepPlan:
                                           pp.stage_axes, pp.parts, tuple(map(str, pp.specs or ())))
         return (f"_StepPlan(mesh={self.mesh!r}, dp_axes={self.dp_axes}, pure_dp={self.pure_dp}, "
                 f"param_layouts={sorted(self.param_layouts.items())}, zero={sorted(self.zero.items())}, "
-                f"store_sharded={self.store_sharded}, pipeline={stages})")
+                f"store_sharded={self.store_sharded}, tied={self.tied}, pipeline={stages})")
 
 
 def _plan_step(probe: Region, data: tuple, net: nnx.Module, ctx) -> _StepPlan:
@@ -73,7 +77,10 @@ def _plan_step(probe: Region, data: tuple, net: nnx.Module, ctx) -> _StepPlan:
     no_search = ctx.parallel_mode == "data_parallel" or (
         ctx.parallel_mode == "semi_auto_parallel" and search_algorithm(ctx) is None)
     pure = bool(dp_axes) and replicated and data_ok and not marks and no_search
-    return _StepPlan(lay.mesh, dp_axes, param_layouts, pure, strategy_layouts)
+    params = {id(x) for x in jax.tree.leaves(nnx.state(net, nnx.Param))}
+    reads = input_reads(probe.jaxpr(*data, net).jaxpr)
+    tied = tuple(f"network.{nm}" for (nm, x), n in zip(_named_leaves(net), reads) if n > 1 and id(x) in params)
+    return _StepPlan(lay.mesh, dp_axes, param_layouts, pure, strategy_layouts, tied=tied)
 
 
 def _named_leaves(module: nnx.Module) -> list[tuple[str, Any]]:

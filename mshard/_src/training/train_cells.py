@@ -128,15 +128,15 @@ class _Runtime:
             return plan
         capacity = ctxmod.get_cost_model_context().device_memory_capacity
         plan, notes = choose_level(ctx, capacity, plan_with, measure)
-        plan.notes = list(notes)
+        plan.notes = plan.notes + list(notes)
         return plan
 
     def _plan(self, net, names, params, data, ctx) -> _StepPlan:
         check_pipeline(ctx, net)
         plan = _plan_step(self.probe, data, net, ctx)
-        if search_algorithm(ctx) is not None and not fusion.is_default(ctx):
-            # a searched step with a fusion setting runs its data-parallel replicas side by side (see
-            # _replica_axes): every parameter is whole over the replicas, in its layout on the other axes
+        if search_algorithm(ctx) is not None and (not fusion.is_default(ctx) or plan.tied):
+            # a searched step with a fusion setting or a tied parameter runs its data-parallel replicas side by
+            # side (see _replica_axes): every parameter is whole over the replicas, in its layout on the other axes
             rax = _replica_axes(plan, ctx)
             plan.param_layouts = {k: _drop_axes(v, rax) for k, v in plan.param_layouts.items()}
         zero_plan = plan
@@ -160,6 +160,9 @@ class _Runtime:
             # the fused step's data-parallel replicas (the traced step falls back to XLA's reductions, with a
             # CommFusionWarning, where the strategies do not fit one replica's share of the batch)
             plan.replicas = _replica_axes(plan, ctx)
+            if plan.tied and fusion.is_default(ctx):
+                plan.notes.append(f"tied parameters {', '.join(plan.tied)}: each data-parallel replica (over "
+                                  f"{plan.replicas}) adds its gradient contributions, and the sum is reduced once")
         return plan
 
     # traced once per (shapes, context): fn(*data, cell, plan)
