@@ -8,6 +8,7 @@ and hands the derived ops (``Op.derived``: a training step's backward and update
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,35 +28,47 @@ ALGORITHM = "sharding_propagation"
 _REL_TIE = 1e-9
 
 
-def _first_min(own: list[float], red: list[float]) -> int:
-    """First candidate with the least ``red`` and, among those, the least ``own`` (both
-    compared with a relative tolerance, so float rounding never decides a tie). Plain floats: a
+def used_log2(s: Strategy, mesh) -> float:
+    """log2 of the devices a strategy uses: the mesh axes it splits any dim over."""
+    return math.log2(mesh.count({a for d in s for a in d}))
+
+
+def _first_min(own: list[float], red: list[float], change: list[float] | None = None) -> int:
+    """First candidate with the least ``red`` and, among those, the least ``change`` (when given) and then the
+    least ``own`` (each compared with a relative tolerance, so float rounding never decides a tie). Plain floats: a
     decision weighs a few dozen candidates, where numpy's per-call overhead is most of the time.
 
     >>> _first_min([3.0, 1.0, 2.0], [1.0, 2.0, 1.0 + 1e-12])    # 0 and 2 tie; the lesser own cost wins
     2
+    >>> _first_min([3.0, 1.0, 2.0], [1.0, 2.0, 1.0], [0.0, 0.0, 2.0])    # 2 uses more devices than its neighbour
+    0
     """
-    best = min(red)
-    lim = best + _REL_TIE * abs(best)
-    tied = [i for i, x in enumerate(red) if x <= lim]
-    if len(tied) == 1:
-        return tied[0]
-    lo = min([own[i] for i in tied])
-    lim = lo + _REL_TIE * abs(lo)
-    return next(i for i in tied if own[i] <= lim)
+    tied = list(range(len(red)))
+    for vec in (red, change, own):
+        if vec is None or len(tied) == 1:
+            continue
+        lo = min([vec[i] for i in tied])
+        lim = lo + _REL_TIE * abs(lo)
+        tied = [i for i in tied if vec[i] <= lim]
+    return tied[0]
 
 
 class _Tables(Tables):
     """The search's :class:`~searchers.tables.Tables` and propagation's memoised side lists and decisions (per op
     shape and decided sides)."""
 
-    def __init__(self, graph: Graph, params: CostParams, max_candidates: int | None):
+    def __init__(self, graph: Graph, params: CostParams, max_candidates: int | None, least_change: bool = False):
         super().__init__(graph, params, max_candidates)
+        self.least_change = least_change
+        self.used: dict[int, list[float]] = {}
+        self.is_source: list[bool] = []
         self.decision: dict[tuple, int] = {}
         self.own_list: dict[int, list[float]] = {}
         self.side_list: dict[tuple, list[float]] = {}
 
     def decide(self, sid: int, sides: tuple) -> int:
+        """The chosen candidate of ``sid`` against its decided ``sides``: ``(out, idx, layout id)`` each, plus, with
+        ``least_change``, the log2 of the devices the neighbour's strategy uses."""
         key = (sid, sides)
         c = self.decision.get(key)
         if c is None:
@@ -63,14 +76,27 @@ class _Tables(Tables):
             if own is None:
                 own = self.own_list[sid] = self.own[sid].tolist()        # type: ignore[union-attr]
             if len(sides) == 1:
-                red = self.vector_list(sid, *sides[0])
+                red = self.vector_list(sid, *sides[0][:3])
             else:
-                total = self.vector(sid, *sides[0])
-                for out, idx, other in sides[1:]:
-                    total = total + self.vector(sid, out, idx, other)
+                total = self.vector(sid, *sides[0][:3])
+                for side in sides[1:]:
+                    total = total + self.vector(sid, *side[:3])
                 red = total.tolist()
-            c = self.decision[key] = _first_min(own, red)
+            change = None
+            if self.least_change and any(len(side) > 3 for side in sides):
+                used = self.devices_used(sid)
+                change = [sum(abs(u - side[3]) for side in sides if len(side) > 3) for u in used]
+            c = self.decision[key] = _first_min(own, red, change)
         return c
+
+    def devices_used(self, sid: int) -> list[float]:
+        """log2 of the devices each candidate of ``sid`` uses (the mesh axes its strategy splits over)."""
+        v = self.used.get(sid)
+        if v is None:
+            st = self.structs[sid]
+            assert st is not None
+            v = self.used[sid] = [used_log2(s, self.mesh) for s in st.cands]
+        return v
 
     def vector_list(self, sid: int, out: int, idx: int, other: int) -> list[float]:
         """:meth:`vector` as a list."""
@@ -82,13 +108,17 @@ class _Tables(Tables):
 
 
 def propagate(graph: Graph, params: CostParams, max_candidates: int | None, ix: GraphIndex,
-              derive: Callable[..., None] | None = None) -> SearchResult:
+              derive: Callable[..., None] | None = None, least_change: bool = False) -> SearchResult:
     """The propagation's plan of every op (module doc). ``derive(graph, params, state, derived, set_strategy)``
-    decides the derived ops once the forward is decided (``state.chosen``: the strategies so far, per op id)."""
+    decides the derived ops once the forward is decided (``state.chosen``: the strategies so far, per op id).
+    ``least_change``: among the candidates that need no more communication, those that use as many devices as
+    their decided neighbours' strategies do win before the lesser own cost (see :mod:`searchers.propagation`);
+    without it (the seed of dynamic_programming) the lesser own cost decides among them."""
     t0 = time.perf_counter()
     mesh, ops = graph.mesh, graph.ops
     n = len(ops)
-    tab = _Tables(graph, params, max_candidates)
+    tab = _Tables(graph, params, max_candidates, least_change)
+    tab.is_source = [op.is_source for op in ops]
     keys, index = ix.spec_keys
     sids = np.asarray([tab.spec_id(k) for k in keys], dtype=np.intp)[index].tolist()
     in_src = ix.in_src
@@ -193,11 +223,14 @@ def _bfs(queue: deque[int], tab: _Tables, sids: list[int], in_src: list[list[tup
             for k, (p, j) in enumerate(in_src[v]):
                 src = out_l[p]
                 if src is not None:
-                    sides.append((0, k, src[j]))
+                    # a source (data, a parameter) has a layout, not an op strategy: it does not count devices
+                    sides.append((0, k, src[j], used_log2(chosen[p], tab.mesh))
+                                 if tab.least_change and not tab.is_source[p] else (0, k, src[j]))
             for j, c, k in out_edges[v]:
                 dst = in_l[c]
                 if dst is not None:
-                    sides.append((1, j, dst[k]))
+                    sides.append((1, j, dst[k], used_log2(chosen[c], tab.mesh)) if tab.least_change
+                                 else (1, j, dst[k]))
             key = (sid, tuple(sides))
             ci = decision.get(key)
             if ci is None:
