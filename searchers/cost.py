@@ -60,6 +60,13 @@ class CostParams:
     device_memory_capacity: float = 16 * 2**30      # bytes per device (a limit for searchers that use one)
     flops_per_s: float = 100e12                     # assumed device throughput
     memory_unit: float = float(2**30)               # bytes per memory unit in ``total``
+    # a byte of parameter or optimizer state stored per device costs as much as moving this many bytes over the
+    # slowest link (issue 40: a replicated 16 MB weight must not win by a 0.8 MB collective); 0 turns it off
+    state_weight: float = 0.1
+
+    def state_price(self, mesh: DeviceMesh) -> float:
+        """The weighted cost of one byte of state stored per device (see ``state_weight``)."""
+        return self.beta * self.state_weight / min(mesh.bandwidth) if self.state_weight else 0.0
 
     def weigh(self, compute: float, comm_time: float, memory: float) -> float:
         """The weighted total of the three terms."""
@@ -170,7 +177,11 @@ def spec_cost(spec: OpSpec, strategy: Strategy, mesh: DeviceMesh, params: CostPa
         halo_bytes, halo_time = _halo(spec, strategy, mesh)
         by["collective-permute"] = halo_bytes
         ar_time += halo_time
-    return Cost(compute, by, ar_time, memory, params.weigh(compute, ar_time, memory))
+    total = params.weigh(compute, ar_time, memory)
+    if spec.stored:             # a parameter source: its result is the state it stores, per device
+        total += params.state_price(mesh) * sum(nbytes / split_count(layout_of(maps, strategy), shape)
+                                                for maps, nbytes in zip(spec.out_maps, spec.out_bytes))
+    return Cost(compute, by, ar_time, memory, total)
 
 
 def _halo(spec: OpSpec, strategy: Strategy, mesh: DeviceMesh) -> tuple[float, float]:

@@ -83,9 +83,10 @@ def _prod(xs: Iterable[int]) -> int:
 
 
 def cost_vector(t: CandidateTables, flops: float, in_bytes: Sequence[int], out_bytes: Sequence[int],
-                params: CostParams, latency_share: float = 1.0) -> np.ndarray:
+                params: CostParams, latency_share: float = 1.0, state_price: float = 0.0) -> np.ndarray:
     """Weighted totals per candidate from :class:`CandidateTables` and the op's sizes (``latency_share``: the part
-    of a latency the op's all-reduces pay, :func:`searchers.graph.mark_merged_reductions`)."""
+    of a latency the op's all-reduces pay, :func:`searchers.graph.mark_merged_reductions`; ``state_price``: per byte
+    of the results stored per device, for a parameter source, :meth:`CostParams.state_price`)."""
     out_local = t.out_div @ np.asarray(out_bytes, dtype=float)
     memory = t.in_div @ np.asarray(in_bytes, dtype=float) + out_local
     comm = latency_share * len(out_bytes) * t.ar_lat + t.ar_coef * out_local
@@ -93,7 +94,12 @@ def cost_vector(t: CandidateTables, flops: float, in_bytes: Sequence[int], out_b
     if t.halo_lat is not None:
         comm = comm + t.halo_lat + t.halo_coef @ np.asarray(in_bytes, dtype=float)
     return (params.alpha * flops / params.flops_per_s) / t.devices + params.beta * comm \
-        + (params.gamma / params.memory_unit) * memory
+        + (params.gamma / params.memory_unit) * memory + state_price * out_local
+
+
+def state_price(spec: OpSpec, mesh: DeviceMesh, params: CostParams) -> float:
+    """:meth:`CostParams.state_price` for a parameter source, else 0 (what :func:`cost_vector` takes)."""
+    return params.state_price(mesh) if spec.stored else 0.0
 
 
 @lru_cache(maxsize=1 << 14)
@@ -101,7 +107,8 @@ def spec_cost_vector(spec: OpSpec, candidates: tuple[Strategy, ...], mesh: Devic
                      params: CostParams) -> np.ndarray:
     """Totals of :func:`~searchers.cost.spec_cost` for every candidate (memoised; read-only)."""
     t = candidate_tables(spec.in_maps, spec.out_maps, spec.reduction, candidates, mesh, halo_fractions(spec))
-    v = cost_vector(t, spec.flops, spec.in_bytes, spec.out_bytes, params, spec.latency_share)
+    v = cost_vector(t, spec.flops, spec.in_bytes, spec.out_bytes, params, spec.latency_share,
+                    state_price(spec, mesh, params))
     v.setflags(write=False)
     return v
 

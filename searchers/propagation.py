@@ -9,10 +9,10 @@ devices as the neighbour ops' strategies do (the least summed ``|log2 devices - 
 a source, data or a parameter, has a layout and no strategy, and does not count),
 then take the least own cost (ties: candidate order). Every split is a candidate, one that idles
 devices too: fully_use_devices restricts the cost-model searchers, not propagation (issue 14: a
-ReLU that feeds a MatMul operand laid out (2, 1) takes (2, 1) on 8 devices). This follows MindSpore's rule (edge_costmodel.cc: zero-communication
-candidates first, the least redistribution computation cost among them, then the op's own communication; else
-the least communication). The middle key is how mshard reads MindSpore's unit-test expectations: a convolution
-chain seeded ``(1, 1, 2, 1)`` with fully_use_devices off keeps ``(1, 1, 2, 1)`` (2 devices, as the seed) where the
+ReLU that feeds a MatMul operand laid out (2, 1) takes (2, 1) on 8 devices). This follows MindSpore's
+rule (edge_costmodel.cc: zero-communication candidates first, the least redistribution computation cost among them,
+then the op's own communication; else the least communication). The middle key is how mshard reads MindSpore's
+unit-test expectations: a convolution chain seeded ``(1, 1, 2, 1)`` with fully_use_devices off keeps ``(1, 1, 2, 1)`` (2 devices, as the seed) where the
 lesser compute alone took ``(4, 1, 2, 1)``; and an Add after a MatMul ``((4, 2), (1, 2))`` takes ``(4, 2)`` (8
 devices, as the MatMul), not the ``(4, 1)`` the MatMul's reduced result arrives in
 (tests/e2e/search/test_mindspore_propagation_expectations.py).

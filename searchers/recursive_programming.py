@@ -48,9 +48,11 @@ ilp do), so mshard searches a training step a second time with its state held.
 >>> x = g.source("x", (12, 6))
 >>> w = g.source("w", (6, 4), kind="param")
 >>> (y,) = g.add_op("mm", "dot_general", {"m": 12, "k": 6, "n": 4}, [x, w], [("m", "k"), ("k", "n")], [("m", "n")])
->>> r = recursive_programming(g, CostParams())
+>>> r = recursive_programming(g, CostParams(state_weight=0.0))
 >>> r.strategies[2]        # both rounds cut m (12 = 2 * 3 * 2): no all-reduce, the small weight replicated
 ((0, 1), (), ())
+>>> recursive_programming(g, CostParams()).strategies[2]     # priced as stored state, the weight is split too
+((1,), (), (0,))
 """
 
 from __future__ import annotations

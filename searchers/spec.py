@@ -38,6 +38,7 @@ class OpSpec(NamedTuple):
     latency_share: float = 1.0               # Op.latency_share: the part of a latency its all-reduces pay
     halo: tuple[int, ...] = ()               # Op.halo per loop dim (0: none); () when the op has none
     apart: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())   # no strategy splits one of [0] and one of [1]
+    stored: bool = False                     # a "param" source: state the device stores (weights, optimizer moments)
 
 
 def op_spec(op: Op, graph: Graph) -> OpSpec:
@@ -69,8 +70,8 @@ def _struct_id(op: Op) -> int:
     lim = op.split_limit
     halo = op.halo
     key = (tuple(op.dims.items()), tuple(op.in_dims), tuple(op.out_dims), op.unsplittable, op.flops,
-           op.kind in SOURCE_KINDS, tuple(sorted(lim.items())) if lim else None, op.free_devices, op.latency_share,
-           (tuple(sorted(halo.items())), op.halo_apart) if halo else None)
+           op.kind in SOURCE_KINDS, op.kind == "param", tuple(sorted(lim.items())) if lim else None, op.free_devices,
+           op.latency_share, (tuple(sorted(halo.items())), op.halo_apart) if halo else None)
     sid = _STRUCT_IDS.get(key)
     if sid is None:
         sid = _STRUCT_IDS[key] = len(_STRUCTS)
@@ -125,8 +126,8 @@ def distinct_spec_keys(graph: Graph, flat: Flat | None = None) -> tuple[list[Spe
 
 def spec_from_key(key: SpecKey) -> OpSpec:
     """The :class:`OpSpec` a :func:`spec_key` stands for."""
-    sizes, uns, in_maps, out_maps, red, flops, free, share, halo, apart = _STRUCTS[key[0]]
-    return OpSpec(sizes, uns, in_maps, out_maps, key[1], key[2], red, flops, free, share, halo, apart)
+    sizes, uns, in_maps, out_maps, red, flops, free, share, halo, apart, stored = _STRUCTS[key[0]]
+    return OpSpec(sizes, uns, in_maps, out_maps, key[1], key[2], red, flops, free, share, halo, apart, stored)
 
 
 def all_devices(spec: OpSpec, fully_use_devices: bool) -> bool:
@@ -148,7 +149,7 @@ def _structure(op: Op) -> tuple:
     halo = tuple(op.halo.get(d, 0) for d in op.dims) if op.halo else ()
     return (op.split_sizes(), tuple(d in uns for d in op.dims), in_maps, out_maps,
             tuple(i for i in range(len(idx)) if i not in used), op.compute_flops(), op.free_devices, op.latency_share,
-            halo, op.apart())
+            halo, op.apart(), op.kind == "param")
 
 
 def layout_of(maps: tuple[int, ...], strategy: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:

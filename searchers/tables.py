@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from .cost import CostParams
-from .cost_vectors import candidate_tables, cost_vector, halo_fractions, spec_cost_vector, unweighted_affine
+from .cost_vectors import candidate_tables, cost_vector, halo_fractions, spec_cost_vector, state_price, unweighted_affine
 from .graph import Graph, Strategy, TensorLayout
 from .spec import OpSpec, SpecKey, layout_of, spec_from_key
 from .strategies import strategies_for
@@ -116,7 +116,7 @@ class Tables:
             st = self.by_struct[self.struct_of[sid]] = Struct(cands, in_lids, out_lids, tables)
         self.structs[sid] = st
         self.own[sid] = cost_vector(st.tables, spec.flops, spec.in_bytes, spec.out_bytes, self.params,
-                                    spec.latency_share)
+                                    spec.latency_share, state_price(spec, self.mesh, self.params))
         return st
 
     def candidates(self, sid: int, all_devices: bool) -> tuple[Strategy, ...]:

@@ -24,7 +24,7 @@ P = CostParams()
 LAT, BW = 5e-6, 100e9
 
 
-def assert_cost(c, *, compute=0.0, bytes_=None, time=0.0, memory=0.0, params=P):
+def assert_cost(c, *, compute=0.0, bytes_=None, time=0.0, memory=0.0, params=P, stored=0.0):
     bytes_ = bytes_ or {}
     # float64: the model and the hand formula do the same <= 10 operations, maybe in another order (~10 * 2**-53 =
     # 1e-15 relative); abs=1e-30 lets an expected 0.0 match only (near-)exact zeros (every nonzero cost is >= 1e-12)
@@ -33,7 +33,9 @@ def assert_cost(c, *, compute=0.0, bytes_=None, time=0.0, memory=0.0, params=P):
         assert c.comm_bytes[k] == pytest.approx(bytes_.get(k, 0.0), rel=1e-12, abs=1e-30), k
     assert c.comm_time == pytest.approx(time, rel=1e-12, abs=1e-30)
     assert c.memory == pytest.approx(memory, rel=1e-12, abs=1e-30)
-    total = params.alpha * compute + params.beta * time + params.gamma * memory / params.memory_unit
+    # ``stored``: the bytes per device a parameter source stores, priced as moving state_weight of them at 100 GB/s
+    total = (params.alpha * compute + params.beta * time + params.gamma * memory / params.memory_unit
+             + params.beta * params.state_weight * stored / BW)
     assert c.total == pytest.approx(total, rel=1e-12, abs=1e-30)
 
 
@@ -133,7 +135,10 @@ def test_matmul_column_parallel_needs_no_communication():
 def test_replicated_op_and_source_costs():
     g = mlp_graph()
     assert_cost(op_cost(g.ops[3], ((), ()), g, P), compute=64 * 128 / 100e12, memory=2 * 64 * 128 * 4)
-    assert_cost(op_cost(g.ops[1], ((1,), ()), g, P), memory=32 * 128 * 4 / 2)   # a source: no compute
+    # a parameter source: no compute; it stores its half of the weight per device (issue 40's state price)
+    assert_cost(op_cost(g.ops[1], ((1,), ()), g, P), memory=32 * 128 * 4 / 2, stored=32 * 128 * 4 / 2)
+    assert_cost(op_cost(g.ops[1], ((1,), ()), g, P.__class__(state_weight=0.0)), memory=32 * 128 * 4 / 2,
+                params=P.__class__(state_weight=0.0))
 
 
 def test_all_reduce_runs_at_the_slowest_axis():

@@ -304,7 +304,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     mesh = base.mesh
     cm = ctxmod.get_cost_model_context()
     params = CostParams(alpha=cm.costmodel_alpha, beta=cm.costmodel_beta, gamma=cm.costmodel_gamma,
-                        device_memory_capacity=cm.device_memory_capacity)
+                        device_memory_capacity=cm.device_memory_capacity, state_weight=cm.costmodel_state_weight)
     trace = trace_on(mesh)
     _mark_graph(trace.graph, n_user)
     _fix_user_layouts(trace, base, inputs, algorithm)

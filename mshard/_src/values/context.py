@@ -660,6 +660,9 @@ class CostModelContext:
         costmodel_alpha: the weight of compute time.
         costmodel_beta: the weight of communication.
         costmodel_gamma: the weight of memory.
+        costmodel_state_weight: what a byte of parameter or optimizer state stored per device costs, in bytes moved
+            over the slowest link (default 0.1; 0: storage is only in the gamma term). Not in MindSpore: it keeps a
+            cost-model search from replicating a large weight to save a small collective.
         axis_bandwidth: bytes/s per mesh axis, one per axis of the region mesh; None: uniform.
 
     >>> CostModelContext().costmodel_beta, CostModelContext(costmodel_beta=100.0).costmodel_beta
@@ -670,6 +673,7 @@ class CostModelContext:
     costmodel_alpha: float = 1.0
     costmodel_beta: float = 400.0
     costmodel_gamma: float = 0.001
+    costmodel_state_weight: float = 0.1
     axis_bandwidth: tuple[float, ...] | None = None
 
 
@@ -771,7 +775,7 @@ def set_cost_model_context(**kwargs: Any) -> None:
 
     Args:
         **kwargs: the keys to set, fields of :class:`CostModelContext`: ``device_memory_capacity``,
-            ``costmodel_alpha``, ``costmodel_beta``, ``costmodel_gamma``, ``axis_bandwidth``.
+            ``costmodel_alpha``, ``costmodel_beta``, ``costmodel_gamma``, ``costmodel_state_weight``, ``axis_bandwidth``.
 
     >>> import mshard as ms
     >>> ms.set_cost_model_context(costmodel_beta=100.0)

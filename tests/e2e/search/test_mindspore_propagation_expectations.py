@@ -104,7 +104,7 @@ def test_two_matmuls_with_three_adds_move_no_more_than_mindspores_strategies():
         ours = ms.comm_report(f, *args)
         y = f(*args)
     assert plan.strategy_of("add1") == ((4, 2), (4, 2)) and plan.strategy_of("add3") == ((2, 4), (2, 4))
-    for a, s in zip(adds, (((4, 2), (4, 2)), ((2, 4), (2, 4)), ((2, 4), (2, 4)))):
+    for a, s in zip(adds, (((4, 2), (4, 2)), ((2, 4), (2, 4)), ((2, 4), (2, 4))), strict=True):
         a.shard(s)
     with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8, dataset_strategy="full_batch"):
         g = ms.jit(net)

@@ -45,9 +45,9 @@ def test_propagated_plans_match_one_device_forward_and_grad(name):
 
 def test_one_annotation_propagates_and_a_cheaper_obvious_plan_is_noted_not_taken():
     """Annotating only the first MatMul, propagation gives the row-parallel second MatMul, one all-reduce, as
-    MindSpore's sharding propagation does (issue 40). MindSpore's per-op data-parallel default for the rest would
-    cost less by the cost model (relu's output batch-split by one all-to-all): the plan says so with both figures,
-    and keeps the propagation (docs/design.md invariant 6). The compiled program is the Megatron replay's."""
+    MindSpore's sharding propagation does (issue 40). Without the stored-state price, MindSpore's per-op
+    data-parallel default for the rest would cost less by the cost model (relu's output batch-split by one
+    all-to-all, w2 whole): the plan says so with both figures, and keeps the propagation (docs/design.md invariant 6). The compiled program is the Megatron replay's."""
     ms.set_auto_parallel_context(**PROP)
     m, (x,) = MODELS["mlp"](), inputs("mlp")
     mm1 = ops.MatMul().shard(((2, 1), (1, 4)))
@@ -55,6 +55,12 @@ def test_one_annotation_propagates_and_a_cheaper_obvious_plan_is_noted_not_taken
     assert_close(f(m, x), jax.nn.relu(x @ m.w1[...]) @ m.w2[...])
     plan = f.plan(m, x)
     assert plan.strategy_of("MatMul") == ((2, 1), (1, 4))
+    assert plan.strategy_of("dot_general") == ((2, 4), (4, 1))
+    # priced with the state it stores (issue 40), the per-op default, which keeps w2 whole, is no longer cheaper
+    assert not [n for n in plan.notes if "kept the propagation" in n], plan.notes
+    ms.set_cost_model_context(costmodel_state_weight=0.0)
+    plan = ms.jit(lambda m, x: jax.nn.relu(mm1(x, m.w1[...])) @ m.w2[...]).plan(m, x)
+    ms.reset_cost_model_context()
     assert plan.strategy_of("dot_general") == ((2, 4), (4, 1))
     noted = [n for n in plan.notes if "kept the propagation" in n]
     assert noted and "data parallel (per op) plan costs" in noted[0], plan.notes

@@ -118,7 +118,7 @@ def test_a_tied_embedding_is_reduced_once_and_trains_as_on_one_device(case):
     got_m = [x for x in jax.tree.leaves(step.opt_state) if getattr(x, "ndim", 0) == 2]
     want_m = [x for x in jax.tree.leaves(ref_state) if getattr(x, "ndim", 0) == 2]
     assert len(got_m) == len(want_m) == 2
-    for got, want in zip(got_m, want_m):
+    for got, want in zip(got_m, want_m, strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=PARAM_RTOL, atol=PARAM_ATOL)
 
 
