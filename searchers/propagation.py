@@ -12,8 +12,8 @@ devices too: fully_use_devices restricts the cost-model searchers, not propagati
 ReLU that feeds a MatMul operand laid out (2, 1) takes (2, 1) on 8 devices). This follows MindSpore's
 rule (edge_costmodel.cc: zero-communication candidates first, the least redistribution computation cost among them,
 then the op's own communication; else the least communication). The middle key is how mshard reads MindSpore's
-unit-test expectations: a convolution chain seeded ``(1, 1, 2, 1)`` with fully_use_devices off keeps ``(1, 1, 2, 1)`` (2 devices, as the seed) where the
-lesser compute alone took ``(4, 1, 2, 1)``; and an Add after a MatMul ``((4, 2), (1, 2))`` takes ``(4, 2)`` (8
+unit-test expectations: a convolution chain seeded ``(1, 1, 2, 1)`` with fully_use_devices off keeps
+``(1, 1, 2, 1)`` (2 devices, as the seed) where the lesser compute alone took ``(4, 1, 2, 1)``; and an Add after a MatMul ``((4, 2), (1, 2))`` takes ``(4, 2)`` (8
 devices, as the MatMul), not the ``(4, 1)`` the MatMul's reduced result arrives in
 (tests/e2e/search/test_mindspore_propagation_expectations.py).
 Costs compare with a relative tolerance of 1e-9, so float rounding never decides a tie.
