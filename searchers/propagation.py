@@ -1,22 +1,20 @@
 """MindSpore's sharding_propagation (docs/algorithms.md §3).
 
-Start from the ops with a fixed strategy (``op.fixed``); walk the graph breadth-first over
-edges in both directions. When an op is first reached it is decided at once, against every
-neighbour already decided (operand producers and result consumers): among its candidates keep
-those with the least summed redistribution cost against those sides (a layout equal to the
-neighbour's, or obtainable by a free local slice, costs 0), then those whose strategy uses as many
-devices as the neighbour ops' strategies do (the least summed ``|log2 devices - log2 neighbour's devices|``;
-a source, data or a parameter, has a layout and no strategy, and does not count),
-then take the least own cost (ties: candidate order). Every split is a candidate, one that idles
-devices too: fully_use_devices restricts the cost-model searchers, not propagation (issue 14: a
-ReLU that feeds a MatMul operand laid out (2, 1) takes (2, 1) on 8 devices). This follows MindSpore's
-rule (edge_costmodel.cc: zero-communication candidates first, the least redistribution computation cost among them,
-then the op's own communication; else the least communication). The middle key is how mshard reads MindSpore's
-unit-test expectations: a convolution chain seeded ``(1, 1, 2, 1)`` with fully_use_devices off keeps
-``(1, 1, 2, 1)`` (2 devices, as the seed) where the lesser compute alone took ``(4, 1, 2, 1)``; and an Add after a MatMul ``((4, 2), (1, 2))`` takes ``(4, 2)`` (8
-devices, as the MatMul), not the ``(4, 1)`` the MatMul's reduced result arrives in
-(tests/e2e/search/test_mindspore_propagation_expectations.py).
-Costs compare with a relative tolerance of 1e-9, so float rounding never decides a tie.
+Start from the ops with a fixed strategy (``op.fixed``); walk the graph breadth-first over edges in both directions.
+When an op is first reached it is decided at once, against every neighbour already decided (operand producers and
+result consumers): among its candidates keep those with the least summed redistribution cost against those sides (a
+layout equal to the neighbour's, or obtainable by a free local slice, costs 0), then those whose strategy uses as many
+devices as the neighbour ops' strategies do (the least summed ``|log2 devices - log2 neighbour's devices|``; a source,
+data or a parameter, has a layout and no strategy, and does not count), then take the least own cost (ties: candidate
+order). Every split is a candidate, one that idles devices too: fully_use_devices restricts the cost-model searchers,
+not propagation (issue 14: a ReLU that feeds a MatMul operand laid out (2, 1) takes (2, 1) on 8 devices). This follows
+MindSpore's rule (edge_costmodel.cc: zero-communication candidates first, the least redistribution computation cost
+among them, then the op's own communication; else the least communication). The middle key is how mshard reads
+MindSpore's unit-test expectations: a convolution chain seeded ``(1, 1, 2, 1)`` with fully_use_devices off keeps
+``(1, 1, 2, 1)`` (2 devices, as the seed) where the lesser compute alone took ``(4, 1, 2, 1)``; and an Add after a MatMul
+``((4, 2), (1, 2))`` takes ``(4, 2)`` (8 devices, as the MatMul), not the ``(4, 1)`` the MatMul's reduced result
+arrives in (tests/e2e/search/test_mindspore_propagation_expectations.py). Costs compare with a relative tolerance of
+1e-9, so float rounding never decides a tie.
 A source op gets one strategy, so a parameter consumed by several ops
 keeps the layout of the first decision; later consumers pay the redistribution. Ops never
 reached get :func:`~searchers.strategies.data_parallel_strategy`; with no fixed op at all every
