@@ -82,6 +82,32 @@ def test_predicted_communication_is_the_compiled_programs_and_replays(model, mod
     assert_same_values(searched, ref)
 
 
+@pytest.mark.parametrize("mode", [*MODES, "ilp"])
+@pytest.mark.parametrize("model", ["mlp", "embed"])
+def test_full_batch_plans_replay_to_the_same_collectives(model, mode, tmp_path):
+    """Issue 40: the replay above under ``full_batch`` (every input whole on every device), the weights as the
+    models' ``nnx.Param``s, for every searcher, ilp included. A two-MatMul MLP under full_batch is where a
+    sharding_propagation plan once replayed to other collectives (tests/e2e/regressions, regression 5)."""
+    xs = inputs(model)
+    ctx = dict(device_num=8, dataset_strategy="full_batch")
+    with ms.parallel_context(parallel_mode="auto_parallel", search_mode=mode, **ctx):
+        m = MODELS[model]()
+        f = ms.jit(step)
+        plan = f.plan(m, *xs)
+        _, want = collectives(f, m, *xs)
+        searched = f(m, *xs)
+    plan.save(tmp_path / "plan.json")
+    with ms.parallel_context(parallel_mode="semi_auto_parallel", **ctx,
+                             strategy_ckpt_config={"load_file": str(tmp_path / "plan.json")}):
+        m2 = MODELS[model]()
+        g = ms.jit(step)
+        assert collectives(g, m2, *xs)[1] == want
+        replayed = g(m2, *xs)
+    ref = step(MODELS[model](), *xs)
+    assert_same_values(replayed, ref)
+    assert_same_values(searched, ref)
+
+
 @pytest.mark.parametrize("mode", ["data_parallel", "stand_alone"])
 @pytest.mark.parametrize("model", ["mlp", "conv", "embed", "transformer"])
 def test_data_parallel_and_stand_alone_regions_run_their_plan(model, mode):
