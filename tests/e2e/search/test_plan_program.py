@@ -57,21 +57,19 @@ def collectives(f, *args):
     return rep, sorted((c.kind, c.nbytes, c.group_size) for c in rep.collectives)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("model", ["mlp", "conv", "embed", pytest.param("transformer", marks=pytest.mark.slow)])
-def test_predicted_communication_is_the_compiled_programs_and_replays(model, mode, tmp_path):
+def search_and_replay(model, mode, tmp_path, **ctx):
+    """Search ``model``'s training step under ``mode``, save the plan to a strategy file and replay it in
+    semi_auto_parallel: asserts both compile to the same collectives one by one and that both programs' values equal
+    one device's; -> (the searched plan, its compiled comm report)."""
     xs = inputs(model)
-    with ms.parallel_context(parallel_mode="auto_parallel", search_mode=mode, device_num=8):
+    with ms.parallel_context(parallel_mode="auto_parallel", search_mode=mode, device_num=8, **ctx):
         m = MODELS[model]()
         f = ms.jit(step)
         plan = f.plan(m, *xs)
         rep, want = collectives(f, m, *xs)
         searched = f(m, *xs)
-    for kind in set(plan.cost.communication) | set(rep.by_kind):
-        pred, real = plan.cost.communication.get(kind, 0.0), rep.moved(kind)
-        assert abs(pred - real) <= 0.10 * max(pred, real), (kind, pred, real, plan.redistributions)
     plan.save(tmp_path / "plan.json")
-    with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
+    with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8, **ctx,
                              strategy_ckpt_config={"load_file": str(tmp_path / "plan.json")}):
         m2 = MODELS[model]()
         g = ms.jit(step)
@@ -80,6 +78,16 @@ def test_predicted_communication_is_the_compiled_programs_and_replays(model, mod
     ref = step(MODELS[model](), *xs)
     assert_same_values(replayed, ref)
     assert_same_values(searched, ref)
+    return plan, rep
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("model", ["mlp", "conv", "embed", pytest.param("transformer", marks=pytest.mark.slow)])
+def test_predicted_communication_is_the_compiled_programs_and_replays(model, mode, tmp_path):
+    plan, rep = search_and_replay(model, mode, tmp_path)
+    for kind in set(plan.cost.communication) | set(rep.by_kind):
+        pred, real = plan.cost.communication.get(kind, 0.0), rep.moved(kind)
+        assert abs(pred - real) <= 0.10 * max(pred, real), (kind, pred, real, plan.redistributions)
 
 
 @pytest.mark.parametrize("mode", [*MODES, "ilp"])
@@ -88,24 +96,7 @@ def test_full_batch_plans_replay_to_the_same_collectives(model, mode, tmp_path):
     """Issue 40: the replay above under ``full_batch`` (every input whole on every device), the weights as the
     models' ``nnx.Param``s, for every searcher, ilp included. A two-MatMul MLP under full_batch is where a
     sharding_propagation plan once replayed to other collectives (tests/e2e/regressions, regression 5)."""
-    xs = inputs(model)
-    ctx = dict(device_num=8, dataset_strategy="full_batch")
-    with ms.parallel_context(parallel_mode="auto_parallel", search_mode=mode, **ctx):
-        m = MODELS[model]()
-        f = ms.jit(step)
-        plan = f.plan(m, *xs)
-        _, want = collectives(f, m, *xs)
-        searched = f(m, *xs)
-    plan.save(tmp_path / "plan.json")
-    with ms.parallel_context(parallel_mode="semi_auto_parallel", **ctx,
-                             strategy_ckpt_config={"load_file": str(tmp_path / "plan.json")}):
-        m2 = MODELS[model]()
-        g = ms.jit(step)
-        assert collectives(g, m2, *xs)[1] == want
-        replayed = g(m2, *xs)
-    ref = step(MODELS[model](), *xs)
-    assert_same_values(replayed, ref)
-    assert_same_values(searched, ref)
+    search_and_replay(model, mode, tmp_path, dataset_strategy="full_batch")
 
 
 @pytest.mark.parametrize("mode", ["data_parallel", "stand_alone"])
