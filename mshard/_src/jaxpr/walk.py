@@ -104,7 +104,8 @@ def input_reads(jaxpr: jcore.Jaxpr, out_reads: list[int] | None = None) -> list[
     """How many ops read each of ``jaxpr``'s inputs. A call's operand is read as often as the matching input
     of its body is, and a mark's operand as often as the matching mark result is (both pass values through).
     ``out_reads`` says how often each output is read outside (default: not at all). A parameter read more than
-    once (a tied embedding) has a gradient that is a sum of as many contributions.
+    once (a tied embedding) has a gradient that is a sum of as many contributions. A loop or branch (scan, while,
+    cond) counts as one read of each operand, however often its body reads it.
 
     >>> import jax, jax.numpy as jnp
     >>> j = jax.make_jaxpr(jax.jit(lambda e, x: (x @ e) @ e.T))(jnp.ones((4, 2)), jnp.ones((3, 4))).jaxpr
