@@ -46,13 +46,12 @@ class Bug:
 BUGS = [
     Bug("search_replicated", "every search returns the replicated plan (user strategies kept)",
         "mshard/_src/planning/search.py",
-        "    result = searcher.search(graph, params, opts)\n    if searcher.ties_exactly:",
-        "    result = searcher.search(graph, params, opts)\n"
-        "    if not dp_mode:\n"
+        "    notes.extend(result.notes)\n    return result\n",
+        "    if searcher.name != \"data_parallel\":\n"
         "        from searchers.graph import replicated as _replicated\n"
         "        result = dataclasses.replace(result, strategies={\n"
         "            op.id: result.strategies[op.id] if op.fixed is not None else _replicated(op) for op in graph.ops})\n"
-        "    if searcher.ties_exactly:",
+        "    notes.extend(result.notes)\n    return result\n",
         ("tests/e2e/search/test_searchers_on_models.py", "tests/e2e/search/test_plan_program.py")),
     Bug("constraint_dropped", "the planned layout of every dot_general's output is not emitted",
         "mshard/_src/runtime/emit.py",
@@ -80,7 +79,7 @@ BUGS = [
         "                out, token = fusion.all_gather_buckets([p_in[i] for i in key], buckets, mesh,\n",
         ("tests/e2e/training/test_train.py",)),
     Bug("dataset_off_by_one", "each device's rows of a host batch are the next device's (the last keeps its own)",
-        "mshard/dataset.py",
+        "mshard/_src/runtime/dataset.py",
         "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])\n",
         "        def _next(idx):\n"
         "            s = idx[0] if idx and isinstance(idx[0], slice) else slice(None)\n"

@@ -59,3 +59,25 @@ def test_tiers_are_markers_on_the_tests(pytestconfig):
 @pytest.mark.parametrize("marker", ["slow", "heavy"])
 def test_the_tier_markers_are_registered(pytestconfig, marker):
     assert any(line.startswith(f"{marker}") for line in pytestconfig.getini("markers"))
+
+
+def test_every_planted_bug_still_finds_its_code():
+    """bench/mutate.py plants each bug by replacing one exact text: when the code moves, the bug is reported n/a and
+    the suite's check against it is silently lost. Each anchor must match exactly once in its file, and the test files
+    it runs first must exist."""
+    import importlib.util
+    import sys
+
+    from helpers import ROOT
+    spec = importlib.util.spec_from_file_location("_mutate", ROOT / "bench" / "mutate.py")
+    mutate = importlib.util.module_from_spec(spec)
+    sys.modules["_mutate"] = mutate     # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(mutate)
+    finally:
+        del sys.modules["_mutate"]
+    stale = [f"{b.name}: {b.path} holds its anchor {(ROOT / b.path).read_text().count(b.old)} times"
+             for b in mutate.BUGS if (ROOT / b.path).read_text().count(b.old) != 1]
+    stale += [f"{b.name}: its first test file {f} is gone" for b in mutate.BUGS for f in b.first
+              if not (ROOT / f).is_file()]
+    assert not stale, stale
