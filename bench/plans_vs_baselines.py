@@ -24,7 +24,9 @@ the compiled FLOPs per device (``cost_analysis``) and their ratio to the replica
 split), the compiled program's time on the cost model's own alpha-beta terms (``score``: FLOPs at
 ``CostParams.flops_per_s``, 5 us per collective and its moved bytes at 100 GB/s, weighted by ``alpha``/``beta``, as
 ``bench/rank_vs_hlo.py`` scores), the value it computes (the training step's loss, the forward's sum), the search
-seconds, and the parameters' bytes per device as the plan stores them (``param_bytes``, ``param_bytes_vs_dp``).
+seconds, and the parameters' bytes per device as the plan stores them (``param_bytes``, ``param_bytes_vs_dp``). A
+searched plan's row also says whether it ``replays``: saved to a strategy file and loaded in semi_auto_parallel, the
+program compiles to the same collectives one by one and computes the same values and parameters, exactly.
 
 The baseline a searched plan is held to (``base``) is data_parallel where its value equals one device's
 (replicated's) and data_parallel_equal where it does not: a searched plan computes one device's values, so it is
@@ -141,13 +143,43 @@ def _measure(build, plan: str, dataset: str, training: bool) -> dict:
         # the parameters as the plan stores them (placed by the call): bytes one device holds
         weights = jax.tree.leaves(nnx.state(m, nnx.Param))
         param_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in weights)
+    replays = _replays(build, p, rep, ctx, training, (out, nnx.state(m, nnx.Param))) if plan in SEARCH_MODES else None
     moved = float(sum(v["moved"] for v in rep.by_kind.values()))
     flops = float(cost.get("flops", 0.0))
     cp = CostParams()
     score = cp.alpha * flops / cp.flops_per_s + cp.beta * (5e-6 * rep.total_count + moved / 100e9)
     return {"bytes": int(sum(v["bytes"] for v in rep.by_kind.values())), "moved": moved,
             "collectives": rep.total_count, "flops": flops, "score": score, "value": value,
-            "search_s": float(getattr(p, "seconds", 0.0) or 0.0), "param_bytes": param_bytes}
+            "search_s": float(getattr(p, "seconds", 0.0) or 0.0), "param_bytes": param_bytes,
+            **({} if replays is None else {"replays": replays})}
+
+
+def _replays(build, plan, rep, ctx: dict, training: bool, out) -> bool:
+    """Issue 40's exact replay: ``plan`` saved to a strategy file and loaded in semi_auto_parallel (same dataset
+    strategy) compiles to the same collectives, one by one (kind, bytes, group), and computes the same values:
+    ``out`` = (the searched program's output, its network's parameters after it ran), compared exactly."""
+    import tempfile
+    m, loss_cell, data, fwd_data, _ = build()
+    with tempfile.TemporaryDirectory() as td:
+        path = os.path.join(td, "plan.json")
+        plan.save(path)
+        with ms.parallel_context(device_num=8, gradients_mean=True, parallel_mode="semi_auto_parallel",
+                                 dataset_strategy=ctx.get("dataset_strategy", "data_parallel"),
+                                 strategy_ckpt_config={"load_file": path}):
+            if training:
+                f = nn.TrainOneStepCell(loss_cell(m), optax.sgd(0.01))
+                args = data
+            else:
+                f = ms.jit(lambda m, *d: m(*d))
+                args = (m, *fwd_data)
+            again = ms.comm_report(f, *args)
+            got = (f(*args), nnx.state(m, nnx.Param))
+
+    def key(r):
+        return sorted((c.kind, c.nbytes, c.group_size) for c in r.collectives)
+    same_values = all(np.array_equal(np.asarray(a), np.asarray(b))
+                      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(out), strict=True))
+    return key(again) == key(rep) and same_values
 
 
 def _ratio(a: float, b: float) -> float:
@@ -228,6 +260,8 @@ def main(argv=None) -> None:
                "and_no_more_than_1.1x_its_flops": len(even),
                "no_more_moved_than_base": len(moved_ok), "moved_and_no_more_than_1.1x_its_flops": len(moved_even),
                "no_more_score_than_base": len(score_ok), "score_and_no_more_than_1.1x_its_flops": len(score_even),
+               "not_replayed": [(r["model"], r["pass"], r["dataset"], r["plan"]) for r in rows
+                                if r.get("replays") is False],
                "not_equal_to_one_device": [(r["model"], r["pass"], r["dataset"], r["plan"]) for r in rows
                                            if r.get("equals_one_device") is False],
                "bases": sorted({(r["model"], r["pass"], r["base"]) for r in rows}),
@@ -237,7 +271,7 @@ def main(argv=None) -> None:
     from rich.table import Table
     t = Table(title="plans vs baselines: collective bytes and FLOPs per device (compiled HLO, 8 CPU devices)")
     for c in ("model", "pass", "dataset", "plan", "bytes", "vs dp", "vs base", "moved vs base", "score vs base",
-              "collectives", "flops vs replicated", "params vs dp", "= 1 device", "search s"):
+              "collectives", "flops vs replicated", "params vs dp", "= 1 device", "replays", "search s"):
         t.add_column(c, justify="left" if c in ("model", "pass", "dataset", "plan") else "right")
     for r in rows:
         t.add_row(r["model"], r["pass"], r["dataset"], r["plan"], f"{r.get('bytes', '-'):,}" if "bytes" in r
@@ -247,6 +281,7 @@ def main(argv=None) -> None:
                   f"{r['flops_vs_replicated']:.3f}" if "flops_vs_replicated" in r else "-",
                   f"{r['param_bytes_vs_dp']:.3f}" if "param_bytes_vs_dp" in r else "-",
                   {True: "yes", False: "NO"}.get(r.get("equals_one_device"), "-"),
+                  {True: "yes", False: "NO"}.get(r.get("replays"), "-"),
                   f"{r.get('search_s', 0):.2f}")
     Console(width=180).print(t)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)

@@ -29,6 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from .cost import CostParams
+from .direct_reshard import depends_on_direct
 from .graph import Graph
 from .result import SearchResult
 
@@ -81,6 +82,7 @@ class SearchCache:
 
 
 SEARCH_CACHE = SearchCache()
+depends_on_direct(SEARCH_CACHE.clear)      # a search made under xla_only() prices redistributions otherwise
 
 
 def _copy(r: SearchResult, **kw: Any) -> SearchResult:

@@ -42,10 +42,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from types import MappingProxyType
 
+from .direct_reshard import best_steps, cheaper_than_xla, depends_on_direct
+from .direct_reshard import plan as direct_plan
 from .errors import SearchGraphError
 from .graph import DeviceMesh, Graph, Op, Strategy, TensorLayout, constant_tensors, split_count
 from .spec import OpSpec, layout_of, op_spec
-from .xla_reshard import reshard
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -228,7 +229,8 @@ def redistribution_cost(src: TensorLayout, dst: TensorLayout, shape: Sequence[in
     collectives, which another reader's redistribution already ran: :func:`shared_steps`).
 
     The collectives are the ones XLA's SPMD partitioner emits for this pair
-    (:mod:`searchers.xla_reshard`), priced with ring formulas: an all-gather sends
+    (:mod:`searchers.xla_reshard`), or the executor's direct ones where they move less
+    (:mod:`searchers.direct_reshard`), priced with ring formulas: an all-gather sends
     ``S_result * (k-1) / k``, an all-to-all ``S_local * (k-1) / k``, a collective-permute its whole
     ``S_local``. Axis order inside one tensor dim matters: ``(0, 1)`` and ``(1, 0)`` put the devices
     in different tiles, and going from one to the other is a permute.
@@ -250,12 +252,17 @@ def redistribution_cost(src: TensorLayout, dst: TensorLayout, shape: Sequence[in
 
 
 def redistribution_steps(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> tuple[tuple[str, int, float], ...]:
-    """The collectives XLA compiles to convert ``src`` to ``dst`` (:func:`searchers.xla_reshard.reshard`):
+    """The collectives the program runs to convert ``src`` to ``dst``: XLA's (:func:`searchers.xla_reshard.reshard`),
+    or the executor's own one-collective-per-axis steps where those move less
+    (:func:`searchers.direct_reshard.best_steps`):
     ``(kind, mesh axis, bytes per device per global byte)`` in execution order, the axis being the
     slowest one the collective's groups span; empty when only local slicing (or nothing) is needed.
 
-    >>> redistribution_steps(((0,), ()), ((), (1,)), DeviceMesh((2, 2)))   # the split moves dim, then devices
-    (('all-to-all', 0, 0.25), ('collective-permute', 0, 0.5))
+    >>> redistribution_steps(((0,), ()), ((), (1,)), DeviceMesh((2, 2)))   # slice axis 1 on dim 1, gather axis 0
+    (('all-gather', 0, 0.25),)
+    >>> from searchers.xla_reshard import reshard
+    >>> [(s.kind, s.moved) for s in reshard(((0,), ()), ((), (1,)), (2, 2))]  # XLA's: the split moves, then devices
+    [('all-to-all', 0.25), ('collective-permute', 0.5)]
     >>> redistribution_steps(((0,), ()), ((1,), ()), DeviceMesh((2, 2)))   # same counts: a permute
     (('collective-permute', 0, 0.5),)
     >>> redistribution_steps(((0,), ()), ((), ()), DeviceMesh((2, 2)))     # gather dim 0
@@ -274,7 +281,7 @@ def redistribution_steps(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh)
 @lru_cache(maxsize=1 << 16)
 def _steps(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> tuple[tuple[str, int, float], ...]:
     steps = []
-    for st in reshard(src, dst, mesh.shape):
+    for st in best_steps(src, dst, mesh.shape):
         axes = st.axes or tuple(range(len(mesh.shape)))
         axis = min(axes, key=lambda a: (mesh.bandwidth[a], -mesh.latency[a]))
         steps.append((st.kind, axis, st.moved))
@@ -303,10 +310,25 @@ def shared_steps(steps: Sequence[tuple[str, int, float]], earlier: Sequence[Sequ
 
 def reshard_once(ran: dict[int, list], tid: int, src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> int:
     """:func:`shared_steps` of tensor ``tid``'s redistribution ``src -> dst`` against the ones already recorded in
-    ``ran`` (tensor id -> step lists), which it then records: one reader at a time, in program order."""
-    steps = redistribution_steps(_canon(src), _canon(dst), mesh)
-    k = shared_steps(steps, ran.get(tid, ()))
-    ran.setdefault(tid, []).append(steps)
+    ``ran`` (tensor id -> (layout, steps) list), which it then records: one reader at a time, in program order. Two
+    direct redistributions (:mod:`searchers.direct_reshard`) share the collectives of their common leading moves."""
+    src, dst = _canon(src), _canon(dst)
+    steps = redistribution_steps(src, dst, mesh)
+    earlier = ran.setdefault(tid, [])
+    k = shared_steps(steps, [e for d, e in earlier if not cheaper_than_xla(src, d, mesh.shape)]) \
+        if not cheaper_than_xla(src, dst, mesh.shape) else 0
+    if cheaper_than_xla(src, dst, mesh.shape):
+        # two direct redistributions of one value run the same collectives as far as their steps agree (each
+        # step a function of the value and the steps before it), and XLA computes those once
+        mine = direct_plan(src, dst, mesh.shape)
+        for d, _ in earlier:
+            if cheaper_than_xla(src, d, mesh.shape):
+                other = direct_plan(src, d, mesh.shape)
+                n = 0
+                while n < len(mine) and n < len(other) and mine[n] == other[n]:
+                    n += 1
+                k = max(k, sum(m.kind != "slice" for m in mine[:n]))
+    earlier.append((dst, steps))
     return k
 
 
@@ -442,3 +464,7 @@ def counted_cost(op_counts: Mapping[tuple[OpSpec, Strategy], int],
         for k, v in c.comm_bytes.items():
             by[k] += n * v
     return Cost(comp, by, time, mem, tot)
+
+
+for _memo in (_steps, _redist):
+    depends_on_direct(_memo.cache_clear)

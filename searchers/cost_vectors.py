@@ -19,6 +19,7 @@ from functools import lru_cache
 import numpy as np
 
 from .cost import CostParams, _reduction_groups, redistribution_steps
+from .direct_reshard import depends_on_direct
 from .graph import DeviceMesh, Graph, Op, Strategy, TensorLayout
 from .spec import OpSpec, layout_of, op_spec
 
@@ -208,3 +209,7 @@ def edge_cost_matrix(producer: Op, p_cands: Sequence[Strategy], consumer: Op, c_
     src = tuple(layout_of(ps.out_maps[j], tuple(map(tuple, s))) for s in p_cands)
     dst = tuple(layout_of(cs.in_maps[operand_index], tuple(map(tuple, s))) for s in c_cands)
     return layout_cost_matrix(src, dst, graph.tensors[tid].nbytes, graph.mesh, params)
+
+
+for _memo in (unweighted_affine, _affine_matrix):
+    depends_on_direct(_memo.cache_clear)

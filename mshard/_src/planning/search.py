@@ -29,6 +29,7 @@ layout that is replicated over the model-parallel devices.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,7 @@ from searchers.cost import (
     redistribution_cost,
     reshard_once,
 )
+from searchers.direct_reshard import cheaper_than_xla
 from searchers.graph import (
     constant_tensors,
     mark_merged_reductions,
@@ -72,6 +74,7 @@ from searchers.graph import (
 from searchers.memory import peak_memory
 from searchers.protocol import SEARCHERS, register
 from searchers.strategies import enumerate_strategies
+from searchers.xla_reshard import reshard as xla_reshard
 
 EqnKey = tuple[tuple[int, ...], int]
 
@@ -433,6 +436,14 @@ def _search(searcher, trace: TraceResult, params: CostParams, opts: dict, inputs
     return result
 
 
+def _xla_bytes(have, want, t, mesh: DeviceMesh) -> float | None:
+    """Where the executor runs a redistribution itself (``mshard._src.runtime.redistribute``): the bytes per device
+    XLA's own change would have moved; else None."""
+    if not cheaper_than_xla(have, want, tuple(mesh.shape)):
+        return None
+    return float(sum(st.moved for st in xla_reshard(have, want, tuple(mesh.shape))) * math.prod(t.shape) * t.itemsize)
+
+
 def _emit_layouts(trace: TraceResult, strategies, base: RegionLayouts
                   ) -> tuple[RegionLayouts, dict[EqnKey, tuple], dict[EqnKey, tuple]]:
     """The layouts the program is emitted with: every input's, every mark's (a primitive object's operands and
@@ -537,7 +548,8 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
                 redistributions.append(Redistribution(
                     owner[op.id], i, t.shape, tuple(graph.mesh.count(a) for a in have),
                     tuple(graph.mesh.count(a) for a in want), axes_by_name(have, mesh), axes_by_name(want, mesh),
-                    {k: float(v) for k, v in c.comm_bytes.items() if v}, reused))
+                    {k: float(v) for k, v in c.comm_bytes.items() if v}, reused,
+                    _xla_bytes(have, want, t, graph.mesh)))
     for name, e in entries.items():       # traced op by op: its inputs' layouts merged into one strategy
         if "layouts" in e:
             e["strategy"] = _merged_strategy(groups_by_name[name], e["layouts"], mesh)

@@ -3,7 +3,10 @@
 The jaxpr is evaluated primitive by primitive (as ``jax.core.eval_jaxpr`` does); each
 ``mshard_mark`` becomes ``jax.lax.with_sharding_constraint`` to its planned layout, or nothing.
 With a searched plan (``eqn_out``/``eqn_in``), every op's results are constrained to the plan's
-layouts, and its operands where the plan redistributes them.
+layouts, and its operands where the plan redistributes them: from the layout the operand is known
+to have (its producer's constraint, or the region input's planned layout) by
+:func:`~mshard._src.runtime.redistribute.redistribute`, which runs the direct collectives where XLA's
+partitioner would move more bytes.
 
 Nested jaxprs: call-like eqns (jit/pjit, custom_jvp/vjp, closed_call) are inlined when their body
 holds marks or planned ops — the same structure :mod:`mshard._src.jaxpr.op_graph` walks — so a custom JVP/VJP
@@ -25,6 +28,7 @@ from mshard._src.jaxpr.marks import mark_p
 from mshard._src.jaxpr.walk import CALLS, REMAT, eval_jaxpr, jaxpr_params
 from mshard._src.jaxpr.walk import has_marks as _has_marks
 from mshard._src.planning.axis_assignment import RegionLayouts, exact_mark_key, mark_key
+from mshard._src.runtime.redistribute import redistribute
 from mshard._src.values.layout import jax_mesh, replica_layout, spec_of
 
 INLINE = frozenset(CALLS) - REMAT     # inlined where the body holds marks or planned ops
@@ -46,11 +50,25 @@ class Emitter:
         self.eqn_out = eqn_out or {}
         self.eqn_in = eqn_in or {}
         self.planned = bool(eqn_out)
+        self._laid: dict[int, tuple] = {}     # id(value) -> (value, the layout it was constrained to)
 
     def wsc(self, x, lay):
         if lay is None or not hasattr(x, "shape") or len(lay) != len(x.shape):
             return x
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec_of(lay)))
+        return self._known(jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec_of(lay))), lay)
+
+    def _known(self, x, lay):
+        self._laid[id(x)] = (x, lay)
+        return x
+
+    def move(self, x, lay):
+        """``x`` read by an op in layout ``lay``: where the layout ``x`` was constrained to is known, the change runs
+        as :func:`~mshard._src.runtime.redistribute.redistribute` chooses (its direct collectives where XLA's
+        partitioner would move more), else as a constraint XLA realises."""
+        seen = self._laid.get(id(x))
+        if seen is None or seen[0] is not x or lay is None or not hasattr(x, "shape") or len(lay) != len(x.shape):
+            return self.wsc(x, lay)
+        return self._known(redistribute(x, seen[1], lay, self.layouts.mesh), lay)
 
     def eval(self, jaxpr: jcore.Jaxpr, consts, *args, path: tuple = ()):
         return eval_jaxpr(jaxpr, consts, args, lambda eqn, invals: self.eqn(eqn, invals, path))
@@ -65,8 +83,8 @@ class Emitter:
             if eqn.params.get("bdim") is not None:
                 lay, first = (replica_layout(x, eqn.params["bdim"], eqn.params["replica_axes"])
                               if x is not None and len(x) == len(invals[0].shape) - 1 else x for x in (lay, first))
-            x = invals[0] if first is None else self.wsc(invals[0], first)
-            return self.wsc(x, lay)
+            x = invals[0] if first is None else self.move(invals[0], first)
+            return self.move(x, lay)
         params = eqn.params
         # a shard_map is a fixed boundary of the plan (mshard._src.jaxpr.op_graph): its body (manual axes, e.g. a pipeline's
         # stages) is bound as traced, only its operands and results are constrained
@@ -82,7 +100,7 @@ class Emitter:
         key = (path, id(eqn))
         ins = self.eqn_in.get(key)
         if ins is not None:
-            invals = [self.wsc(x, lay) for x, lay in zip(invals, ins)]
+            invals = [self.move(x, lay) for x, lay in zip(invals, ins)]
         scope = str(eqn.source_info.name_stack)
         with jax.named_scope(scope) if scope else _null(), eqn.ctx.manager:
             out = prim.bind(*invals, **prim.get_bind_params(params))
@@ -116,4 +134,14 @@ def emit(closed: jcore.ClosedJaxpr, layouts: RegionLayouts, eqn_out: dict | None
          eqn_in: dict | None = None) -> Callable[..., list]:
     """A function of the region's flat inputs that evaluates ``closed`` with planned constraints."""
     em = Emitter(layouts, eqn_out, eqn_in)
-    return lambda *args: em.eval(closed.jaxpr, closed.consts, *args)
+
+    def run(*args):
+        em._laid.clear()
+        try:
+            if len(args) == len(layouts.inputs):       # the inputs arrive in their planned layouts (in_shardings)
+                args = [em._known(x, lay) if lay is not None and hasattr(x, "shape") and len(lay) == len(x.shape)
+                        else x for x, lay in zip(args, layouts.inputs, strict=True)]
+            return em.eval(closed.jaxpr, closed.consts, *args)
+        finally:
+            em._laid.clear()        # the trace's values are not kept alive past it
+    return run

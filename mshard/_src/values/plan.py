@@ -76,11 +76,14 @@ class Redistribution:
     dst_axes: tuple[tuple[str, ...], ...]
     communication: dict = field(default_factory=dict)   # predicted {collective kind: bytes per device}
     shared: int = 0           # leading collectives an earlier reader's redistribution of the tensor already ran
+    xla_bytes: float | None = None  # run by mshard's direct collectives: what XLA's own change would move
 
     def __str__(self) -> str:
         kinds = ", ".join(f"{k} {v:,.0f} B" for k, v in self.communication.items()) or "local slicing"
         reuse = f", after {self.shared} collective(s) another reader ran" if self.shared else ""
-        return f"{self.op} operand {self.operand} {self.shape}: {self.src} -> {self.dst} ({kinds}{reuse})"
+        direct = (f"; one collective per moved mesh axis, where XLA's change moves {self.xla_bytes:,.0f} B"
+                  if self.xla_bytes is not None else "")
+        return f"{self.op} operand {self.operand} {self.shape}: {self.src} -> {self.dst} ({kinds}{reuse}{direct})"
 
 
 class PlanSummary(str):

@@ -33,7 +33,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "plans_vs_expert": ("model", "plan", "bytes", "ratio", "max_err_vs_one_device"),            # rows
     "predicted_vs_hlo": ("mode", "model", "step", "predicted_moved", "hlo_moved", "within_10pct"),  # rows
     "rank_vs_hlo": ("model", "step", "plans", "spearman", "points"),                           # rows
-    "reshard_vs_hlo": ("mesh", "shape", "pairs", "exact", "differ"),                           # rows
+    "reshard_vs_hlo": ("pairs", "nets"),
     "rp_levels": ("machine", "command", "level_min_ops", "rows"),
     "search": ("machine", "command", "rows", "growth_exponent", "targets"),
     "search_traced": ("searcher", "ops", "seconds", "cost", "notes"),                          # rows
@@ -84,3 +84,8 @@ def check_smoke(name, tmp_path):
         assert not missing, f"bench/{name}.py's JSON lacks {missing}: {sorted(row)}"
     if name == "mutate":        # the smoke run plants the checksum bug: the suite must catch it
         assert report["caught"] == report["total"] == 1, report
+    if name == "plans_vs_baselines":    # every searched plan of the MLP replays exactly from its strategy file
+        assert not report["summary"]["not_replayed"], report["summary"]
+        assert all(r["replays"] for r in report["rows"] if r["plan"] in ("sharding_propagation", "ilp"))
+    if name == "reshard_vs_hlo":        # the executor's own changes compile to the bytes the cost model prices
+        assert all(r["direct"]["as_predicted"] == r["direct"]["pairs"] for r in report["pairs"]), report["pairs"]
