@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 
 import _cpu8
 
@@ -114,6 +115,13 @@ def _models() -> dict:
             "conv": with_mse(ConvNet, "conv"), "embed": embed, "gpt": gpt, "flax_minigpt": flax_minigpt}
 
 
+def _program(m, loss_cell, data, fwd_data, training: bool):
+    """(the callable, its arguments): one SGD training step of ``m``, or its forward as an ``ms.jit`` region."""
+    if training:
+        return nn.TrainOneStepCell(loss_cell(m), optax.sgd(0.01)), data
+    return ms.jit(lambda m, *d: m(*d)), (m, *fwd_data)
+
+
 def _measure(build, plan: str, dataset: str, training: bool) -> dict:
     m, loss_cell, data, fwd_data, expert = build()
     if plan == "expert":
@@ -127,12 +135,7 @@ def _measure(build, plan: str, dataset: str, training: bool) -> dict:
     if plan not in BASELINES:
         ctx["dataset_strategy"] = dataset
     with ms.parallel_context(device_num=8, gradients_mean=True, **ctx):
-        if training:
-            f = nn.TrainOneStepCell(loss_cell(m), optax.sgd(0.01))
-            args = data
-        else:
-            f = ms.jit(lambda m, *d: m(*d))
-            args = (m, *fwd_data)
+        f, args = _program(m, loss_cell, data, fwd_data, training)
         compiled = f.lower(*args).compile()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
@@ -158,7 +161,6 @@ def _replays(build, plan, rep, ctx: dict, training: bool, out) -> bool:
     """Issue 40's exact replay: ``plan`` saved to a strategy file and loaded in semi_auto_parallel (same dataset
     strategy) compiles to the same collectives, one by one (kind, bytes, group), and computes the same values:
     ``out`` = (the searched program's output, its network's parameters after it ran), compared exactly."""
-    import tempfile
     m, loss_cell, data, fwd_data, _ = build()
     with tempfile.TemporaryDirectory() as td:
         path = os.path.join(td, "plan.json")
@@ -166,12 +168,7 @@ def _replays(build, plan, rep, ctx: dict, training: bool, out) -> bool:
         with ms.parallel_context(device_num=8, gradients_mean=True, parallel_mode="semi_auto_parallel",
                                  dataset_strategy=ctx.get("dataset_strategy", "data_parallel"),
                                  strategy_ckpt_config={"load_file": path}):
-            if training:
-                f = nn.TrainOneStepCell(loss_cell(m), optax.sgd(0.01))
-                args = data
-            else:
-                f = ms.jit(lambda m, *d: m(*d))
-                args = (m, *fwd_data)
+            f, args = _program(m, loss_cell, data, fwd_data, training)
             again = ms.comm_report(f, *args)
             got = (f(*args), nnx.state(m, nnx.Param))
 

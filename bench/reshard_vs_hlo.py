@@ -27,6 +27,7 @@ JSON (``--out``, default bench/out/reshard_vs_hlo.json): ``{"pairs": [{"mesh", "
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import random
@@ -37,9 +38,15 @@ import _cpu8  # first: 8 simulated CPU devices before JAX is imported
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from plans_vs_baselines import _models
+from reference import train_one_device
 
+import mshard as ms
+from mshard import nn
 from mshard._src.edges.comm_report import CommReport
 from mshard._src.runtime.redistribute import redistribute
 from mshard._src.values.layout import DeviceMesh
@@ -130,13 +137,6 @@ PLANS = ("expert", "sharding_propagation", "dynamic_programming")
 
 def net_rows(models: list[str], plans) -> list[dict]:
     """One training step of each bench net under each plan, before and after direct redistributions."""
-    import optax
-    from flax import nnx
-    from plans_vs_baselines import _models
-    from reference import train_one_device
-
-    import mshard as ms
-    from mshard import nn
     builds = _models()
     rows = []
     for name in models:
@@ -153,7 +153,7 @@ def net_rows(models: list[str], plans) -> list[dict]:
                                        lambda out, _: out)[0]
                 ctx = dict(parallel_mode="semi_auto_parallel") if plan == "expert" else dict(
                     parallel_mode="auto_parallel", search_mode=plan)
-                with (xla_only() if when == "before" else _null()), ms.parallel_context(
+                with (xla_only() if when == "before" else contextlib.nullcontext()), ms.parallel_context(
                         device_num=8, gradients_mean=True, dataset_strategy="full_batch", **ctx):
                     step = nn.TrainOneStepCell(loss_cell(m), optax.sgd(0.01))
                     rep = ms.comm_report(step, *data)
@@ -176,14 +176,6 @@ def net_rows(models: list[str], plans) -> list[dict]:
                   f"({rows[-1]['ratio']:.2f}); {len(changes)} layout changes run directly; max |param - one "
                   f"device| {e0:.1e} / {e1:.1e}", flush=True)
     return rows
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return None
 
 
 if __name__ == "__main__":

@@ -315,21 +315,25 @@ def reshard_once(ran: dict[int, list], tid: int, src: TensorLayout, dst: TensorL
     src, dst = _canon(src), _canon(dst)
     steps = redistribution_steps(src, dst, mesh)
     earlier = ran.setdefault(tid, [])
-    k = shared_steps(steps, [e for d, e in earlier if not cheaper_than_xla(src, d, mesh.shape)]) \
-        if not cheaper_than_xla(src, dst, mesh.shape) else 0
-    if cheaper_than_xla(src, dst, mesh.shape):
-        # two direct redistributions of one value run the same collectives as far as their steps agree (each
-        # step a function of the value and the steps before it), and XLA computes those once
+    direct = cheaper_than_xla(src, dst, mesh.shape)
+    same_path = [(d, e) for d, e in earlier if cheaper_than_xla(src, d, mesh.shape) == direct]
+    if direct:
+        # two direct redistributions of one value run the same collectives as far as their moves agree (each move
+        # a function of the value and the moves before it), and XLA computes those once
         mine = direct_plan(src, dst, mesh.shape)
-        for d, _ in earlier:
-            if cheaper_than_xla(src, d, mesh.shape):
-                other = direct_plan(src, d, mesh.shape)
-                n = 0
-                while n < len(mine) and n < len(other) and mine[n] == other[n]:
-                    n += 1
-                k = max(k, sum(m.kind != "slice" for m in mine[:n]))
+        k = max((sum(m.kind != "slice" for m in _common_prefix(mine, direct_plan(src, d, mesh.shape)))
+                 for d, _ in same_path), default=0)
+    else:
+        k = shared_steps(steps, [e for _, e in same_path])
     earlier.append((dst, steps))
     return k
+
+
+def _common_prefix(a: Sequence, b: Sequence) -> Sequence:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return a[:n]
 
 
 @lru_cache(maxsize=1 << 18)

@@ -1,6 +1,7 @@
 """Shared test helpers: single-device references and shard-shape checks."""
 
 import contextlib
+import itertools
 import os
 import pathlib
 import socket
@@ -86,3 +87,14 @@ def run_workers(worker, n: int = 2, timeout: float = 300) -> None:
     for i, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, out[-4000:]
         assert f"process {i} OK" in out
+
+
+def all_layouts(rank: int, naxes: int) -> list[tuple[tuple[int, ...], ...]]:
+    """Every layout of a rank-``rank`` tensor on a mesh of ``naxes`` axes: each axis on one tensor dim or none, every
+    order inside a dim (per dim, the mesh axis indices that split it, major first)."""
+    out = set()
+    for place in itertools.product(range(-1, rank), repeat=naxes):
+        dims = [[a for a in range(naxes) if place[a] == d] for d in range(rank)]
+        for perms in itertools.product(*[list(itertools.permutations(x)) for x in dims]):
+            out.add(tuple(tuple(p) for p in perms))
+    return sorted(out)

@@ -14,18 +14,10 @@ import random
 
 import numpy as np
 import pytest
+from helpers import all_layouts as layouts
 
 from searchers.direct_reshard import best_steps, cheaper_than_xla, plan, steps
 from searchers.xla_reshard import reshard
-
-
-def layouts(rank, naxes):
-    out = set()
-    for place in itertools.product(range(-1, rank), repeat=naxes):
-        dims = [[a for a in range(naxes) if place[a] == d] for d in range(rank)]
-        for perms in itertools.product(*[list(itertools.permutations(x)) for x in dims]):
-            out.add(tuple(tuple(p) for p in perms))
-    return sorted(out)
 
 
 def blocks(layout, mesh, shape):

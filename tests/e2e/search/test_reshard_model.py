@@ -15,7 +15,6 @@ path for an op's operand, and the model follows the constraint.)
 
 from __future__ import annotations
 
-import itertools
 import random
 from collections import Counter
 
@@ -23,20 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import all_layouts as layouts
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mshard._src.edges.comm_report import CommReport
 from searchers.xla_reshard import reshard
-
-
-def layouts(rank: int, naxes: int) -> list[tuple[tuple[int, ...], ...]]:
-    out = set()
-    for place in itertools.product(range(-1, rank), repeat=naxes):
-        dims = [[a for a in range(naxes) if place[a] == d] for d in range(rank)]
-        for perms in itertools.product(*[list(itertools.permutations(x)) for x in dims]):
-            out.add(tuple(tuple(p) for p in perms))
-    return sorted(out)
 
 
 def hlo_moved(mesh, names, shape, src, dst) -> Counter:

@@ -3,13 +3,13 @@ per moved mesh axis, the executor's own layout change compiles to exactly the di
 XLA's program for the same change, with every value and every gradient entry equal to the input's (a layout change
 moves values, it computes nothing: equality is exact)."""
 
-import itertools
 import random
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import all_layouts
 from jax.sharding import NamedSharding
 
 from mshard._src.runtime.redistribute import is_direct, redistribute
@@ -22,13 +22,8 @@ SHAPE = (16, 32)
 
 
 def _layouts():
-    names = MESH.names
-    out = set()
-    for place in itertools.product(range(-1, 2), repeat=3):
-        dims = [[names[a] for a in range(3) if place[a] == d] for d in range(2)]
-        for perms in itertools.product(*[list(itertools.permutations(x)) for x in dims]):
-            out.add(tuple(tuple(p) for p in perms))
-    return sorted(out)
+    """Every layout of a rank-2 tensor on the mesh, by axis name."""
+    return [tuple(tuple(MESH.names[a] for a in d) for d in lay) for lay in all_layouts(2, 3)]
 
 
 _ALL = [(s, d) for s in _layouts() for d in _layouts() if s != d]
