@@ -129,3 +129,28 @@ def input_reads(jaxpr: jcore.Jaxpr, out_reads: list[int] | None = None) -> list[
             if isinstance(v, jcore.Var):
                 reads[v] = reads.get(v, 0) + n
     return [reads.get(v, 0) for v in jaxpr.invars]
+
+
+def scanned_inputs(jaxpr: jcore.Jaxpr) -> list[bool]:
+    """Whether each of ``jaxpr``'s inputs is read as a scanned operand of a ``scan`` (a stack of per-step slices,
+    as the weights of a scan over layers are), through calls and marks.
+
+    >>> import jax, jax.numpy as jnp
+    >>> f = lambda w, x: jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
+    >>> scanned_inputs(jax.make_jaxpr(jax.jit(f))(jnp.ones((3, 4, 4)), jnp.ones((2, 4))).jaxpr)
+    [True, False]
+    """
+    scanned: set = set()
+    for eqn in reversed(jaxpr.eqns):
+        body = call_jaxpr(eqn)
+        if eqn.primitive.name == "scan":
+            first = eqn.params["num_consts"] + eqn.params["num_carry"]
+            flags = [i >= first for i in range(len(eqn.invars))]
+        elif body is not None and len(body.invars) == len(eqn.invars):
+            flags = scanned_inputs(body)
+        elif eqn.primitive is mark_p and len(eqn.invars) == len(eqn.outvars):
+            flags = [v in scanned for v in eqn.outvars]
+        else:
+            continue
+        scanned.update(v for v, f in zip(eqn.invars, flags) if f and isinstance(v, jcore.Var))
+    return [v in scanned for v in jaxpr.invars]

@@ -51,6 +51,8 @@ class Emitter:
         self.eqn_in = eqn_in or {}
         self.planned = bool(eqn_out)
         self._laid: dict[int, tuple] = {}     # id(value) -> (value, the layout it was constrained to)
+        # id(value) -> (value, its layout, the layout its readers take): a scanned slice moved where it is read
+        self._deferred: dict[int, tuple] = {}
 
     def wsc(self, x, lay):
         if lay is None or not hasattr(x, "shape") or len(lay) != len(x.shape):
@@ -70,6 +72,50 @@ class Emitter:
             return self.wsc(x, lay)
         return self._known(redistribute(x, seen[1], lay, self.layouts.mesh), lay)
 
+    def defer(self, x, src, dst):
+        """``x``, in layout ``src``, is moved to ``dst`` where an op reads it (inside a remat body it reaches)."""
+        x = self.wsc(x, src)
+        self._deferred[id(x)] = (x, src, dst)
+        return x
+
+    def _undefer(self, x):
+        d = self._deferred.get(id(x))
+        if d is None or d[0] is not x:
+            return x
+        moved = self.move(x, d[2])
+        self._deferred[id(x)] = (x, d[1], d[2], moved)      # one move however many ops read it
+        return moved if len(d) == 3 else d[3]
+
+    def _deferred_at(self, invals) -> dict[int, tuple]:
+        out = {}
+        for j, x in enumerate(invals):
+            d = self._deferred.get(id(x))
+            if d is not None and d[0] is x:
+                out[j] = d[1:3]
+        return out
+
+    def _scan_slices(self, params, invals, ins: list, path: tuple):
+        """A scanned operand the plan moves to a layout that, like the one it is stored in, keeps the scanned dim
+        whole: the change is made on each step's slice where the loop body reads it (inside the body's remat
+        call, if it has one, so that the recomputation repeats it rather than saving its result), and its
+        transpose, the gradient's change, on each step's slice too. The collectives move the bytes of the whole
+        stack's change, and one slice is held in the new layout at a time: FSDP over a scan of layers gathers one
+        layer's weights at a time. -> (params, ins) with those operands left in their stored layout."""
+        n0 = params["num_consts"] + params["num_carry"]
+        slices = {}
+        for i in range(n0, len(invals)):
+            seen, dst = self._laid.get(id(invals[i])), ins[i]
+            if seen is None or seen[0] is not invals[i] or dst is None or len(dst) != len(seen[1]):
+                continue
+            src = tuple(tuple(d) for d in seen[1])
+            dst = tuple(tuple(d) for d in dst)
+            if src != dst and not src[0] and not dst[0]:
+                slices[i] = (src[1:], dst[1:])
+                ins[i] = None
+        if slices:
+            params = dict(params, jaxpr=self.rewrite(params["jaxpr"], path, slices))
+        return params, ins
+
     def eval(self, jaxpr: jcore.Jaxpr, consts, *args, path: tuple = ()):
         return eval_jaxpr(jaxpr, consts, args, lambda eqn, invals: self.eqn(eqn, invals, path))
 
@@ -83,9 +129,11 @@ class Emitter:
             if eqn.params.get("bdim") is not None:
                 lay, first = (replica_layout(x, eqn.params["bdim"], eqn.params["replica_axes"])
                               if x is not None and len(x) == len(invals[0].shape) - 1 else x for x in (lay, first))
-            x = invals[0] if first is None else self.move(invals[0], first)
+            x = self._undefer(invals[0])
+            x = x if first is None else self.move(x, first)
             return self.move(x, lay)
         params = eqn.params
+        deferred = self._deferred_at(invals)
         # a shard_map is a fixed boundary of the plan (mshard._src.jaxpr.op_graph): its body (manual axes, e.g. a pipeline's
         # stages) is bound as traced, only its operands and results are constrained
         has = prim.name != "shard_map" and (self.planned or any(_has_marks(j) for j in jaxpr_params(params)))
@@ -95,16 +143,24 @@ class Emitter:
             if isinstance(body, jcore.ClosedJaxpr):
                 return self.eval(body.jaxpr, body.consts, *invals, path=inner)
             return self.eval(body, (), *invals, path=inner)
-        if has and (prim.name in REBUILD or any(_has_marks(j) for j in jaxpr_params(params))):
-            params = {k: self.rewrite(v, inner) for k, v in params.items()}
+        if deferred and prim.name in REBUILD:        # the slice's move is made inside the recomputed body
+            params = {k: self.rewrite(v, inner, deferred) for k, v in params.items()}
+        else:
+            invals = [self._undefer(x) for x in invals] if deferred else invals
+            if has and (prim.name in REBUILD or any(_has_marks(j) for j in jaxpr_params(params))):
+                params = {k: self.rewrite(v, inner) for k, v in params.items()}
         key = (path, id(eqn))
         ins = self.eqn_in.get(key)
+        if ins is not None and prim.name == "scan":
+            params, ins = self._scan_slices(params, invals, list(ins), inner)
         if ins is not None:
             invals = [self.move(x, lay) for x, lay in zip(invals, ins)]
         scope = str(eqn.source_info.name_stack)
         with jax.named_scope(scope) if scope else _null(), eqn.ctx.manager:
             out = prim.bind(*invals, **prim.get_bind_params(params))
         outs_lay = self.eqn_out.get(key)
+        if outs_lay is not None and prim.name == "scan":
+            outs_lay = _stacked_results_free(outs_lay, params["num_carry"])
         if outs_lay is not None:
             if prim.multiple_results:
                 out = [self.wsc(x, lay) for x, lay in zip(out, outs_lay)]
@@ -112,22 +168,35 @@ class Emitter:
                 out = self.wsc(out, outs_lay[0])
         return out
 
-    def rewrite(self, v, path: tuple):
-        """A jaxpr param -> the same jaxpr with marks/planned ops re-emitted with constraints."""
+    def rewrite(self, v, path: tuple, defer: dict | None = None):
+        """A jaxpr param -> the same jaxpr with marks/planned ops re-emitted with constraints; ``defer``: invar
+        index -> (its layout, the layout its readers take), a move made where the body reads it."""
         if isinstance(v, (tuple, list)):
-            return type(v)(self.rewrite(x, path) for x in v)
+            return type(v)(self.rewrite(x, path, defer) for x in v)
+
+        def fn(jaxpr, consts):
+            def run(*a):
+                a = [self.defer(x, *defer[i]) if defer and i in defer else x for i, x in enumerate(a)]
+                return self.eval(jaxpr, consts, *a, path=path)
+            return run
         if isinstance(v, jcore.ClosedJaxpr):
             avals = [x.aval for x in v.jaxpr.invars]
-            fn = lambda *a: self.eval(v.jaxpr, v.consts, *a, path=path)
-            return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+            return jax.make_jaxpr(fn(v.jaxpr, v.consts))(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
         if isinstance(v, jcore.Jaxpr):
             avals = [x.aval for x in v.invars]
-            fn = lambda *a: self.eval(v, (), *a, path=path)
-            closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+            closed = jax.make_jaxpr(fn(v, ()))(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
             if closed.consts:
                 raise NotImplementedError("mshard: a re-emitted open jaxpr gained constants")
             return closed.jaxpr
         return v
+
+
+def _stacked_results_free(outs_lay, num_carry: int) -> list:
+    """A scan's stacked results that the plan has whole are left to XLA, which lays them out as their readers
+    ask: the planner prices no scan body (:func:`mshard._src.jaxpr.rules.scan_carry_rule`), and a gradient stack
+    of a scan over layers that is reduced to its shards right after is then reduced one layer at a time inside
+    the loop, instead of stacked whole first."""
+    return [None if j >= num_carry and lay is not None and not any(lay) else lay for j, lay in enumerate(outs_lay)]
 
 
 def emit(closed: jcore.ClosedJaxpr, layouts: RegionLayouts, eqn_out: dict | None = None,
@@ -137,6 +206,7 @@ def emit(closed: jcore.ClosedJaxpr, layouts: RegionLayouts, eqn_out: dict | None
 
     def run(*args):
         em._laid.clear()
+        em._deferred.clear()
         try:
             if len(args) == len(layouts.inputs):       # the inputs arrive in their planned layouts (in_shardings)
                 args = [em._known(x, lay) if lay is not None and hasattr(x, "shape") and len(lay) == len(x.shape)
@@ -144,4 +214,5 @@ def emit(closed: jcore.ClosedJaxpr, layouts: RegionLayouts, eqn_out: dict | None
             return em.eval(closed.jaxpr, closed.consts, *args)
         finally:
             em._laid.clear()        # the trace's values are not kept alive past it
+            em._deferred.clear()
     return run

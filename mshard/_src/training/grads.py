@@ -77,6 +77,9 @@ def _no_fusion_reason(plan: _StepPlan, ctx) -> str | None:
     grouping to XLA's combiner, or with a tied parameter: XLA's partitioner reduces each contribution to a tied
     parameter's gradient by itself, and XLA:CPU does not reassociate them, where a replica adds them first and
     the sum is reduced once); else why not."""
+    if any(e.get("dim", 0) for e in plan.info.values() if e.get("sharded")):
+        return ("a scanned parameter's optimizer shard is on its dim 1 (each layer's slice), where the buckets "
+                "reduce-scatter dim 0")
     if fusion.is_default(ctx) and not plan.tied:
         return "the default setting"
     if not _replica_axes(plan, ctx):

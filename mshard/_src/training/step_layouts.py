@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from mshard._src.jaxpr.walk import input_reads
+from mshard._src.jaxpr.walk import input_reads, scanned_inputs
 from mshard._src.runtime.region import Region, search_algorithm
 from mshard._src.values.layout import DimAxes
 from searchers import DeviceMesh
@@ -39,6 +39,9 @@ class _StepPlan:
     # parameters the forward reads more than once (a tied embedding): their gradient is a sum of contributions
     # that each replica adds before the one reduction (mshard._src.training.grads._no_fusion_reason)
     tied: tuple[str, ...] = ()
+    # parameters a scan reads as stacks of per-step slices (the weights of a scan over layers): their optimizer
+    # shard is on dim 1, each step's slice's dim 0 (mshard._src.training.zero)
+    scanned: tuple[str, ...] = ()
 
     @property
     def dp(self) -> int:
@@ -52,7 +55,7 @@ class _StepPlan:
                                           pp.stage_axes, pp.parts, tuple(map(str, pp.specs or ())))
         return (f"_StepPlan(mesh={self.mesh!r}, dp_axes={self.dp_axes}, pure_dp={self.pure_dp}, "
                 f"param_layouts={sorted(self.param_layouts.items())}, zero={sorted(self.zero.items())}, "
-                f"store_sharded={self.store_sharded}, tied={self.tied}, pipeline={stages})")
+                f"store_sharded={self.store_sharded}, tied={self.tied}, scanned={self.scanned}, pipeline={stages})")
 
 
 def _plan_step(probe: Region, data: tuple, net: nnx.Module, ctx) -> _StepPlan:
@@ -78,9 +81,11 @@ def _plan_step(probe: Region, data: tuple, net: nnx.Module, ctx) -> _StepPlan:
         ctx.parallel_mode == "semi_auto_parallel" and search_algorithm(ctx) is None)
     pure = bool(dp_axes) and replicated and data_ok and not marks and no_search
     params = {id(x) for x in jax.tree.leaves(nnx.state(net, nnx.Param))}
-    reads = input_reads(probe.jaxpr(*data, net).jaxpr)
-    tied = tuple(f"network.{nm}" for (nm, x), n in zip(_named_leaves(net), reads) if n > 1 and id(x) in params)
-    return _StepPlan(lay.mesh, dp_axes, param_layouts, pure, strategy_layouts, tied=tied)
+    jaxpr = probe.jaxpr(*data, net).jaxpr
+    named = _named_leaves(net)
+    tied = tuple(f"network.{nm}" for (nm, x), n in zip(named, input_reads(jaxpr)) if n > 1 and id(x) in params)
+    scanned = tuple(f"network.{nm}" for (nm, x), f in zip(named, scanned_inputs(jaxpr)) if f and id(x) in params)
+    return _StepPlan(lay.mesh, dp_axes, param_layouts, pure, strategy_layouts, tied=tied, scanned=scanned)
 
 
 def _named_leaves(module: nnx.Module) -> list[tuple[str, Any]]:

@@ -152,6 +152,8 @@ class _Runtime:
         if ctx.enable_parallel_optimizer and ctx.parallel_mode != "stand_alone":
             _zero_layouts(zero_plan, list(zip(names, params)), ctx)
             plan.store_sharded = zero_plan.store_sharded    # level3 under stages: set on the copy, stored by plan
+            if any(e.get("dim", 0) for e in plan.info.values() if e.get("sharded")):
+                plan.pure_dp = False        # a shard on dim 1: the data-parallel buckets (dim 0) cannot carry it
         else:
             for nm, x in zip(names, params):
                 plan.info[nm] = {"shape": tuple(x.shape), "layout": plan.param_layouts.get(nm), "sharded": False,
@@ -239,8 +241,10 @@ class _Runtime:
         grads = list(jax.tree.leaves(g))
         mesh = jax_mesh(plan.mesh)
         for i, nm in enumerate(names):
-            if nm in plan.zero:
-                grads[i] = jax.lax.with_sharding_constraint(grads[i], NamedSharding(mesh, spec_of(plan.zero[nm])))
+            # a gradient is reduced to the layout its update runs in: the ZeRO shard, else a split parameter's own
+            lay = plan.zero.get(nm) or (plan.param_layouts.get(nm) if nm in plan.scanned else None)
+            if lay is not None and any(lay):
+                grads[i] = jax.lax.with_sharding_constraint(grads[i], NamedSharding(mesh, spec_of(lay)))
         return loss, grads
 
     def _replica_grads(self, net, data, plan: _StepPlan, names, ctx):

@@ -1,5 +1,7 @@
 """Optimizer parallel (ZeRO-1): which parameters of a planned step get their optimizer state, gradient and
-update sharded on dim 0, and why the others do not (the semantics are in docs/gradients.md)."""
+update sharded on dim 0, and why the others do not (the semantics are in docs/gradients.md). A stack of
+per-layer weights that a scan reads slice by slice is sharded on dim 1, its slices' dim 0, so that each step of
+the loop gathers one layer's slice (level3) and reduces one layer's gradient."""
 
 from __future__ import annotations
 
@@ -40,10 +42,17 @@ def _zero_layouts(plan: _StepPlan, params: list[tuple[str, Any]], ctx) -> None:
                                f"{plan.dp_axes})" if target <= 1 else
                                f"{target}-way shard cannot be made from free data-parallel axes {free}")
             continue
-        c0 = mesh.count(lay[0]) if leaf.ndim else 1
-        if leaf.ndim == 0 or leaf.shape[0] % (c0 * target):
-            entry["reason"] = (f"dim 0 of shape {tuple(leaf.shape)} is not divisible by {c0 * target}"
+        d = 1 if name in plan.scanned and leaf.ndim > 1 else 0
+        c0 = mesh.count(lay[d]) if leaf.ndim else 1
+        if leaf.ndim == 0 or leaf.shape[d] % (c0 * target):
+            entry["reason"] = (f"dim {d} of shape {tuple(leaf.shape)} is not divisible by {c0 * target}"
                                if leaf.ndim else "a scalar")
             continue
-        plan.zero[name] = (tuple(lay[0]) + tuple(axes),) + tuple(lay[1:])
-        entry.update(sharded=True, zero_layout=plan.zero[name], shard_axes=tuple(axes), reason="")
+        plan.zero[name] = tuple(tuple(a) + (tuple(axes) if i == d else ()) for i, a in enumerate(lay))
+        entry.update(sharded=True, zero_layout=plan.zero[name], shard_axes=tuple(axes), reason="", dim=d)
+        if d:
+            plan.notes.append(
+                f"optimizer parallel: {name} {tuple(leaf.shape)} is a stack a scan reads slice by slice, so its shard "
+                f"is on dim 1 (each slice's dim 0) over {tuple(axes)}" + (
+                    ", gathered one slice at a time inside the loop" if plan.store_sharded else "")
+                + "; XLA places this step's gradient reductions (the fusion buckets shard dim 0)")
