@@ -24,7 +24,7 @@ from jax.sharding import AxisType, NamedSharding
 from mshard._src.jaxpr import marks
 from mshard._src.jaxpr.explicit_types import NO_MESH, data_spec, erase_types, explicit_mesh, typed_avals
 from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts
-from mshard._src.planning.flax_meta import ambient_mesh, annotated_plans
+from mshard._src.planning.flax_meta import ambient_mesh, annotated_plans, mesh_from_names, unsized_names
 from mshard._src.planning.search import search_region
 from mshard._src.planning.xla_guards import apply_guards
 from mshard._src.runtime import dryrun
@@ -203,6 +203,22 @@ class Region:
             for path, leaf in leaves:
                 param_names.append(self._param_name(gi, _path_str(path), mod_pos, holders))
                 state_leaves.append(leaf)
+        if ctx.parallel_mode in ("semi_auto_parallel", "auto_parallel") and unsized_names(states, param_names):
+            # flax names that no mesh sizes: built under the mesh mshard makes from them (planning/flax_meta.py)
+            args = (graphdefs, states, flat_data, data_names, data_pos, treedef_args, mod_pos, holders)
+
+            def under(mesh):
+                with jax.set_mesh(mesh):
+                    return self._build(*args)
+            built: dict = {}
+
+            def price(mesh):
+                built[id(mesh)] = under(mesh)
+                return float(built[id(mesh)].plan.cost.total)
+            mesh, note = mesh_from_names(states, param_names, ctx.devices, price)
+            comp = built.get(id(mesh)) or under(mesh)
+            comp.plan = dataclasses.replace(comp.plan, notes=tuple(comp.plan.notes) + (note,))
+            return comp
         n_state = len(state_leaves)
         counts = [len(jax.tree.leaves(s)) for s in states]
         # strategies are checked against the configured device_num in every mode (stand_alone ignores them, on one

@@ -10,6 +10,7 @@ one device: it shares no mshard code. SGD with momentum: the momentum leaf is th
 gradient-scale bug shows in it and in every weight (Adam would normalise it away).
 """
 
+import contextlib
 import functools
 
 import jax
@@ -84,15 +85,15 @@ def _train(style: str, axis_type: AxisType, mode: str, ambient: bool, cell: bool
     return model, opt, losses, jaxpr
 
 
-def _stored_as_annotated(model, opt):
-    """Every weight and its momentum are stored as its flax names say, on the 2 x 4 mesh."""
+def _stored_as_annotated(model, opt, sizes=SIZES):
+    """Every weight and its momentum are stored as its flax names say, on the mesh of ``sizes`` (2 x 4)."""
     params = [v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
     moments = jax.tree.leaves(nnx.state(opt, nnx.OptState))
     moments = [m for m in moments if getattr(m, "ndim", 0) > 0]
     assert len(params) == len(moments)
     for v, m in zip(params, moments, strict=True):
         names = v.get_metadata()["out_sharding"]
-        want = tuple(n // (SIZES[a] if a else 1) for n, a in zip(v.shape, names, strict=True))
+        want = tuple(n // (sizes[a] if a else 1) for n, a in zip(v.shape, names, strict=True))
         x = v[...]
         assert x.sharding.shard_shape(x.shape) == want, (names, x.sharding)
         assert m.sharding.shard_shape(m.shape) == want, (names, m.sharding)
@@ -127,6 +128,56 @@ def test_a_flax_model_written_for_sharding_trains_like_one_device(case, referenc
     # and no sharding type is left in it: the types were erased to those constraints
     assert all(getattr(v.aval, "sharding", None) is None or all(a is None for a in v.aval.sharding.spec)
                for e in jaxpr.eqns for v in e.outvars)
+
+
+def _names_only(style: str, mesh=None):
+    """The model and its optimizer created with flax's names and no mesh (flax allows that only with eager sharding
+    off), trained by the flax step under ``ms.jit``, under ``mesh`` if one is given."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    with nnx.use_eager_sharding(False):
+        model = Decoder(Config(style=style), rngs=nnx.Rngs(0))
+        opt = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
+    region = ms.jit(_flax_step)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        plan = region.plan(model, opt, *DATA[0])
+        losses = [float(region(model, opt, t, lab)) for t, lab in DATA] if mesh is None else None
+    ms.reset_auto_parallel_context()
+    return model, opt, plan, losses
+
+
+@pytest.mark.slow
+def test_names_that_no_mesh_sizes_get_the_cheapest_mesh_mshard_makes(reference):
+    """Names with no mesh anywhere (not on a Variable, not on a value, not around the call): mshard gives the 8
+    devices to ``fsdp`` and ``tp`` in every way that splits each (2 x 4, 4 x 2), plans the step under each, keeps
+    the cheapest by the cost model, and trains equal to one device with every weight and momentum stored as its
+    names say on that mesh. Checked against the same step planned under each candidate mesh set by hand."""
+    ref_model, ref_opt, ref_losses = reference
+    model, opt, plan, losses = _names_only("constraint")
+    # float32 softmax over 64 logits and sums over 8 x 16 tokens, reordered by the split reductions: a few ulps
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    assert_trees_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
+    assert_trees_close(nnx.state(opt, nnx.OptState), nnx.state(ref_opt, nnx.OptState))
+    chosen = dict(model.embed[...].sharding.mesh.shape)
+    _stored_as_annotated(model, opt, chosen)
+    costs = {}
+    for sizes in ((2, 4), (4, 2)):
+        mesh = jax.make_mesh(sizes, ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
+        costs[sizes] = _names_only("constraint", mesh)[2].cost.total
+    assert plan.cost.total == min(costs.values()), (chosen, plan.cost.total, costs)
+    assert costs[(chosen["fsdp"], chosen["tp"])] == plan.cost.total
+    assert any(n.startswith(f"mesh from flax's names: {chosen}") for n in plan.notes), plan.notes
+    # MindSpore's form: a TrainOneStepCell over the same names-only model takes the same mesh and values
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    with nnx.use_eager_sharding(False):
+        model = Decoder(Config(style="constraint"), rngs=nnx.Rngs(0))
+    step = ms.nn.TrainOneStepCell(ms.nn.WithLossCell(model, _token_loss), _tx())
+    losses = [float(step(t, lab)) for t, lab in DATA]
+    ms.reset_auto_parallel_context()
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    assert_trees_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
+    assert_trees_close(nnx.state(step.optimizer, nnx.OptState), nnx.state(ref_opt, nnx.OptState))
+    assert dict(model.embed[...].sharding.mesh.shape) == chosen
+    _stored_as_annotated(model, step.optimizer, chosen)
 
 
 def test_the_model_is_valid_explicit_sharding_code_under_plain_jax():
