@@ -96,9 +96,8 @@ class _Before(Sequence):
 
 def data_parallel(graph: Graph, params: CostParams, **_: Any) -> SearchResult:
     """MindSpore's data_parallel mode as a plan: the data inputs fixed at their batch split, parameters whole, every
-    other op computing in the layout its operands arrive in, its first operand's first (the batch flows on). A
-    parameter stored split (optimizer level3) is read whole: gathered where an op reads it."""
-    r = follow_operands(graph, params, first_operand_first=True, whole_params=True)
+    other op computing in the layout its operands arrive in, its first operand's first (the batch flows on)."""
+    r = follow_operands(graph, params, first_operand_first=True)
     return dataclasses.replace(r, algorithm="data_parallel", notes=[
         "data_parallel: the batch is split over every device and flows through every op; parameters are whole "
         "(MindSpore's data parallel)"])

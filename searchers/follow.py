@@ -36,23 +36,19 @@ from .spec import OpSpec, layout_of
 
 
 def follow_operands(graph: Graph, params: CostParams, *, fully_use_devices: bool = False,
-                    first_operand_first: bool = False, whole_params: bool = False) -> SearchResult:
+                    first_operand_first: bool = False) -> SearchResult:
     """semi_auto's default (module doc); ``fully_use_devices`` is accepted for the searcher signature and ignored:
     semi_auto splits only what the user asked for. ``first_operand_first`` takes the operands' axes in operand
-    order instead (MindSpore's data parallel: an op follows the batch split of its first operand);
-    ``whole_params``: an op reads a parameter whole, however it is stored (data parallel's weights, gathered where
-    they are read when optimizer level3 stores them split)."""
+    order instead (MindSpore's data parallel: an op follows the batch split of its first operand)."""
     t0 = time.perf_counter()
     ix = GraphIndex(graph)
-    strategies = dict(enumerate(follow_strategies(graph, ix, first_operand_first=first_operand_first,
-                                                  whole_params=whole_params)))
+    strategies = dict(enumerate(follow_strategies(graph, ix, first_operand_first=first_operand_first)))
     return SearchResult(strategies, ix.cost(strategies, params), "follow_operands", time.perf_counter() - t0,
                         ["follow_operands: ops without a user strategy compute in the layout their operands arrive in "
                          "(nothing new is split; the batch stays data parallel)"])
 
 
-def follow_strategies(graph: Graph, ix: GraphIndex, *, first_operand_first: bool = False,
-                      whole_params: bool = False) -> list[Strategy]:
+def follow_strategies(graph: Graph, ix: GraphIndex, *, first_operand_first: bool = False) -> list[Strategy]:
     """:func:`follow_operands`' strategies, one per op id, on the graph's :class:`~searchers.graph_index.GraphIndex`
     (ops of one shape whose operands arrive alike are decided once)."""
     shape = graph.mesh.shape
@@ -86,10 +82,6 @@ def follow_strategies(graph: Graph, ix: GraphIndex, *, first_operand_first: bool
             if got_out is None:
                 got_out = outs[si, s] = ids(si, s)
             st[v] = s
-            if whole_params and source and ops[v].kind == "param":
-                got_out = outs.get((si, replicated(ops[v])))
-                if got_out is None:
-                    got_out = outs[si, replicated(ops[v])] = ids(si, replicated(ops[v]))
             out_l.append(got_out)
             continue
         key = (si, tuple([out_l[p][j] for p, j in srcs]))
