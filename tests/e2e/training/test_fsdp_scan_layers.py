@@ -1,16 +1,12 @@
-"""FSDP holds about one layer's weights whole at a time (issue 39: level3 "all-gathered per layer ... never kept
-whole across layers"; peak temp memory about two layers' weights whole).
+"""FSDP over a scan of layers (issue 39: level3 "all-gathered per layer ... never kept whole across layers"; peak
+temp memory about two layers' weights whole).
 
-- A scan over layers: the weights of L layers are one stacked parameter ``[L, D, D]`` that ``jax.lax.scan`` runs
-  layer by layer, as the public flax LLMs write their blocks. Under ``optimizer_level="level3"`` mshard stores the
-  stack split on dim 1 (each layer's dim 0; the scanned dim stays whole), gathers each layer's slice inside the loop
-  where the body reads it (inside its ``jax.checkpoint``, so the backward gathers it again rather than saving it),
-  and reduces each layer's gradient to its shard inside the backward loop.
-- A Python loop over layers (one parameter per layer, each layer recomputed): a data-parallel level3 step compiles
-  with XLA:CPU's memory-optimized schedule and without its all-reduce combiner (training/train_cells.py).
-
-Checked from the compiled program (``memory_analysis``, and where the collectives are in the HLO); values equal one
-device on every parameter and optimizer leaf.
+The weights of L layers are one stacked parameter ``[L, D, D]`` that ``jax.lax.scan`` runs layer by layer, as the
+public flax LLMs write their blocks. Under ``optimizer_level="level3"`` mshard stores the stack split on dim 1 (each
+layer's dim 0; the scanned dim stays whole), gathers each layer's slice inside the loop where the body reads it
+(inside its ``jax.checkpoint``, so the backward gathers it again rather than saving it), and reduces each layer's
+gradient to its shard inside the backward loop. Checked from the compiled program: ``memory_analysis`` and where
+the collectives are in the HLO; values equal one device on every parameter and optimizer leaf.
 """
 
 import re
@@ -130,63 +126,3 @@ def test_level3_over_a_scan_of_layers_holds_one_layer_whole_at_a_time(remat):
     assert grads and all(comp in bodies and shape in (f"f32[{D},{D}]", f"f32[{D // 8},{D}]")
                          for comp, _, shape in grads), coll
     assert not any(shape.startswith(f"f32[{L},") for _, _, shape in coll), coll
-
-
-class Layer(nn.Cell):
-    def __init__(self, rngs):
-        self.w = nnx.Param(jax.random.normal(rngs.params(), (D, D)) * D ** -0.5)
-
-    def __call__(self, x):
-        return jnp.tanh(x @ self.w[...])
-
-
-class LayerLoop(nn.Cell):
-    """The same L layers as one parameter each, run by a Python loop, each recomputed in the backward."""
-
-    def __init__(self, rngs):
-        self.layers = nnx.List([Layer(rngs).recompute() for _ in range(L)])
-
-    def __call__(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-def _loop_step(level: str | None, tx=None):
-    ms.reset_auto_parallel_context()
-    zero = {} if level is None else dict(
-        enable_parallel_optimizer=True,
-        parallel_optimizer_config={"parallel_optimizer_threshold": 0, "optimizer_level": level})
-    ms.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8, gradients_mean=True, **zero)
-    net = LayerLoop(nnx.Rngs(0))
-    return net, nn.TrainOneStepCell(nn.WithLossCell(net, mse), tx or optax.sgd(1e-1))
-
-
-def test_level3_over_a_python_loop_of_layers_holds_about_one_layer_whole_at_a_time():
-    data = batches(STEPS, [(B, D), (B, D)], seed=13)
-    _, dp = _loop_step(None)
-    dp_mem = dp.lower(*data[0]).compile().memory_analysis()
-    net, step = _loop_step("level3")
-    ref, ref_opt, ref_losses = reference_train(net, optax.sgd(1e-1), data, mse)
-    compiled = step.lower(*data[0]).compile()
-    mem, hlo = compiled.memory_analysis(), compiled.as_text()
-    assert mem.argument_size_in_bytes <= L * W // 8 + 2 * B * D * 4 + 64, mem
-    # as the scan's bound above: the layer gathered, its gradient's partial sum and that sum reduced whole
-    # (XLA:CPU's reduction to a shard), plus the saved activations and their cotangents
-    acts = 2 * L * B * D * 4
-    assert mem.temp_size_in_bytes <= 3 * W + acts, (mem.temp_size_in_bytes / W, mem)
-    assert dp_mem.temp_size_in_bytes >= L * W and dp_mem.argument_size_in_bytes >= L * W, dp_mem
-    coll = _collectives(hlo)
-    gathers = [shape for _, kind, shape in coll if kind == "all-gather"]
-    # every gather is one layer's weight, twice per layer: the forward's and the backward's recomputation
-    assert gathers == [f"f32[{D},{D}]"] * (2 * L), coll
-    # every layer's gradient is reduced by itself (not combined into one reduction of every gradient)
-    grads = [shape for _, kind, shape in coll if kind in ("all-reduce", "reduce-scatter") and shape != "f32[]"]
-    assert sorted(grads) == [f"f32[{D},{D}]"] * L, coll
-    losses = [float(step(*b)) for b in data]
-    # float32, as the scan's test above (SGD shows a gradient's scale)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_params_close(net, ref)
-    assert_trees_close(step.opt_state, ref_opt)
-    for layer in net.layers:
-        assert split_counts(layer.w[...]) == (8, 1)
