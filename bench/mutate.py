@@ -87,7 +87,7 @@ BUGS = [
         "whole before reducing it", "mshard/_src/runtime/emit.py",
         "    return [None if j >= num_carry and lay is not None and not any(lay) else lay for j, lay in enumerate(outs_lay)]\n",
         "    return list(outs_lay)\n",
-        ("tests/e2e/training/test_fsdp_layer_memory.py",)),
+        ("tests/e2e/training/test_fsdp_scan_layers.py",)),
     Bug("dataset_off_by_one", "each device's rows of a host batch are the next device's (the last keeps its own)",
         "mshard/_src/runtime/dataset.py",
         "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])\n",

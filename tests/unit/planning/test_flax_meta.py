@@ -82,14 +82,30 @@ def test_names_with_their_mesh_in_the_metadata_need_no_mesh_anywhere():
     assert f.plan(x).param_specs["l1.kernel"] == P(None, "model")
 
 
-def test_names_no_mesh_sizes_are_an_error_naming_the_parameter_and_the_fixes():
+def test_names_no_mesh_sizes_get_a_mesh_mshard_makes_from_them():
+    """One name, 8 devices: the only way to split it is all 8 (planning/flax_meta.py mesh_sizes); the kernels are
+    stored split as named on that mesh and the output equals one device."""
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
     with nnx.use_eager_sharding(False):
         model = FlaxMLP(nnx.Rngs(0))
-    with pytest.raises(ParameterPlanError, match=r"l1\.kernel.*\(None, 'model'\).*mesh="):
-        ms.jit(lambda m, x: m(x))(model, _x())
+    f = ms.jit(lambda m, x: m(x))
+    out = f(model, _x())
+    assert_close(out, _reference(model, _x()))
+    assert dict(model.l1.kernel[...].sharding.mesh.shape) == {"model": 8}
+    assert model.l1.kernel[...].sharding.shard_shape((32, 128)) == (32, 16)
+    assert any(n.startswith("mesh from flax's names: {'model': 8}") for n in f.plan(model, _x()).notes)
+
+
+def test_names_that_no_way_of_giving_the_devices_splits_are_an_error_naming_the_fixes():
+    """A 6-wide dim named for 8 devices: no size of at least 2 both makes 8 and divides 6."""
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    with nnx.use_eager_sharding(False):
+        lin = nnx.Linear(32, 6, kernel_init=init, rngs=nnx.Rngs(0))
+    with pytest.raises(ParameterPlanError, match=r"\('model',\).*8 devices.*mesh="):
+        ms.jit(lambda m, x: m(x))(lin, _x())
     ms.set_auto_parallel_context(parallel_mode="data_parallel")      # data_parallel ignores strategies: it runs
-    assert_close(ms.jit(lambda m, x: m(x))(model, _x()), _reference(model, _x()))
+    assert ms.jit(lambda m, x: m(x))(lin, _x()).shape == (16, 6)
 
 
 def test_a_parameter_plan_wins_over_the_names():
