@@ -53,6 +53,7 @@ class Emitter:
         self._laid: dict[int, tuple] = {}     # id(value) -> (value, the layout it was constrained to)
         # id(value) -> (value, its layout, the layout its readers take): a scanned slice moved where it is read
         self._deferred: dict[int, tuple] = {}
+        self._undeferred: dict[int, tuple] = {}     # id(value) -> (value, it moved): one move however many read it
 
     def wsc(self, x, lay):
         if lay is None or not hasattr(x, "shape") or len(lay) != len(x.shape):
@@ -82,9 +83,10 @@ class Emitter:
         d = self._deferred.get(id(x))
         if d is None or d[0] is not x:
             return x
-        moved = self.move(x, d[2])
-        self._deferred[id(x)] = (x, d[1], d[2], moved)      # one move however many ops read it
-        return moved if len(d) == 3 else d[3]
+        done = self._undeferred.get(id(x))
+        if done is None or done[0] is not x:
+            done = self._undeferred[id(x)] = (x, self.move(x, d[2]))
+        return done[1]
 
     def _deferred_at(self, invals) -> dict[int, tuple]:
         out = {}
@@ -207,6 +209,7 @@ def emit(closed: jcore.ClosedJaxpr, layouts: RegionLayouts, eqn_out: dict | None
     def run(*args):
         em._laid.clear()
         em._deferred.clear()
+        em._undeferred.clear()
         try:
             if len(args) == len(layouts.inputs):       # the inputs arrive in their planned layouts (in_shardings)
                 args = [em._known(x, lay) if lay is not None and hasattr(x, "shape") and len(lay) == len(x.shape)
@@ -215,4 +218,5 @@ def emit(closed: jcore.ClosedJaxpr, layouts: RegionLayouts, eqn_out: dict | None
         finally:
             em._laid.clear()        # the trace's values are not kept alive past it
             em._deferred.clear()
+            em._undeferred.clear()
     return run

@@ -71,13 +71,18 @@ def _combine_rest(x):
 
 
 # -- per-replica gradients and fusion buckets ----------------------------------------------------
+def _zero_past_dim0(plan: _StepPlan) -> bool:
+    """Whether some parameter's optimizer shard is on a dim other than 0 (a scanned stack's, on dim 1)."""
+    return any(e.get("dim", 0) for e in plan.info.values() if e.get("sharded"))
+
+
 def _no_fusion_reason(plan: _StepPlan, ctx) -> str | None:
     """None when a model-parallel or searched step computes per-replica gradients to reduce them in fusion
     buckets (a step cut into data-parallel replicas, with a fusion setting beyond the default, which leaves the
     grouping to XLA's combiner, or with a tied parameter: XLA's partitioner reduces each contribution to a tied
     parameter's gradient by itself, and XLA:CPU does not reassociate them, where a replica adds them first and
     the sum is reduced once); else why not."""
-    if any(e.get("dim", 0) for e in plan.info.values() if e.get("sharded")):
+    if _zero_past_dim0(plan):
         return ("a scanned parameter's optimizer shard is on its dim 1 (each layer's slice), where the buckets "
                 "reduce-scatter dim 0")
     if fusion.is_default(ctx) and not plan.tied:

@@ -50,6 +50,7 @@ from mshard._src.training.grads import (
     _replica_axes,
     _run_replicas,
     _value_and_grad,
+    _zero_past_dim0,
 )
 from mshard._src.training.memory_fit import StepMemory, choose_level
 from mshard._src.training.pipeline.cells import check_pipeline, pipeline_grads, pipeline_plan
@@ -152,7 +153,7 @@ class _Runtime:
         if ctx.enable_parallel_optimizer and ctx.parallel_mode != "stand_alone":
             _zero_layouts(zero_plan, list(zip(names, params)), ctx)
             plan.store_sharded = zero_plan.store_sharded    # level3 under stages: set on the copy, stored by plan
-            if any(e.get("dim", 0) for e in plan.info.values() if e.get("sharded")):
+            if _zero_past_dim0(plan):
                 plan.pure_dp = False        # a shard on dim 1: the data-parallel buckets (dim 0) cannot carry it
         else:
             for nm, x in zip(names, params):
