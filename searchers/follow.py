@@ -39,7 +39,9 @@ def follow_operands(graph: Graph, params: CostParams, *, fully_use_devices: bool
                     first_operand_first: bool = False) -> SearchResult:
     """semi_auto's default (module doc); ``fully_use_devices`` is accepted for the searcher signature and ignored:
     semi_auto splits only what the user asked for. ``first_operand_first`` takes the operands' axes in operand
-    order instead (MindSpore's data parallel: an op follows the batch split of its first operand)."""
+    order instead (MindSpore's data parallel: an op follows the batch split of its first operand), a parameter's
+    after every other operand's: a parameter stored split (optimizer level3) is gathered where an op reads it with
+    the batch, not followed in its shard."""
     t0 = time.perf_counter()
     ix = GraphIndex(graph)
     strategies = dict(enumerate(follow_strategies(graph, ix, first_operand_first=first_operand_first)))
@@ -74,7 +76,13 @@ def follow_strategies(graph: Graph, ix: GraphIndex, *, first_operand_first: bool
     outs: dict[tuple[int, Strategy], tuple[int, ...]] = {}
     specs = ix.specs
     pinned = set(ix.pinned())
+    # per op: a value computed from stored state alone (a parameter, its casts and transposes, a constant times it);
+    # data parallel takes such operands' axes after the others' (a level3 weight is gathered for the batch's op)
+    stored = [False] * len(ops)
     for v, (si, srcs, source) in enumerate(zip(ix.spec_index, ix.in_src, ix.is_source)):
+        if first_operand_first:
+            stored[v] = ops[v].kind == "param" if source else (
+                any(stored[p] for p, _ in srcs) and all(stored[p] or ops[p].kind == "const" for p, _ in srcs))
         s = pinned_strategy(graph, ops[v], st) if v in pinned else None
         if s is not None or source:
             s = replicated(ops[v]) if s is None else s
@@ -84,10 +92,11 @@ def follow_strategies(graph: Graph, ix: GraphIndex, *, first_operand_first: bool
             st[v] = s
             out_l.append(got_out)
             continue
-        key = (si, tuple([out_l[p][j] for p, j in srcs]))
+        params = tuple(i for i, (p, _) in enumerate(srcs) if stored[p])
+        key = (si, tuple([out_l[p][j] for p, j in srcs]), params)
         got = memo.get(key)
         if got is None:
-            s = follow_layouts(specs[si], tuple(layouts[i] for i in key[1]), shape, first_operand_first)
+            s = follow_layouts(specs[si], tuple(layouts[i] for i in key[1]), shape, first_operand_first, params)
             got = memo[key] = (s, ids(si, s))
         st[v] = got[0]
         out_l.append(got[1])
@@ -104,12 +113,13 @@ def follow_strategies(graph: Graph, ix: GraphIndex, *, first_operand_first: bool
 
 
 def follow_layouts(spec: OpSpec, lays: tuple[TensorLayout, ...], shape: tuple[int, ...],
-            first_operand_first: bool = False) -> Strategy:
-    """The strategy of an op of ``spec`` whose operands arrive in ``lays`` (module doc)."""
+                   first_operand_first: bool = False, params: tuple[int, ...] = ()) -> Strategy:
+    """The strategy of an op of ``spec`` whose operands arrive in ``lays`` (module doc); ``first_operand_first``
+    takes them in operand order, those listed in ``params`` (parameters) last."""
     arriving: list[tuple[int, int, int, TensorLayout]] = []
     for i, lay in enumerate(lays):
         n = math.prod(shape[a] for axes in lay for a in axes)
-        arriving.append((i, 0, i, lay) if first_operand_first else (-n, -spec.in_bytes[i], i, lay))
+        arriving.append((i in params, i, i, lay) if first_operand_first else (-n, -spec.in_bytes[i], i, lay))
     where: dict[int, tuple[int, ...]] = {}
     used: set[int] = set()
     for _, _, i, lay in sorted(arriving):

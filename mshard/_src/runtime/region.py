@@ -100,6 +100,8 @@ class Region:
         memory_kind_hook: ``hook(infos, statics=...) -> [memory kind or None per input]``: inputs stored in another
             memory than the device's (``"pinned_host"``: a training step's offloaded optimizer state); an input
             written back keeps its memory kind.
+        compiler_options_hook: ``hook(statics=...) -> dict | None``: XLA options this program compiles with (a
+            level3 training step's memory-first schedule).
 
     >>> import jax.numpy as jnp, mshard as ms
     >>> f = ms.jit(lambda x: jnp.tanh(x) * 2)
@@ -115,9 +117,10 @@ class Region:
 
     def __init__(self, fn: Callable, *, data_strategy: tuple | None = None, name: str | None = None,
                  input_layout_hook: Callable | None = None, donate_params: bool = False,
-                 memory_kind_hook: Callable | None = None):
+                 memory_kind_hook: Callable | None = None, compiler_options_hook: Callable | None = None):
         """The arguments are described in the class docstring."""
         self.fn = fn
+        self.compiler_options_hook = compiler_options_hook
         self.memory_kind_hook = memory_kind_hook
         if data_strategy is not None and not all(s is None or isinstance(s, TensorStrategy) for s in data_strategy):
             where = f"ms.Region {name or getattr(fn, '__name__', 'region')!r} data_strategy"
@@ -343,7 +346,9 @@ class Region:
             return list(outs[:n_user]) + [outs[n_user + j] for j in changed]
 
         donate = tuple(changed) if self.donate_params else ()
-        jitted = jax.jit(flat_fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
+        options = self.compiler_options_hook(statics=statics) if self.compiler_options_hook is not None else None
+        jitted = jax.jit(flat_fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate,
+                         compiler_options=options)
         return _Compiled(closed, layouts, jitted, in_sh, mod_out, out_tree, changed,
                          planned.plan, infos, param_plans)
 

@@ -83,7 +83,7 @@ class _Runtime:
 
     def __init__(self, name: str):
         self.region = Region(self.step_fn, name=name, input_layout_hook=self.hook, donate_params=True,
-                             memory_kind_hook=self.memory_kinds)
+                             memory_kind_hook=self.memory_kinds, compiler_options_hook=self.compiler_options)
         self.probe = Region(lambda *a: a[-1](*a[:-1]), name=f"{name}.forward")
         self.last: _StepPlan | None = None    # the plan of the latest step run through the region (for reports)
         self.plans: dict = {}                 # plan() per (context stamp, network structure, shapes): computed once
@@ -153,8 +153,15 @@ class _Runtime:
         if ctx.enable_parallel_optimizer and ctx.parallel_mode != "stand_alone":
             _zero_layouts(zero_plan, list(zip(names, params)), ctx)
             plan.store_sharded = zero_plan.store_sharded    # level3 under stages: set on the copy, stored by plan
-            if _zero_past_dim0(plan):
-                plan.pure_dp = False        # a shard on dim 1: the data-parallel buckets (dim 0) cannot carry it
+            level3 = bool(plan.store_sharded and plan.zero and fusion.is_default(ctx))
+            if level3 or _zero_past_dim0(plan):
+                # level3 with no fusion setting: XLA gathers each weight where a layer reads it (the replicas of the
+                # bucketed step would each hold every weight whole); a shard on dim 1: the buckets shard dim 0
+                plan.pure_dp = False
+                if level3:
+                    plan.notes.append("optimizer_level level3: each weight is gathered where a layer reads it and "
+                                      "its gradient reduced to its shard by XLA, one layer at a time (a comm_fusion "
+                                      "setting gathers and reduces in its buckets instead, every weight at once)")
         else:
             for nm, x in zip(names, params):
                 plan.info[nm] = {"shape": tuple(x.shape), "layout": plan.param_layouts.get(nm), "sharded": False,
@@ -330,6 +337,21 @@ class _Runtime:
         return jax.tree.unflatten(ptree, new)
 
     @staticmethod
+    def compiler_options(statics) -> dict | None:
+        """A data-parallel level3 step on XLA:CPU compiles memory first: each weight is gathered whole where a
+        layer reads it, and the CPU's default schedule (ordered for concurrency) gathers every weight before the
+        first layer while its all-reduce combiner merges every layer's gradient reduction into one (every
+        gradient whole at once); the memory-optimized schedule without the combiner holds about one layer at a
+        time. Not where a scan runs the layers (its loop bounds them already; this schedule measured worse there),
+        in semi_auto (its plans compute in the weights' shards), or on other backends (they schedule under a
+        memory limit of their own). Measured in docs/gradients.md."""
+        plan = statics[-1]
+        if (not (plan.store_sharded and plan.zero) or jax.default_backend() != "cpu"
+                or ctxmod.current().parallel_mode != "data_parallel" or any(n in plan.zero for n in plan.scanned)):
+            return None
+        return dict(_LEVEL3_CPU_OPTIONS)
+
+    @staticmethod
     def memory_kinds(infos, statics):
         """The step's inputs' memory kinds: every optimizer-state leaf in host memory (``pinned_host``) under
         ``set_offload_context(offload_config={"offload_param": "cpu"})``, the rest on the device."""
@@ -365,6 +387,11 @@ class _Runtime:
                     inputs[j] = plan.zero.get("network." + p, inputs[i])
                     break
         return inputs
+
+
+# XLA:CPU options of a level3 step (TrainOneStepCell._Runtime.compiler_options)
+_LEVEL3_CPU_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+                       "xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
 
 
 def _offloaded(ctx) -> bool:

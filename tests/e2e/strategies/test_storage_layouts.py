@@ -121,20 +121,26 @@ def test_optimizer_level3_stores_the_weights_sharded_and_trains_as_one_device(mo
 
 def test_optimizer_level3_holds_an_eighth_of_the_weights_and_gathers_each_once_per_step():
     """Data parallel, plain SGD (no optimizer state): level1 holds every weight whole on every device, level3 an
-    eighth of each, so the step's arguments shrink by exactly 7/8 of the parameters' bytes (memory_analysis). The
-    level3 step gathers every weight whole once (the backward reuses the forward's gather) and reduce-scatters its
-    gradient: all-gathers of the parameters' bytes, one reduce-scatter of an eighth of them (per device, from the
-    compiled HLO)."""
+    eighth of each (memory_analysis: the step's arguments). The level3 step gathers every parameter whole once (the
+    backward reuses the forward's gather) and reduces each gradient once to its shard (per device, from the compiled
+    HLO): 6 all-gathers of the parameters' bytes, and 6 reductions of them, one per parameter and not combined (a
+    level3 step compiles without XLA:CPU's all-reduce combiner), plus the loss's. XLA:CPU makes each reduction to a
+    shard an all-reduce of the whole gradient that each device slices (XLA forms reduce-scatters from those in its
+    GPU pipeline only)."""
     (x, y), = batches(1, [(32, 16), (32, 8)], seed=7)
+    data = (x.nbytes + y.nbytes) // 8                 # the batch, split 8 ways
     args = {}
     for level in ("level1", "level3"):
         _, step = _zero_step("data_parallel", level, optax.sgd(1e-1))
         args[level] = step.lower(x, y).compile().memory_analysis().argument_size_in_bytes
         if level == "level3":
             report = ms.comm_report(step, x, y)
-    assert args["level1"] - args["level3"] == PARAM_BYTES * 7 // 8, args
-    assert report.bytes("all-gather") == PARAM_BYTES
-    assert report.count("reduce-scatter") == 1 and report.bytes("reduce-scatter") == PARAM_BYTES // 8
+    # 16 B: the scalar state a step may take besides its parameters (an RNG key and counter, a step count)
+    assert PARAM_BYTES + data <= args["level1"] <= PARAM_BYTES + data + 16, args
+    assert PARAM_BYTES // 8 + data <= args["level3"] <= PARAM_BYTES // 8 + data + 16, args
+    assert report.count("all-gather") == 6 and report.bytes("all-gather") == PARAM_BYTES, report.by_kind
+    assert report.count("reduce-scatter") == 0, report.by_kind
+    assert report.count("all-reduce") == 6 + 1 and report.bytes("all-reduce") == PARAM_BYTES + 4, report.by_kind
 
 
 def test_optimizer_level2_is_level1s_program():
