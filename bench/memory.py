@@ -3,6 +3,7 @@
     python bench/memory.py                 # the "small" GPT (4 blocks, hidden 128), 8 simulated CPU devices
     python bench/memory.py --size medium
     python bench/memory.py --smoke         # the 1-block smoke GPT, 3 layouts: that it runs and writes its JSON
+    python bench/memory.py --size wide --recompute   # 8 wide blocks, each recomputed (level3's per-layer gathers)
 
 Rows, each one TrainOneStepCell (AdamW) of bench/step.py's GPT:
 
@@ -56,9 +57,9 @@ def _split_by_memory(tree):
     return per_device_bytes(dev), per_device_bytes(host)
 
 
-def measure(cfg, n, mode, offload=False, **kw):
+def measure(cfg, n, mode, offload=False, recompute=False, **kw):
     """One step of the layout: its stored bytes per device, its compiled memory and its collectives."""
-    step = make_step(cfg, mode, n, **kw)
+    step = make_step(cfg, mode, n, recompute=recompute, **kw)
     ms.set_offload_context(offload_config={"offload_param": "cpu" if offload else ""})
     data = ms.dataset.shard_batch(batch(cfg))
     step(*data)
@@ -78,6 +79,7 @@ def main(argv=None):
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "memory.json"))
     ap.add_argument("--smoke", action="store_true", help="the 1-block smoke GPT: checks that it runs")
+    ap.add_argument("--recompute", action="store_true", help="every block recomputed in the backward")
     args = ap.parse_args(argv)
     if args.smoke:
         args.size = "smoke"
@@ -87,7 +89,7 @@ def main(argv=None):
     # test_train_memory, test_fsdp_compositions, test_offload)
     layouts = {k: v for k, v in LAYOUTS.items() if not args.smoke or k in ("data_parallel", "fsdp_x_tp", "offload")}
     for name, kw in layouts.items():
-        row = {"layout": name, **measure(cfg, n, **kw)}
+        row = {"layout": name, **measure(cfg, n, recompute=args.recompute, **kw)}
         rows.append(row)
         print(f"{name:14s} " + "  ".join(f"{c} {row[c]:>11,}" for c in COLUMNS), flush=True)
     base = rows[0]
@@ -99,7 +101,7 @@ def main(argv=None):
     print("\nagainst data parallel:")
     for name, r in summary.items():
         print(f"{name:14s} " + "  ".join(f"{c} {'-' if v is None else f'{v:.3f}'}" for c, v in r.items()))
-    out = {"config": {**cfg, "devices": n, "platform": jax.devices()[0].platform}, "rows": rows, "summary": summary}
+    out = {"config": {**cfg, "recompute": args.recompute, "devices": n, "platform": jax.devices()[0].platform}, "rows": rows, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")

@@ -76,7 +76,9 @@ from mshard._src.runtime.fastcall import fast_call, module_variables
 SIZES = {"smoke": dict(vocab=32, hidden=16, heads=4, ffn=32, seq=8, batch=16, layers=1),
          "tiny": dict(vocab=64, hidden=32, heads=4, ffn=128, seq=16, batch=16, layers=4),
          "small": dict(vocab=256, hidden=128, heads=4, ffn=512, seq=64, batch=16, layers=4),
-         "medium": dict(vocab=512, hidden=256, heads=8, ffn=1024, seq=128, batch=32, layers=4)}
+         "medium": dict(vocab=512, hidden=256, heads=8, ffn=1024, seq=128, batch=32, layers=4),
+         # weights much larger than a device's activations (32 tokens per device): what FSDP is for
+         "wide": dict(vocab=256, hidden=512, heads=8, ffn=2048, seq=16, batch=16, layers=8)}
 LOSS = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 # training features timed (data_parallel) against a hand-written step doing the same: make_step's keywords
 FEATURES = {"optimizer_parallel": {"zero": True},
