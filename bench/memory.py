@@ -101,7 +101,8 @@ def main(argv=None):
     print("\nagainst data parallel:")
     for name, r in summary.items():
         print(f"{name:14s} " + "  ".join(f"{c} {'-' if v is None else f'{v:.3f}'}" for c, v in r.items()))
-    out = {"config": {**cfg, "recompute": args.recompute, "devices": n, "platform": jax.devices()[0].platform}, "rows": rows, "summary": summary}
+    config = {**cfg, "recompute": args.recompute, "devices": n, "platform": jax.devices()[0].platform}
+    out = {"config": config, "rows": rows, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")
