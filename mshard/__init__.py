@@ -69,6 +69,7 @@ from mshard.context import set_algo_parameters as set_algo_parameters
 from mshard.context import set_auto_parallel_context as set_auto_parallel_context
 from mshard.context import set_cost_model_context as set_cost_model_context
 from mshard.context import set_offload_context as set_offload_context
+from mshard.context import set_op_strategy_config as set_op_strategy_config
 
 __all__ = [
                       "GRAPH_MODE",
@@ -127,6 +128,7 @@ __all__ = [
                       "set_context",
                       "set_cost_model_context",
                       "set_offload_context",
+                      "set_op_strategy_config",
                       "set_seed",
                       "shard",
                       "train",

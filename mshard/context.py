@@ -26,6 +26,7 @@ from mshard._src.values.context import set_algo_parameters as set_algo_parameter
 from mshard._src.values.context import set_auto_parallel_context as set_auto_parallel_context
 from mshard._src.values.context import set_cost_model_context as set_cost_model_context
 from mshard._src.values.context import set_offload_context as set_offload_context
+from mshard._src.values.context import set_op_strategy_config as set_op_strategy_config
 
 __all__ = [
     "OPTIMIZER_LEVELS",
@@ -48,4 +49,5 @@ __all__ = [
     "set_auto_parallel_context",
     "set_cost_model_context",
     "set_offload_context",
+    "set_op_strategy_config",
 ]

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jax.extend import core as jcore
+from jax.sharding import PartitionSpec
 
 from mshard._src.jaxpr.marks import OpNote, mark_p
 from mshard._src.jaxpr.op_graph import REPLICA, TraceResult, jaxpr_to_graph
@@ -357,6 +358,35 @@ def _fix_user_layouts(trace: TraceResult, base: RegionLayouts, inputs: Sequence[
             if lay is not None:
                 op = graph.ops[te.op]
                 op.fixed = _strategy_from_layout(op, _batched(lay, te.eqn, len(op.out_dims[0])), mesh)
+    _fix_marked_bodies(trace)
+
+
+def _fix_marked_bodies(trace: TraceResult) -> None:
+    """A primitive object traced op by op (an ``out_strategy`` keeps its output marks apart) whose body is one op
+    computes as its input strategy says (MindSpore's ``in_strategy`` is how the operator computes; its
+    ``out_strategy`` only redistributes the result): the body op is fixed to the layouts its fixed input marks
+    give its loop dims. Before, the search chose the body's strategy freely between the marks, so a MatMul
+    configured ``((2, 4), (1, 4))`` with an out_strategy could compute split ``(1, 8)``."""
+    graph = trace.graph
+    members: dict[int, list[int]] = {}
+    for oid, note in _groups(trace).items():
+        members.setdefault(id(note), []).append(oid)
+    for oids in members.values():
+        body = [graph.ops[o] for o in oids if graph.ops[o].kind != "mshard_mark"]
+        marks = {t: graph.ops[o] for o in oids for t in graph.ops[o].outputs if graph.ops[o].kind == "mshard_mark"}
+        if len(body) != 1 or body[0].fixed is not None:
+            continue
+        op, where, ok = body[0], {}, True
+        for tid, labels in zip(op.inputs, op.in_dims, strict=True):
+            mark = marks.get(tid)
+            if mark is None or mark.fixed is None:
+                ok = False
+                break
+            for label, axes in zip(labels, result_layout(mark, mark.fixed, 0), strict=True):
+                if label is not None and where.setdefault(label, tuple(axes)) != tuple(axes):
+                    ok = False
+        if ok and where:
+            op.fixed = tuple(where.get(d, ()) for d in op.dims)
 
 
 def _apply_strategy_file(load: str, trace: TraceResult, inputs: Sequence[InputInfo], mesh: DeviceMesh) -> str:
@@ -364,12 +394,15 @@ def _apply_strategy_file(load: str, trace: TraceResult, inputs: Sequence[InputIn
     strategies by op name, parameter layouts by name, and data laid out as the saved region's was; the plan's
     note on what was applied."""
     graph = trace.graph
-    loaded = load_plan(load)
+    loaded = _on_mesh(load_plan(load), mesh)
     if loaded.mesh != mesh:
         return f"strategy file {load} is for mesh {loaded.mesh}, not {mesh}: not applied"
     applied = 0
+    groups = {te.op: te for te in trace.eqns if te.group}
     for op in graph.ops:
         axes = loaded.graph_axes.get(op.name)
+        if axes is None and op.id in groups:
+            axes = _saved_group_axes(groups[op.id], op, loaded)
         if axes is not None and len(axes) == len(op.dims) and op.fixed is None:
             op.fixed = axes_by_index(axes, mesh)
             applied += 1
@@ -384,6 +417,47 @@ def _apply_strategy_file(load: str, trace: TraceResult, inputs: Sequence[InputIn
         if axes is not None and len(axes) == len(op.dims):   # data laid out as the saved region's was
             op.fixed = axes_by_index(axes, mesh)
     return f"strategy file {load}: {applied} op strategies and {stored} parameter layouts loaded"
+
+
+def _on_mesh(loaded, mesh: DeviceMesh):
+    """A saved plan on a mesh of the same shape and links whose axes are named otherwise (a ``Layout``'s
+    ``("dp", "mp", "sp")`` against the default ``d0, d1, d2``): the same devices in the same order, so its axes
+    are renamed by position. Any other mesh is returned as it is (and not applied)."""
+    old = loaded.mesh
+    if old == mesh or dataclasses.replace(old, names=mesh.names) != mesh:
+        return loaded
+    name = dict(zip(old.names, mesh.names, strict=True))
+    axes = {k: [[name[a] for a in d] for d in v] for k, v in loaded.graph_axes.items()}
+    specs = {k: PartitionSpec(*[None if d is None else (name[d] if isinstance(d, str) else tuple(name[a] for a in d))
+                                for d in spec]) for k, spec in loaded.param_specs.items()}
+    return dataclasses.replace(loaded, mesh=mesh, graph_axes=axes, param_specs=specs)
+
+
+def _saved_group_axes(te, op, loaded) -> list[list[str]] | None:
+    """A primitive object traced as one op here, saved op by op (an ``out_strategy`` keeps its marks and body
+    apart, ``mshard._src.jaxpr.op_graph``): its loop dims' axes from the saved layouts of its input marks, which
+    its scope holds first, in input order (``scope/mshard_mark``, ``scope/mshard_mark_1``, ...), checked against
+    the saved strategy's split counts. None where the file holds no such op."""
+    scope, _, _ = op.name.rpartition("/")
+    saved = next((o for o in loaded.ops if o.name == op.name), None)
+    note: OpNote = te.eqn.params["note"]
+    if saved is None or note.in_dims is None:
+        return None
+    head = f"{scope}/mshard_mark" if scope else "mshard_mark"
+    marks = [f"{head}_{k}" if k else head for k in range(len(note.in_dims))]
+    if any(m not in loaded.graph_axes for m in marks):
+        return None
+    where: dict[str, list[str]] = {}
+    for dims, m, counts in zip(note.in_dims, marks, saved.strategy, strict=False):
+        lay = loaded.graph_axes[m]
+        if len(lay) != len(dims) or len(counts) != len(dims):
+            return None
+        for letter, axes, n in zip(dims, lay, counts, strict=True):
+            if letter is not None and loaded.mesh.count(axes) != n:
+                return None
+            if letter is not None:
+                where.setdefault(letter, list(axes))
+    return [where.get(d, []) for d in op.dims]
 
 
 def _search(searcher, trace: TraceResult, params: CostParams, opts: dict, inputs: Sequence[InputInfo],

@@ -28,6 +28,7 @@ import dataclasses
 import difflib
 import enum
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -726,6 +727,38 @@ def set_algo_parameters(**kwargs: Any) -> None:
     global _algo
     _algo = _replace_checked(_algo, "set_algo_parameters", kwargs)
     _touch()
+
+
+def set_op_strategy_config(mode: str = "SAVE", path: str = "") -> None:
+    """Save the strategies a search gives every op to a JSON file, or load them (MindSpore's
+    ``mindspore.parallel.set_op_strategy_config``).
+
+    ``mode="SAVE"`` makes the next plan write every op's strategy, the propagated ones included, to ``path``;
+    ``mode="LOAD"`` gives the ops of later plans the strategies in ``path``, so a net with no ``shard`` call
+    plans as the saved one did. It is ``strategy_ckpt_config`` with one of its two files set (the other
+    cleared), in mshard's strategy-file format (:func:`mshard.load_plan` reads it).
+
+    Args:
+        mode: ``"SAVE"`` or ``"LOAD"``.
+        path: an absolute path ending in ``.json``.
+
+    Raises:
+        ContextError: another mode, a relative path, or a path that does not end in ``.json`` (MindSpore
+            raises ``KeyError`` for these; mshard's errors are ``ValueError`` subclasses).
+
+    >>> import mshard as ms
+    >>> ms.set_op_strategy_config(mode="SAVE", path="/tmp/mshard_doc/strategy.json")
+    >>> ms.get_auto_parallel_context("strategy_ckpt_config")["save_file"]
+    '/tmp/mshard_doc/strategy.json'
+    >>> ms.reset_auto_parallel_context()
+    """
+    if mode not in ("SAVE", "LOAD"):
+        raise ContextError(f"set_op_strategy_config: mode={mode!r}; use 'SAVE' or 'LOAD'.")
+    if not isinstance(path, str) or not os.path.isabs(path) or not path.endswith(".json"):
+        raise ContextError(f"set_op_strategy_config: path={path!r}; give an absolute path ending in .json, "
+                           f"e.g. '/tmp/strategy.json'.")
+    save, load = (path, "") if mode == "SAVE" else ("", path)
+    set_auto_parallel_context(strategy_ckpt_config={"save_file": save, "load_file": load})
 
 
 def _get(value, fname: str, key: str | None) -> Any:
