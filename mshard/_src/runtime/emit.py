@@ -18,6 +18,7 @@ sees the user's program plus the constraints, and its SPMD partitioner inserts t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -28,6 +29,7 @@ from mshard._src.jaxpr.marks import mark_p
 from mshard._src.jaxpr.walk import CALLS, REMAT, eval_jaxpr, jaxpr_params
 from mshard._src.jaxpr.walk import has_marks as _has_marks
 from mshard._src.planning.axis_assignment import RegionLayouts, exact_mark_key, mark_key
+from mshard._src.runtime import partial_sums
 from mshard._src.runtime.redistribute import redistribute
 from mshard._src.values.layout import jax_mesh, replica_layout, spec_of
 
@@ -54,6 +56,7 @@ class Emitter:
         # id(value) -> (value, its layout, the layout its readers take): a scanned slice moved where it is read
         self._deferred: dict[int, tuple] = {}
         self._undeferred: dict[int, tuple] = {}     # id(value) -> (value, it moved): one move however many read it
+        self._partial_roles: dict[int, tuple] = {}  # id(eqn) -> (eqn, its role in a sum of partial sums: partial_sums)
 
     def wsc(self, x, lay):
         if lay is None or not hasattr(x, "shape") or len(lay) != len(x.shape):
@@ -119,10 +122,56 @@ class Emitter:
         return params, ins
 
     def eval(self, jaxpr: jcore.Jaxpr, consts, *args, path: tuple = ()):
-        return eval_jaxpr(jaxpr, consts, args, lambda eqn, invals: self.eqn(eqn, invals, path))
+        if self.planned:
+            roles = partial_sums.partial_sum_pairs(jaxpr)
+            self._partial_roles.update((id(e), (e, roles[id(e)])) for e in jaxpr.eqns if id(e) in roles)
+        outs = eval_jaxpr(jaxpr, consts, args, lambda eqn, invals: self.eqn(eqn, invals, path))
+        return [self._materialize(x) for x in outs]
+
+    def _layout_of(self, x, planned):
+        if planned is not None:
+            return tuple(tuple(d) for d in planned)
+        seen = self._laid.get(id(x))
+        return None if seen is None or seen[0] is not x else tuple(tuple(d) for d in seen[1])
+
+    def _materialize(self, x):
+        """A :class:`~mshard._src.runtime.partial_sums.Stacked` partial sum summed (one all-reduce), constrained to
+        the layout the plan gave the sum, or to its parts' layout."""
+        if not isinstance(x, partial_sums.Stacked):
+            return x
+        return self.wsc(partial_sums.materialize(x), x.layout if x.target is None else x.target)
+
+    def _partial(self, eqn, invals, key):
+        """An op of a sum of partial sums (:mod:`~mshard._src.runtime.partial_sums`): its parts per device, or
+        None to bind it as traced."""
+        seen = self._partial_roles.get(id(eqn))
+        role = seen[1] if seen is not None and seen[0] is eqn else None
+        stacked = [isinstance(x, partial_sums.Stacked) for x in invals]
+        if role == "root" and not any(stacked):
+            ins = self.eqn_in.get(key) or [None] * len(invals)
+            lays = [self._layout_of(x, lay) if hasattr(x, "shape") else None for x, lay in zip(invals, ins)]
+            if eqn.primitive.name == "scatter-add" and lays[0] is None and hasattr(invals[0], "shape"):
+                lays[0] = ((),) * len(invals[0].shape)     # the operand a gather's transpose adds into: zeros, whole
+            if any(lay is None or len(lay) != len(x.shape) for x, lay in zip(invals, lays)):
+                return None
+            return partial_sums.local_partial(eqn, invals, lays, self.layouts.mesh)
+        if role == "chain" and stacked == [True]:
+            return partial_sums.chain_op(eqn, invals[0])
+        if role == "sum" and all(stacked) and len(invals) == 2:
+            out = partial_sums.add(*invals)
+            sum_lay = (self.eqn_out.get(key) or [None])[0]
+            if out is not None and sum_lay is not None:
+                out = dataclasses.replace(out, target=tuple(tuple(d) for d in sum_lay))
+            return out
+        return None
 
     def eqn(self, eqn, invals, path: tuple):
         prim = eqn.primitive
+        if self._partial_roles or any(isinstance(x, partial_sums.Stacked) for x in invals):
+            part = self._partial(eqn, invals, (path, id(eqn)))
+            if part is not None:
+                return part
+            invals = [self._materialize(x) for x in invals]
         if prim is mark_p:
             if not self.layouts.honour_marks:
                 return invals[0]

@@ -1,0 +1,180 @@
+"""Partial sums added before they are reduced: a tied parameter's gradient in a hand-written step (issue 40).
+
+A parameter read twice (a tied embedding: a gather, and the output projection) has a gradient that is the sum of
+two contributions, each computed from the split batch: a ``dot_general`` that contracts the split batch and a
+``scatter-add`` of the split batch's rows. Each is a partial sum per device. XLA's partitioner reduces each where
+it is made (the plan lays its result out whole), so the step all-reduces the parameter's bytes twice, and XLA:CPU
+has no pass that turns ``all-reduce(a) + all-reduce(b)`` into ``all-reduce(a + b)``. ``nn.TrainOneStepCell`` avoids
+it by running its data-parallel replicas side by side (``mshard._src.training.train_cells``); a step written as
+``ms.jit(nnx.value_and_grad(...))`` is one traced program, so the emitter does it here:
+
+* :func:`partial_sum_pairs` finds each ``add_any`` whose two operands are each made by such an op, read by nothing
+  else, through a chain of transposes or dtype casts (the transpose of ``x @ embed.T``);
+* :func:`local_partial` computes such an op on each device's blocks in a ``jax.shard_map``, stacked on a new
+  leading dim split over the reduced mesh axes (:class:`Stacked`: device ``i``'s partial sum is row ``i``);
+* the chain acts on the stack, the ``add_any`` adds the stacks, and :func:`materialize` sums the leading dim,
+  which XLA runs as one all-reduce over those axes.
+
+Where a layout is unknown or the op's split is not a partial sum of this form, nothing changes: the ops are bound
+as traced.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+from jax.sharding import PartitionSpec
+
+from mshard._src.values.layout import DimAxes, jax_mesh, spec_of
+
+ROOTS = frozenset({"dot_general", "scatter-add"})
+CHAIN = frozenset({"transpose", "convert_element_type"})
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """A partial sum held per device: ``value[i]`` is device group ``i``'s part (``value`` has one more leading
+    dim than the traced result, split over ``axes``); ``layout``: the other dims' layout; ``target``: where the
+    sum goes."""
+
+    value: jax.Array
+    axes: tuple[str, ...]
+    layout: DimAxes
+    target: DimAxes | None = None       # the layout the plan gives the sum (None: ``layout``)
+
+
+def partial_sum_pairs(jaxpr: jcore.Jaxpr) -> dict[int, str]:
+    """``id(eqn)`` -> its role: ``"root"`` (an op that makes a partial sum), ``"chain"`` (a transpose or cast
+    between it and the sum), ``"sum"`` (an ``add_any`` of two such chains). A chain's values are read by nothing
+    else; an ``add_any`` already a sum may be the root of another (a parameter read three times).
+
+    ``e`` read twice: its gradient adds the transposed contribution of ``x @ e`` (a dot_general, transposed
+    twice on its way) to that of ``e.T`` (a dot_general, transposed back).
+
+    >>> import jax, jax.numpy as jnp
+    >>> j = jax.make_jaxpr(jax.grad(lambda e, x: jnp.sum((x @ e) @ e.T)))(jnp.ones((4, 2)), jnp.ones((3, 4)))
+    >>> roles = partial_sum_pairs(j.jaxpr)
+    >>> [(roles[id(e)], e.primitive.name) for e in j.jaxpr.eqns if id(e) in roles]  # doctest: +NORMALIZE_WHITESPACE
+    [('root', 'dot_general'), ('chain', 'transpose'), ('chain', 'transpose'), ('root', 'dot_general'),
+     ('chain', 'transpose'), ('sum', 'add_any')]
+    """
+    uses = Counter(v for e in jaxpr.eqns for v in e.invars if isinstance(v, jcore.Var))
+    uses.update(v for v in jaxpr.outvars if isinstance(v, jcore.Var))
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    roles: dict[int, str] = {}
+    for e in jaxpr.eqns:
+        if e.primitive.name != "add_any":
+            continue
+        chains = [_chain(v, uses, producer, roles) for v in e.invars]
+        if all(c is not None for c in chains):
+            for c in chains:
+                roles.setdefault(id(c[-1]), "root")
+                roles.update((id(p), "chain") for p in c[:-1])
+            roles[id(e)] = "sum"
+    return roles
+
+
+def _chain(v, uses: Counter, producer: dict, roles: dict[int, str]) -> list | None:
+    chain = []
+    while isinstance(v, jcore.Var) and uses[v] == 1 and v in producer:
+        p = producer[v]
+        chain.append(p)
+        if p.primitive.name in ROOTS or roles.get(id(p)) == "sum":
+            return chain
+        if p.primitive.name not in CHAIN:
+            return None
+        v = p.invars[0]
+    return None
+
+
+def local_partial(eqn, invals, layouts, mesh) -> Stacked | None:
+    """``eqn`` (a root) computed per device on operands laid out as ``layouts`` (``DimAxes`` each), as a
+    :class:`Stacked` partial sum; None where its split is not a partial sum over some mesh axes."""
+    found = _RULES[eqn.primitive.name](eqn, layouts)
+    if found is None:
+        return None
+    axes, out_layout, local = found
+    params = eqn.params
+
+    def body(*xs):
+        return local(xs, params)[None]
+    run = jax.shard_map(body, mesh=jax_mesh(mesh), in_specs=tuple(spec_of(lay) for lay in layouts),
+                        out_specs=PartitionSpec(axes, *spec_of(out_layout)), check_vma=False)
+    return Stacked(run(*invals), axes, out_layout)
+
+
+def _dot(eqn, layouts):
+    """A dot_general whose contracting dims are split on the same axes on both sides (those axes are the partial
+    sum's); batch dims split alike; no axis used twice in the result."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    ll, rl = layouts
+    if any(tuple(ll[i]) != tuple(rl[j]) for i, j in (*zip(lc, rc), *zip(lb, rb))):
+        return None
+    axes = tuple(a for d in lc for a in ll[d])
+    lfree = [d for d in range(len(ll)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rl)) if d not in rc and d not in rb]
+    out = tuple(tuple(ll[d]) for d in (*lb, *lfree)) + tuple(tuple(rl[d]) for d in rfree)
+    used = [a for d in out for a in d]
+    if not axes or len(set(used)) != len(used) or set(used) & set(axes):
+        return None
+
+    def local(xs, params):
+        return jax.lax.dot_general_p.bind(*xs, **params)
+    return axes, out, local
+
+
+def _scatter_add(eqn, layouts):
+    """A scatter-add (a gather's transpose) of updates split only on their scatter dims, the indices alike, into an
+    operand kept whole: each device adds its rows into the operand (counted once: on the first device of each
+    group) and the parts sum to the whole."""
+    dn = eqn.params["dimension_numbers"]
+    op_lay, idx_lay, upd_lay = layouts
+    if dn.operand_batching_dims or any(op_lay):
+        return None
+    scatter_dims = [d for d in range(len(upd_lay)) if d not in dn.update_window_dims]
+    if any(upd_lay[d] for d in dn.update_window_dims):
+        return None
+    idx_dims = list(range(len(idx_lay)))
+    del idx_dims[-1]           # the index vector dim (jax.lax.scatter puts it last)
+    if len(idx_dims) != len(scatter_dims) or idx_lay[-1] or any(
+            tuple(idx_lay[i]) != tuple(upd_lay[d]) for i, d in zip(idx_dims, scatter_dims)):
+        return None
+    axes = tuple(a for d in scatter_dims for a in upd_lay[d])
+    if not axes:
+        return None
+    prim = eqn.primitive
+
+    def local(xs, params):
+        operand, indices, updates = xs
+        first = jax.lax.axis_index(axes) == 0
+        operand = jnp.where(first, operand, jnp.zeros_like(operand))
+        return prim.bind(operand, indices, updates, **params)
+    return axes, tuple(() for _ in op_lay), local
+
+
+_RULES = {"dot_general": _dot, "scatter-add": _scatter_add}
+
+
+def chain_op(eqn, x: Stacked) -> Stacked:
+    """A transpose or a cast applied to every device's part."""
+    if eqn.primitive.name == "transpose":
+        perm = eqn.params["permutation"]
+        return Stacked(jnp.transpose(x.value, (0, *[p + 1 for p in perm])), x.axes,
+                       tuple(x.layout[p] for p in perm), None if x.target is None else tuple(x.target[p] for p in perm))
+    return Stacked(eqn.primitive.bind(x.value, **eqn.params), x.axes, x.layout, x.target)
+
+
+def add(a: Stacked, b: Stacked) -> Stacked | None:
+    """Two parts held alike, added per device; None where their axes or layouts differ."""
+    if a.axes != b.axes or a.layout != b.layout:
+        return None
+    return Stacked(a.value + b.value, a.axes, a.layout)
+
+
+def materialize(x):
+    """The sum of the parts (one all-reduce over their axes); anything else as it is."""
+    return jnp.sum(x.value, axis=0) if isinstance(x, Stacked) else x
