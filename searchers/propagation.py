@@ -2,8 +2,10 @@
 
 Start from the ops with a fixed strategy (``op.fixed``); walk the graph breadth-first over edges in both directions.
 When an op is first reached it is decided at once, against every neighbour already decided (operand producers and
-result consumers): among its candidates keep those with the least summed redistribution cost against those sides (a
-layout equal to the neighbour's, or obtainable by a free local slice, costs 0), then those whose strategy uses as many
+result consumers): among its candidates keep those whose redistributions against those sides move the fewest bytes
+(over the links' bandwidth, no per-collective latency: MindSpore's redistribution cost counts the data a change
+moves; a layout equal to the neighbour's, or obtainable by a free local slice, moves none), then those of least
+summed redistribution cost on the cost model (latency included), then those whose strategy uses as many
 devices as the neighbour ops' strategies do (the least summed ``|log2 devices - log2 neighbour's devices|``; a source,
 data or a parameter, has a layout and no strategy, and does not count), then take the least own cost (ties: candidate
 order). Every split is a candidate, one that idles devices too: fully_use_devices restricts the cost-model searchers,

@@ -33,18 +33,22 @@ def used_log2(s: Strategy, mesh) -> float:
     return math.log2(mesh.count({a for d in s for a in d}))
 
 
-def _first_min(own: list[float], red: list[float], change: list[float] | None = None) -> int:
-    """First candidate with the least ``red`` and, among those, the least ``change`` (when given) and then the
-    least ``own`` (each compared with a relative tolerance, so float rounding never decides a tie). Plain floats: a
-    decision weighs a few dozen candidates, where numpy's per-call overhead is most of the time.
+def _first_min(own: list[float], red: list[float], change: list[float] | None = None,
+               moved: list[float] | None = None) -> int:
+    """First candidate with the least ``moved`` (when given: the redistributions' bytes alone), then the least
+    ``red``, then the least ``change`` (when given) and then the least ``own`` (each compared with a relative
+    tolerance, so float rounding never decides a tie). Plain floats: a decision weighs a few dozen candidates,
+    where numpy's per-call overhead is most of the time.
 
     >>> _first_min([3.0, 1.0, 2.0], [1.0, 2.0, 1.0 + 1e-12])    # 0 and 2 tie; the lesser own cost wins
     2
     >>> _first_min([3.0, 1.0, 2.0], [1.0, 2.0, 1.0], [0.0, 0.0, 2.0])    # 2 uses more devices than its neighbour
     0
+    >>> _first_min([3.0, 1.0, 2.0], [1.0, 2.0, 1.0], None, [5.0, 4.0, 5.0])   # 1 moves fewer bytes, in 2 collectives
+    1
     """
     tied = list(range(len(red)))
-    for vec in (red, change, own):
+    for vec in (moved, red, change, own):
         if vec is None or len(tied) == 1:
             continue
         lo = min([vec[i] for i in tied])
@@ -59,7 +63,7 @@ class _Tables(Tables):
 
     def __init__(self, graph: Graph, params: CostParams, max_candidates: int | None, least_change: bool = False):
         super().__init__(graph, params, max_candidates)
-        self.least_change = least_change
+        self.least_change = least_change       # MindSpore's rule (searchers.propagation): bytes first, devices used
         self.used: dict[int, list[float]] = {}
         self.is_source: list[bool] = []
         self.decision: dict[tuple, int] = {}
@@ -82,11 +86,13 @@ class _Tables(Tables):
                 for side in sides[1:]:
                     total = total + self.vector(sid, *side[:3])
                 red = total.tolist()
-            change = None
-            if self.least_change and any(len(side) > 3 for side in sides):
-                used = self.devices_used(sid)
-                change = [sum(abs(u - side[3]) for side in sides if len(side) > 3) for u in used]
-            c = self.decision[key] = _first_min(own, red, change)
+            change = moved = None
+            if self.least_change:
+                moved = sum(self.bytes_vector(sid, *side[:3]) for side in sides).tolist()
+                if any(len(side) > 3 for side in sides):
+                    used = self.devices_used(sid)
+                    change = [sum(abs(u - side[3]) for side in sides if len(side) > 3) for u in used]
+            c = self.decision[key] = _first_min(own, red, change, moved)
         return c
 
     def devices_used(self, sid: int) -> list[float]:
@@ -96,6 +102,21 @@ class _Tables(Tables):
             st = self.structs[sid]
             assert st is not None
             v = self.used[sid] = [used_log2(s, self.mesh) for s in st.cands]
+        return v
+
+    def bytes_vector(self, sid: int, out: int, idx: int, other: int) -> np.ndarray:
+        """:meth:`vector` without its latency terms: the redistribution's bytes over the links' bandwidth, what
+        MindSpore's redistribution cost counts (``tensor_redistribution.cc`` prices the data a change moves, no
+        per-collective term)."""
+        key = (sid, out, idx, other, "bytes")
+        v = self.side_vec.get(key)
+        if v is None:
+            self.vector(sid, out, idx, other)           # fills self.affine for this list and side
+            st, spec = self.structs[sid], self.specs[sid]
+            assert st is not None
+            list_id = (st.out_lids[idx] if out else st.in_lids[idx])[3]
+            nbytes = spec.out_bytes[idx] if out else spec.in_bytes[idx]
+            v = self.side_vec[key] = self.affine[list_id, out, other][1] * float(nbytes)
         return v
 
     def vector_list(self, sid: int, out: int, idx: int, other: int) -> list[float]:

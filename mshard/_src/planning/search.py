@@ -371,7 +371,10 @@ def _fix_marked_bodies(trace: TraceResult) -> None:
     members: dict[int, list[int]] = {}
     for oid, note in _groups(trace).items():
         members.setdefault(id(note), []).append(oid)
-    for oids in members.values():
+    notes = {id(note): note for note in _groups(trace).values()}
+    for nid, oids in members.items():
+        if not any(notes[nid].out_strategy or ()):       # traced apart for another reason: left to the search
+            continue
         body = [graph.ops[o] for o in oids if graph.ops[o].kind != "mshard_mark"]
         marks = {t: graph.ops[o] for o in oids for t in graph.ops[o].outputs if graph.ops[o].kind == "mshard_mark"}
         if len(body) != 1 or body[0].fixed is not None:
@@ -385,8 +388,9 @@ def _fix_marked_bodies(trace: TraceResult) -> None:
             for label, axes in zip(labels, result_layout(mark, mark.fixed, 0), strict=True):
                 if label is not None and where.setdefault(label, tuple(axes)) != tuple(axes):
                     ok = False
-        if ok and where:
-            op.fixed = tuple(where.get(d, ()) for d in op.dims)
+        fixed = tuple(where.get(d, ()) for d in op.dims)
+        if ok and where and _legal(op, fixed, graph.mesh):
+            op.fixed = fixed
 
 
 def _apply_strategy_file(load: str, trace: TraceResult, inputs: Sequence[InputInfo], mesh: DeviceMesh) -> str:
@@ -431,6 +435,16 @@ def _on_mesh(loaded, mesh: DeviceMesh):
     specs = {k: PartitionSpec(*[None if d is None else (name[d] if isinstance(d, str) else tuple(name[a] for a in d))
                                 for d in spec]) for k, spec in loaded.param_specs.items()}
     return dataclasses.replace(loaded, mesh=mesh, graph_axes=axes, param_specs=specs)
+
+
+def _legal(op, strategy, mesh: DeviceMesh) -> bool:
+    """``strategy`` (mesh axes per loop dim) splits no unsplittable dim, and each split divides what it must
+    (:meth:`searchers.graph.Op.split_sizes`), and no halo dim together with a dim kept apart from it."""
+    for (d, _), axes, size in zip(op.dims.items(), strategy, op.split_sizes(), strict=True):
+        if axes and (d in op.unsplittable or size % mesh.count(axes)):
+            return False
+    halo, apart = op.apart()
+    return not (any(strategy[i] for i in halo) and any(strategy[i] for i in apart))
 
 
 def _saved_group_axes(te, op, loaded) -> list[list[str]] | None:
