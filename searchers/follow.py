@@ -24,12 +24,13 @@ residual) the layout its op computed that operand in.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from typing import cast
 
-from .cost import CostParams
-from .graph import Graph, Strategy, TensorLayout, operand_layout, pinned_strategy, replicated
+from .cost import CostParams, redistribution_total, spec_cost
+from .graph import DeviceMesh, Graph, Strategy, TensorLayout, operand_layout, pinned_strategy, replicated
 from .graph_index import GraphIndex
 from .result import SearchResult
 from .spec import OpSpec, layout_of
@@ -44,15 +45,21 @@ def follow_operands(graph: Graph, params: CostParams, *, fully_use_devices: bool
     the batch, not followed in its shard."""
     t0 = time.perf_counter()
     ix = GraphIndex(graph)
-    strategies = dict(enumerate(follow_strategies(graph, ix, first_operand_first=first_operand_first)))
+    strategies = dict(enumerate(follow_strategies(graph, ix, first_operand_first=first_operand_first,
+                                                  params=None if first_operand_first else params)))
     return SearchResult(strategies, ix.cost(strategies, params), "follow_operands", time.perf_counter() - t0,
                         ["follow_operands: ops without a user strategy compute in the layout their operands arrive in "
                          "(nothing new is split; the batch stays data parallel)"])
 
 
-def follow_strategies(graph: Graph, ix: GraphIndex, *, first_operand_first: bool = False) -> list[Strategy]:
+def follow_strategies(graph: Graph, ix: GraphIndex, *, first_operand_first: bool = False,
+                      params: CostParams | None = None) -> list[Strategy]:
     """:func:`follow_operands`' strategies, one per op id, on the graph's :class:`~searchers.graph_index.GraphIndex`
-    (ops of one shape whose operands arrive alike are decided once)."""
+    (ops of one shape whose operands arrive alike are decided once). With ``params``, a derived op (a training
+    step's backward or update) whose operands arrive in layouts that disagree takes the operands' axes in the order
+    that costs least (:func:`cheapest_follow`), as MindSpore derives the backward from the forward's strategies:
+    a weight gradient computed against a batch-split cotangent keeps the weight's model-parallel split and moves
+    the cotangent, rather than gathering the weight."""
     shape = graph.mesh.shape
     ops = graph.ops
     st: list[Strategy | None] = [None] * len(ops)      # None: not decided yet (a tie may look ahead)
@@ -92,11 +99,14 @@ def follow_strategies(graph: Graph, ix: GraphIndex, *, first_operand_first: bool
             st[v] = s
             out_l.append(got_out)
             continue
-        params = tuple(i for i, (p, _) in enumerate(srcs) if stored[p])
-        key = (si, tuple([out_l[p][j] for p, j in srcs]), params)
+        kept = tuple(i for i, (p, _) in enumerate(srcs) if stored[p])
+        choose = params is not None and ops[v].derived
+        key = (si, tuple([out_l[p][j] for p, j in srcs]), kept, choose)
         got = memo.get(key)
         if got is None:
-            s = follow_layouts(specs[si], tuple(layouts[i] for i in key[1]), shape, first_operand_first, params)
+            lays = tuple(layouts[i] for i in key[1])
+            s = (cheapest_follow(specs[si], lays, graph.mesh, cast(CostParams, params)) if choose else
+                 follow_layouts(specs[si], lays, shape, first_operand_first, kept))
             got = memo[key] = (s, ids(si, s))
         st[v] = got[0]
         out_l.append(got[1])
@@ -112,18 +122,55 @@ def follow_strategies(graph: Graph, ix: GraphIndex, *, first_operand_first: bool
     return cast(list[Strategy], st)        # every op is decided by now
 
 
+def cheapest_follow(spec: OpSpec, lays: tuple[TensorLayout, ...], mesh: DeviceMesh, params: CostParams) -> Strategy:
+    """Among the strategies :func:`follow_layouts` gives when the operands' axes are taken in each order, the one
+    whose own cost plus the redistributions of its operands from ``lays`` is least on the cost model; the default
+    order's on a tie (so an op whose operands agree is decided as before).
+
+    >>> from searchers.spec import OpSpec
+    >>> mesh = DeviceMesh((2, 4))
+    >>> # dh = dy @ w2.T (loop dims m 32, n 256, k 64): dy [32, 64] split 8 on its rows (the loss's data-parallel
+    >>> # default), w2 [256, 64] stored with its rows split 4 (Megatron's row-parallel weight)
+    >>> spec = OpSpec((32, 256, 64), (False,) * 3, ((0, 2), (1, 2)), ((0, 1),), (8192, 65536), (32768,), (2,),
+    ...               2 * 32 * 256 * 64, True, 1.0, (), ((), ()), False)
+    >>> lays = (((0, 1), ()), ((1,), ()))
+    >>> follow_layouts(spec, lays, mesh.shape)           # the most split first: w2 is gathered whole
+    ((0, 1), (), ())
+    >>> cheapest_follow(spec, lays, mesh, CostParams())  # w2 keeps its split; dy is gathered over axis 1 only
+    ((0,), (1,), ())
+    """
+    orders = [None, *itertools.permutations(range(len(lays)))] if 1 < len(lays) <= 4 else [None]
+    best, best_cost = None, math.inf
+    for order in orders:
+        s = follow_layouts(spec, lays, mesh.shape, order=order)
+        if s == best:
+            continue
+        c = spec_cost(spec, s, mesh, params).total + sum(
+            redistribution_total(lay, layout_of(maps, s), nbytes, mesh, params)
+            for lay, maps, nbytes in zip(lays, spec.in_maps, spec.in_bytes, strict=True))
+        if c < best_cost * (1 - 1e-9):
+            best, best_cost = s, c
+    return cast(Strategy, best)
+
+
 def follow_layouts(spec: OpSpec, lays: tuple[TensorLayout, ...], shape: tuple[int, ...],
-                   first_operand_first: bool = False, params: tuple[int, ...] = ()) -> Strategy:
+                   first_operand_first: bool = False, params: tuple[int, ...] = (),
+                   order: tuple[int, ...] | None = None) -> Strategy:
     """The strategy of an op of ``spec`` whose operands arrive in ``lays`` (module doc); ``first_operand_first``
-    takes them in operand order, those listed in ``params`` (parameters) last."""
+    takes them in operand order, those listed in ``params`` (parameters) last; ``order`` in that order."""
     arriving: list[tuple[int, int, int, TensorLayout]] = []
     for i, lay in enumerate(lays):
         n = math.prod(shape[a] for axes in lay for a in axes)
-        arriving.append((i in params, i, i, lay) if first_operand_first else (-n, -spec.in_bytes[i], i, lay))
+        if order is not None:
+            arriving.append((order.index(i), 0, i, lay))
+        else:
+            arriving.append((i in params, i, i, lay) if first_operand_first else (-n, -spec.in_bytes[i], i, lay))
     where: dict[int, tuple[int, ...]] = {}
     used: set[int] = set()
     for _, _, i, lay in sorted(arriving):
         for d, axes in zip(spec.in_maps[i], lay):
+            if order is not None and axes and set(axes) & used:     # the leading axes not used yet (a coarser split)
+                axes = tuple(itertools.takewhile(lambda a: a not in used, axes))
             if d < 0 or not axes or d in where or spec.unsplittable[d] or set(axes) & used:
                 continue
             if spec.sizes[d] % math.prod(shape[a] for a in axes):
