@@ -56,10 +56,11 @@ def follow_strategies(graph: Graph, ix: GraphIndex, *, first_operand_first: bool
                       params: CostParams | None = None) -> list[Strategy]:
     """:func:`follow_operands`' strategies, one per op id, on the graph's :class:`~searchers.graph_index.GraphIndex`
     (ops of one shape whose operands arrive alike are decided once). With ``params``, a derived op (a training
-    step's backward or update) whose operands arrive in layouts that disagree takes the operands' axes in the order
-    that costs least (:func:`cheapest_follow`), as MindSpore derives the backward from the forward's strategies:
-    a weight gradient computed against a batch-split cotangent keeps the weight's model-parallel split and moves
-    the cotangent, rather than gathering the weight."""
+    step's backward or update) that would move a split weight (stored state: a parameter, its casts and
+    transposes) to follow its other operands takes the operands' axes in the order that costs least
+    (:func:`cheapest_follow`), as MindSpore derives the backward from the forward's strategies: ``dy @ w.T``
+    against a batch-split cotangent keeps the row-parallel weight's split and moves the cotangent, rather than
+    gathering the weight."""
     shape = graph.mesh.shape
     ops = graph.ops
     st: list[Strategy | None] = [None] * len(ops)      # None: not decided yet (a tie may look ahead)
@@ -87,9 +88,8 @@ def follow_strategies(graph: Graph, ix: GraphIndex, *, first_operand_first: bool
     # data parallel takes such operands' axes after the others' (a level3 weight is gathered for the batch's op)
     stored = [False] * len(ops)
     for v, (si, srcs, source) in enumerate(zip(ix.spec_index, ix.in_src, ix.is_source)):
-        if first_operand_first:
-            stored[v] = ops[v].kind == "param" if source else (
-                any(stored[p] for p, _ in srcs) and all(stored[p] or ops[p].kind == "const" for p, _ in srcs))
+        stored[v] = ops[v].kind == "param" if source else (
+            any(stored[p] for p, _ in srcs) and all(stored[p] or ops[p].kind == "const" for p, _ in srcs))
         s = pinned_strategy(graph, ops[v], st) if v in pinned else None
         if s is not None or source:
             s = replicated(ops[v]) if s is None else s
@@ -101,12 +101,13 @@ def follow_strategies(graph: Graph, ix: GraphIndex, *, first_operand_first: bool
             continue
         kept = tuple(i for i, (p, _) in enumerate(srcs) if stored[p])
         choose = params is not None and ops[v].derived
-        key = (si, tuple([out_l[p][j] for p, j in srcs]), kept, choose)
+        key = (si, tuple([out_l[p][j] for p, j in srcs]), kept if first_operand_first or choose else (), choose)
         got = memo.get(key)
         if got is None:
             lays = tuple(layouts[i] for i in key[1])
-            s = (cheapest_follow(specs[si], lays, graph.mesh, cast(CostParams, params)) if choose else
-                 follow_layouts(specs[si], lays, shape, first_operand_first, kept))
+            s = follow_layouts(specs[si], lays, shape, first_operand_first, kept if first_operand_first else ())
+            if choose and any(lays[i] and layout_of(specs[si].in_maps[i], s) != lays[i] for i in kept):
+                s = cheapest_follow(specs[si], lays, graph.mesh, cast(CostParams, params))
             got = memo[key] = (s, ids(si, s))
         st[v] = got[0]
         out_l.append(got[1])
