@@ -88,6 +88,11 @@ BUGS = [
         "    return [None if j >= num_carry and lay is not None and not any(lay) else lay for j, lay in enumerate(outs_lay)]\n",
         "    return list(outs_lay)\n",
         ("tests/e2e/training/test_fsdp_scan_layers.py",)),
+    Bug("partial_sum_table_per_device", "a scatter-add's per-device part adds the table on every device, so the "
+        "summed parts count it once per device", "mshard/_src/runtime/partial_sums.py",
+        "        operand = jnp.where(first, operand, jnp.zeros_like(operand))\n",
+        "        operand = operand\n",
+        ("tests/unit/runtime/test_partial_sums.py", "tests/e2e/training/test_tied_parameters.py")),
     Bug("dataset_off_by_one", "each device's rows of a host batch are the next device's (the last keeps its own)",
         "mshard/_src/runtime/dataset.py",
         "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])\n",
