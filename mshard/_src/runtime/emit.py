@@ -268,4 +268,5 @@ def emit(closed: jcore.ClosedJaxpr, layouts: RegionLayouts, eqn_out: dict | None
             em._laid.clear()        # the trace's values are not kept alive past it
             em._deferred.clear()
             em._undeferred.clear()
+            em._partial_roles.clear()   # found again per traced body (a rebuilt remat body is a new jaxpr each trace)
     return run
