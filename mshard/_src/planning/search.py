@@ -368,12 +368,11 @@ def _fix_marked_bodies(trace: TraceResult) -> None:
     give its loop dims. Before, the search chose the body's strategy freely between the marks, so a MatMul
     configured ``((2, 4), (1, 4))`` with an out_strategy could compute split ``(1, 8)``."""
     graph = trace.graph
-    members: dict[int, list[int]] = {}
+    members: dict[int, tuple[OpNote, list[int]]] = {}
     for oid, note in _groups(trace).items():
-        members.setdefault(id(note), []).append(oid)
-    notes = {id(note): note for note in _groups(trace).values()}
-    for nid, oids in members.items():
-        if not any(notes[nid].out_strategy or ()):       # traced apart for another reason: left to the search
+        members.setdefault(id(note), (note, []))[1].append(oid)
+    for note, oids in members.values():
+        if not any(note.out_strategy or ()):       # traced apart for another reason: left to the search
             continue
         body = [graph.ops[o] for o in oids if graph.ops[o].kind != "mshard_mark"]
         marks = {t: graph.ops[o] for o in oids for t in graph.ops[o].outputs if graph.ops[o].kind == "mshard_mark"}
