@@ -56,8 +56,9 @@ def follow_strategies(graph: Graph, ix: GraphIndex, *, first_operand_first: bool
                       params: CostParams | None = None) -> list[Strategy]:
     """:func:`follow_operands`' strategies, one per op id, on the graph's :class:`~searchers.graph_index.GraphIndex`
     (ops of one shape whose operands arrive alike are decided once). With ``params``, a derived op (a training
-    step's backward or update) that would move a split weight (stored state: a parameter, its casts and
-    transposes) to follow its other operands takes the operands' axes in the order that costs least
+    step's backward or update) whose default strategy reads a weight (stored state: a parameter, its casts and
+    transposes) in another layout than it arrives in (a split weight gathered, or a whole one sliced) takes
+    the operands' axes in the order that costs least
     (:func:`cheapest_follow`), as MindSpore derives the backward from the forward's strategies: ``dy @ w.T``
     against a batch-split cotangent keeps the row-parallel weight's split and moves the cotangent, rather than
     gathering the weight."""
