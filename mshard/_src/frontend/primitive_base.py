@@ -12,6 +12,7 @@ own region, MindSpore's PyNative ``shard``, and its result keeps the planned lay
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from mshard._src.frontend import direct_call
+from mshard._src.frontend import direct_call, interleave
 from mshard._src.jaxpr import marks
 from mshard._src.jaxpr.marks import CallSite, OpNote
 from mshard._src.jaxpr.user_trace import call_in_user_trace
@@ -118,7 +119,7 @@ class Primitive:
                 return out
         k = len(args) if self.n_tensors is None else self.n_tensors
         tensors, attrs = list(args[:k]), args[k:]
-        fn = (lambda *t: self.compute(*t, *attrs))
+        fn = self._copies(lambda *t: self.compute(*t, *attrs), tensors, attrs)
         site = marks.call_site(tuple(tensors))
         if site is not CallSite.REGION:
             if self.in_strategy is not None and site is CallSite.EAGER and _eager_sharded():
@@ -136,6 +137,7 @@ class Primitive:
         shapes = [tuple(jax.numpy.shape(t)) for t in tensors]
         in_dims, out_dims, fixed = self.spec(shapes, attrs)
         note = self._note(shapes, in_dims, out_dims, fixed, trace.device_num)
+        fn = self._copies(lambda *t: self.compute(*t, *attrs), tensors, attrs, note)
         with jax.named_scope(self.name) if self.name else _null():
             out = marks.annotate_call(fn, tensors, note)
         self._check_outputs(note, out)
@@ -148,6 +150,38 @@ class Primitive:
                 if st is not None:
                     check_fits(st, o.shape, trace.device_num, f"{self._where()} output {j}")
         return out
+
+    def _copies(self, fn, tensors, attrs, note: OpNote | None = None):
+        """``fn`` computed in the copies a Layout's ``interleaved_parallel`` asks (:mod:`mshard._src.frontend.interleave`),
+        or ``fn`` itself. With the op's ``note`` (in a region) each copy is annotated as the op with the strategy's
+        device splits, so the search computes it where the strategy says."""
+        if not _eager_sharded() or not any(s is not None and s.copies is not None for s in self.in_strategy or ()):
+            return fn          # the modes that ignore strategies compute the op whole
+        shapes = [tuple(jax.numpy.shape(t)) for t in tensors]
+        in_dims, out_dims, fixed = self.spec(shapes, attrs)
+        ip = interleave.interleaved_dim(self._where(), self.in_strategy, in_dims)
+        if ip is None:
+            return fn
+        if note is not None:
+            strategy = tuple(None if s is None else dataclasses.replace(s, copies=None) for s in self.in_strategy)
+
+            def each(i, fn, parts):
+                part_shapes = [tuple(p.shape) for p in parts]
+                halo, apart = self.halo(part_shapes)
+                copy = OpNote(self.kind, self.name, strategy, None, tuple(part_shapes), tuple(in_dims),
+                              tuple(out_dims), frozenset(fixed), tuple(sorted(halo.items())), apart)
+                with jax.named_scope(f"copy{i}"):
+                    return marks.annotate_call(fn, parts, copy)
+
+            def merge(put_all, flat):
+                # the copies' results, and the op's, laid out as the strategy computes them
+                outs = [_result_strategy(strategy, in_dims, dims) for dims in out_dims]
+                ins = tuple(st for st in outs for _ in range(ip[2]))
+                return marks.annotate_call(put_all, flat, OpNote("shard", None, ins, tuple(outs),
+                                                                 tuple(tuple(x.shape) for x in flat)))
+        else:
+            each = merge = None
+        return interleave.in_copies(fn, self._where(), *ip, shapes, in_dims, out_dims, each, merge)
 
     def _self_contained(self) -> bool:
         """Whether the strategy names its own mesh (split tuples, a Layout, a NamedSharding), so the op alone can
@@ -208,6 +242,26 @@ class Primitive:
         """A windowed primitive's halo: (loop dim -> rows of its input beyond a device's block that it reads, the
         loop dims a search never splits together with a halo dim); none by default."""
         return {}, frozenset()
+
+
+def _result_strategy(strategy, in_dims, out_dims) -> TensorStrategy:
+    """An output's layout as the op's strategy computes it: each loop dim split as the inputs split it."""
+    counts: dict[str, int] = {}
+    axes: dict[str, tuple[str, ...]] = {}
+    mesh = None
+    for st, dims in zip(strategy, in_dims):
+        if st is None:
+            continue
+        mesh = mesh or st.mesh
+        for d, letter in enumerate(dims):
+            if letter is not None:
+                counts.setdefault(letter, st.counts[d])
+                if st.axes is not None:
+                    axes.setdefault(letter, st.axes[d])
+    named = all(d is None or d in axes or counts.get(d, 1) == 1 for d in out_dims) and mesh is not None
+    return TensorStrategy(tuple(counts.get(d, 1) if d else 1 for d in out_dims),
+                          tuple(axes.get(d, ()) if d else () for d in out_dims) if named else None,
+                          mesh if named else None)
 
 
 class _null:

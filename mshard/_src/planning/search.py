@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec
 from mshard._src.jaxpr.marks import OpNote, mark_p
 from mshard._src.jaxpr.op_graph import REPLICA, TraceResult, jaxpr_to_graph
 from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts, assign_layouts, exact_mark_key, mark_key
+from mshard._src.planning.fused_sums import fused_reductions, unpriced_reduction
 from mshard._src.values import context as ctxmod
 from mshard._src.values.errors import ContextError, PlanError, StrategyError
 from mshard._src.values.layout import (
@@ -327,7 +328,21 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     result = _search(searcher, trace, params, opts, inputs, base, hold, notes)
     layouts, eqn_out, eqn_in = _emit_layouts(trace, result.strategies, base)
     plan = build_plan(trace, result.strategies, result, params, mesh, inputs, base, notes, algorithm)
+    if load and (lost := _copies_not_given(load, plan)):
+        plan = dataclasses.replace(plan, notes=plan.notes + (lost,))
     return Planned(plan, layouts, eqn_out, eqn_in)
+
+
+def _copies_not_given(load: str, plan) -> str | None:
+    """A note on the ops a strategy file computed in ``interleaved_parallel`` copies that this trace computes
+    whole: copies are how an op's body is traced (:mod:`mshard._src.frontend.interleave`), which a file read at
+    planning time cannot change; their device splits are loaded."""
+    now = {o.name: o.copies for o in plan.ops}
+    lost = [o.name for o in load_plan(load).ops if o.copies and now.get(o.name, o.copies) != o.copies]
+    if not lost:
+        return None
+    return (f"strategy file {load}: {', '.join(lost)} computed in interleaved_parallel copies when saved; here whole "
+            f"(their device splits are loaded). Give them the Layout again to compute them in copies.")
 
 
 def _mark_graph(graph: Graph, n_user: int) -> None:
@@ -591,13 +606,14 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
             note = te.eqn.params["note"]
             name = base.op_names.get(note.uid, note.kind)
             entries[name] = dict(kind=note.kind, strategy=_group_strategy(te, op, strategies[op.id], graph.mesh),
-                                 fixed=op.fixed is not None, ids=[op.id])
+                                 fixed=op.fixed is not None, ids=[op.id], copies=_copies_of(note))
         elif (note := groups.get(op.id)) is not None:   # a primitive object traced op by op (not self-contained)
             name = base.op_names.get(note.uid, note.kind)
             groups_by_name[name] = note
-            e = entries.setdefault(name, dict(kind=note.kind, strategy=[], fixed=False, ids=[]))
+            e = entries.setdefault(name, dict(kind=note.kind, strategy=[], fixed=False, ids=[],
+                                              copies=_copies_of(note)))
             e["ids"].append(op.id)
-            if te.eqn.primitive is mark_p and te.eqn.params["role"] == "in":
+            if te.eqn.primitive is mark_p and te.eqn.params["role"] == "in" and te.eqn.params["note"] is note:
                 idx = te.eqn.params["index"]
                 lay = list(axes_by_name(result_layout(op, strategies[op.id], 0), mesh))
                 extra = len(lay) - len(note.in_dims[idx])
@@ -615,6 +631,9 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
             entries[name] = dict(kind=op.kind, strategy=split_counts(op, strategies[op.id], graph.mesh),
                                  fixed=op.fixed is not None, ids=[op.id])
         owner[op.id] = name
+    fused = fused_reductions(trace, strategies)     # partial sums the emitter adds before one all-reduce
+    for oid in fused:
+        costs[oid] = costs[oid] + unpriced_reduction(costs[oid], params)
     redistributions = []
     done: set = set()
     free = constant_tensors(graph)
@@ -641,7 +660,8 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
         if "layouts" in e:
             e["strategy"] = _merged_strategy(groups_by_name[name], e["layouts"], mesh)
     plan_ops = tuple(PlanOp(name, e["kind"], tuple(tuple(x) for x in e["strategy"]), e["fixed"],
-                            PlanCost.of(Cost.sum([costs[i] for i in e["ids"]])), tuple(e["ids"]))
+                            PlanCost.of(Cost.sum([costs[i] for i in e["ids"]])), tuple(e["ids"]),
+                            e.get("copies", ()))
                      for name, e in entries.items())
     _check_reported(trace, plan_ops, mesh)
     param_specs = {}
@@ -651,10 +671,20 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
             param_specs[info.name] = spec_of(axes_by_name(result_layout(op, strategies[op.id], 0), mesh))
     graph_axes = {op.name: [list(ax) for ax in axes_by_name(strategies[op.id], mesh)] for op in graph.ops
                   if not op.is_source or op.kind == "data"}
-    program = graph_cost(graph, strategies, params, shared=True)     # what the compiled program runs
+    program = Cost.sum([graph_cost(graph, strategies, params, shared=True)]    # what the compiled program runs
+                       + [unpriced_reduction(op_cost(graph.ops[i], strategies[i], graph, params), params)
+                          for i in fused])
     return Plan(mesh, plan_ops, param_specs, PlanCost.of(program), algorithm, result.seconds, tuple(notes),
                 graph_axes, tuple(redistributions), _Explainer(graph, strategies, params, mesh),
                 peak_bytes=peak_memory(graph, strategies, fused=True)[0])
+
+
+def _copies_of(note: OpNote) -> tuple[tuple[int, ...], ...]:
+    """A primitive object's ``interleaved_parallel`` copies per input dim (:class:`~mshard.Layout`), or ()."""
+    if not any(st is not None and st.copies is not None for st in note.in_strategy):
+        return ()
+    return tuple(st.copies if st is not None and st.copies is not None else (1,) * len(shape)
+                 for st, shape in zip(note.in_strategy, note.in_shapes, strict=True))
 
 
 def _check_reported(trace: TraceResult, plan_ops, mesh: DeviceMesh) -> None:

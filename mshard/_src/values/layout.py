@@ -6,6 +6,8 @@ A strategy for one tensor comes in four forms, all normalised here to a :class:`
   axes carry a split is chosen later, to avoid redistribution between producer and consumer;
 * ``layout("dp", "mp")`` from a :class:`Layout` (MindSpore's higher-order operator parallel):
   the mesh axes are named, ``"None"`` leaves a dim whole, ``("dp", "mp")`` puts one dim on two axes;
+  the alias ``"interleaved_parallel"`` is no mesh axis: the op computes that dim in copies on each device
+  (:data:`INTERLEAVED`);
 * a ``jax.sharding.PartitionSpec`` (axis names of the region mesh);
 * a ``jax.sharding.NamedSharding`` (its mesh becomes the region mesh).
 
@@ -37,6 +39,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from mshard._src.values.errors import LayoutError, StrategyError, StrategyTypeError
 from searchers.graph import DeviceMesh, prime_factors
+
+INTERLEAVED = "interleaved_parallel"
+"""MindSpore's alias for micro-interleaving: a Layout axis that is not devices. A dim laid out over it (and over
+device axes) keeps the device axes' split, and the op computes each device's block of that dim in that many copies,
+one after another (:func:`mshard._src.frontend.interleave.in_copies`), so one copy's communication can overlap the
+next one's compute."""
 
 AxisNames = tuple[str, ...]
 DimAxes = tuple[AxisNames, ...]      # per tensor dim, the mesh axes it is split over (in order)
@@ -109,7 +117,8 @@ class Layout:
     ``layout(...)`` is a ``PartitionSpec`` over it.
 
     Args:
-        device_matrix: the mesh shape, positive ints (their product: the devices used).
+        device_matrix: the mesh shape, positive ints (their product: the devices used, without the
+            ``"interleaved_parallel"`` entry, which is copies on each device, not devices).
         alias_names: one distinct name per ``device_matrix`` entry (not ``"None"``).
 
     >>> layout = Layout((2, 4), ("dp", "mp"))
@@ -117,6 +126,8 @@ class Layout:
     LayoutSpec(('dp',), ())
     >>> layout(("dp", "mp"), None).dims
     (('dp', 'mp'), ())
+    >>> Layout((2, 4, 2), ("dp", "mp", "interleaved_parallel")).mesh.shape    # 8 devices, 2 copies each
+    (2, 4)
     """
 
     device_matrix: tuple[int, ...]
@@ -131,12 +142,22 @@ class Layout:
                               f"device_matrix entry {dm}.")
         if len(set(names)) != len(names) or "None" in names:
             raise LayoutError(f"Layout: alias_names {names} must be distinct and must not be 'None'.")
+        if names == (INTERLEAVED,):
+            raise LayoutError(f"Layout: {INTERLEAVED!r} is copies on each device, not devices; give the device axes "
+                              f"too, e.g. Layout((4, {dm[0]}), ('dp', {INTERLEAVED!r})).")
         object.__setattr__(self, "device_matrix", dm)
         object.__setattr__(self, "alias_names", names)
 
     @property
     def mesh(self) -> DeviceMesh:
-        return DeviceMesh(tuple(self.device_matrix), tuple(self.alias_names))
+        """The device mesh: every axis but ``"interleaved_parallel"``."""
+        axes = [(n, a) for n, a in zip(self.device_matrix, self.alias_names, strict=True) if a != INTERLEAVED]
+        return DeviceMesh(tuple(n for n, _ in axes), tuple(a for _, a in axes))
+
+    @property
+    def copies(self) -> int:
+        """How many copies a dim laid out over ``"interleaved_parallel"`` is computed in on each device (1: none)."""
+        return dict(zip(self.alias_names, self.device_matrix, strict=True)).get(INTERLEAVED, 1)
 
     def __call__(self, *dims: str | Sequence[str] | None) -> LayoutSpec:
         out: list[AxisNames] = []
@@ -180,6 +201,7 @@ class TensorStrategy:
     counts: tuple[int, ...]
     axes: DimAxes | None = None
     mesh: DeviceMesh | None = None
+    copies: tuple[int, ...] | None = None      # per dim, the copies a Layout's interleaved_parallel asks (None: none)
 
     @property
     def rank(self) -> int:
@@ -202,7 +224,10 @@ def to_tensor_strategy(s: Any, where: str) -> TensorStrategy:
     """
     if isinstance(s, LayoutSpec):
         mesh = s.layout.mesh
-        return TensorStrategy(tuple(mesh.count(a) for a in s.dims), s.dims, mesh)
+        dims = tuple(tuple(a for a in d if a != INTERLEAVED) for d in s.dims)
+        copies = tuple(s.layout.copies if INTERLEAVED in d else 1 for d in s.dims)
+        return TensorStrategy(tuple(mesh.count(a) for a in dims), dims, mesh,
+                              copies if any(c > 1 for c in copies) else None)
     if isinstance(s, NamedSharding):
         mesh = _mesh_of_named(s)
         dims = dims_of(s.spec, len(s.spec))

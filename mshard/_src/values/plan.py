@@ -61,6 +61,7 @@ class PlanOp:
     fixed: bool                                     # given by the user (or a loaded strategy file)
     cost: PlanCost = field(default_factory=PlanCost)
     op_ids: tuple[int, ...] = ()                    # graph ops it covers
+    copies: tuple[tuple[int, ...], ...] = ()        # per input dim, the copies a Layout's interleaved_parallel asks
 
 
 @dataclass(frozen=True)
@@ -297,7 +298,8 @@ class Plan:
         return {"format": FORMAT, "version": VERSION, "algorithm": self.algorithm,
                 "mesh": {"names": list(self.mesh.names), "shape": list(self.mesh.shape)},
                 "ops": [{"name": o.name, "kind": o.kind, "strategy": [list(s) for s in o.strategy],
-                         "fixed": o.fixed} for o in self.ops],
+                         "fixed": o.fixed} | ({"interleaved": [list(c) for c in o.copies]} if o.copies else {})
+                        for o in self.ops],
                 "params": {k: [list(d) if isinstance(d, tuple) else d for d in v] for k, v in self.param_specs.items()},
                 "graph_axes": self.graph_axes,
                 "cost": {"compute": self.cost.compute, "communication": self.cost.communication,
@@ -359,7 +361,8 @@ def load_plan(path: str | os.PathLike) -> Plan:
         raise PlanError(f"load_plan: {os.fspath(path)!r} has version {data.get('version')!r}; this mshard reads "
                         f"version {VERSION}.")
     mesh = DeviceMesh(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["names"]))
-    ops = tuple(PlanOp(o["name"], o["kind"], tuple(tuple(s) for s in o["strategy"]), o["fixed"]) for o in data["ops"])
+    ops = tuple(PlanOp(o["name"], o["kind"], tuple(tuple(s) for s in o["strategy"]), o["fixed"],
+                       copies=tuple(tuple(c) for c in o.get("interleaved", ()))) for o in data["ops"])
     params = {k: spec_of(tuple(tuple(d) if isinstance(d, list) else ((d,) if d else ()) for d in v))
               for k, v in data["params"].items()}
     c = data.get("cost", {})

@@ -1,0 +1,105 @@
+"""The planner's price of partial sums added before one reduction (issue 40).
+
+Where a program adds two partial sums (``mshard._src.jaxpr.sum_pairs``: a tied parameter's two gradient
+contributions, the dx of two column-parallel projections that read one activation), the emitter computes each per
+device and reduces their sum once (``mshard._src.runtime.partial_sums``). The cost model prices each op's
+partial results where the op makes them (``searchers.cost.op_cost``), so it counted that reduction twice. Given
+the searched strategies, :func:`fused_reductions` finds the ops whose reduction the emitter leaves to another's:
+both partial over the same mesh axes, their results laid out alike once the transposes between them and the sum
+are applied (the emitter's conditions: ``partial_sums.local_partial`` and ``partial_sums.add``). Their all-reduce
+is then taken out of the plan's price (:func:`unpriced_reduction`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from mshard._src.jaxpr import rules
+from mshard._src.jaxpr.op_graph import TraceResult
+from mshard._src.jaxpr.sum_pairs import ROOTS, partial_sum_pairs
+from mshard._src.jaxpr.walk import as_jaxpr
+from searchers.cost import Cost, CostParams
+from searchers.graph import partial_axes, result_layout
+
+
+def fused_reductions(trace: TraceResult, strategies) -> dict[int, int]:
+    """Op id whose partial sums are reduced together with another's -> that other op's id."""
+    by_path: dict[tuple, dict[int, object]] = defaultdict(dict)
+    paths: dict[tuple, tuple] = {}
+    for te in trace.eqns:
+        if not te.group:
+            key = tuple(map(id, te.path))
+            by_path[key][id(te.eqn)] = te
+            paths[key] = te.path
+    out: dict[int, int] = {}
+    for key, tes in by_path.items():
+        jaxpr = _jaxpr_at(trace, paths[key])
+        if jaxpr is None:
+            continue
+        roles = partial_sum_pairs(jaxpr)
+        if "sum" not in roles.values():
+            continue
+        producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+        held: dict[int, tuple] = {}          # id(sum eqn) -> (axes, layout, root op) of the sum fused there
+        for e in jaxpr.eqns:
+            if roles.get(id(e)) != "sum":
+                continue
+            sides = [_side(v, producer, roles, tes, trace, strategies, held) for v in e.invars]
+            if any(s is None for s in sides):
+                continue
+            (ax1, lay1, op1, from_sum1), (ax2, lay2, op2, from_sum2) = sides
+            if ax1 != ax2 or lay1 != lay2 or (from_sum1 and from_sum2):
+                continue
+            free, kept = (op1, op2) if from_sum2 else (op2, op1)
+            out[free] = kept
+            held[id(e)] = (ax1, lay1, kept)
+    return out
+
+
+def _jaxpr_at(trace: TraceResult, path: tuple):
+    """The jaxpr whose equations carry ``path`` (the inlined calls enclosing them)."""
+    if not path:
+        return trace.closed_jaxpr.jaxpr
+    key = rules.INLINE.get(path[-1].primitive.name)
+    sub = path[-1].params.get(key) if key else None
+    return None if sub is None else as_jaxpr(sub)
+
+
+def _side(v, producer, roles, tes, trace: TraceResult, strategies, held):
+    """(partial axes, layout at the sum, the op whose reduction it is, whether it is an earlier sum) of one
+    operand of a sum, or None where the emitter would not hold it as a partial sum."""
+    perms = []
+    while True:
+        e = producer.get(v)
+        if e is None:
+            return None
+        if roles.get(id(e)) == "sum":
+            if id(e) not in held:
+                return None
+            axes, layout, op = held[id(e)]
+            return axes, _permuted(layout, perms), op, True
+        if roles.get(id(e)) == "root" and e.primitive.name in ROOTS:
+            te = tes.get(id(e))
+            if te is None:
+                return None
+            op = trace.graph.ops[te.op]
+            axes = partial_axes(op, strategies[op.id])
+            layout = result_layout(op, strategies[op.id], 0)
+            if not axes or (e.primitive.name == "scatter-add" and any(layout)):
+                return None
+            return axes, _permuted(layout, perms), op.id, False
+        if e.primitive.name == "transpose":
+            perms.append(e.params["permutation"])
+        v = e.invars[0]
+
+
+def _permuted(layout, perms):
+    for perm in reversed(perms):     # applied from the root towards the sum
+        layout = tuple(layout[p] for p in perm)
+    return tuple(tuple(a) for a in layout)
+
+
+def unpriced_reduction(cost: Cost, params: CostParams) -> Cost:
+    """The part of an op's cost that is its partial sums' all-reduce, negated (to take out of a price)."""
+    b, t = cost.comm_bytes["all-reduce"], cost.comm_time
+    return Cost(0.0, {"all-reduce": -b}, -t, 0.0, -params.weigh(0.0, t, 0.0))

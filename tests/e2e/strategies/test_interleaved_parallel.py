@@ -1,0 +1,138 @@
+"""MindSpore's ``interleaved_parallel`` Layout alias: a dim computed in copies on each device (issue 40).
+
+``Layout((2, 2, 2, 2), ("dp", "mp", "sp", "interleaved_parallel"))`` is 8 devices: the interleaved axis is copies
+on each device, not devices. A dim laid out ``("dp", "interleaved_parallel")`` is split over dp, and each device's
+block is computed in 2 copies, one op each (so one copy's collective can overlap the next one's compute). Checked
+here, each against an oracle that does not share mshard's code:
+
+- the device mesh and the strategy the Layout gives (its device splits, its copies);
+- the cut into copies against a numpy slicing of each device's block;
+- an interleaved MatMul, forward and gradients, equal to plain JAX on one device; its compiled program has the
+  2 copies and moves the bytes of the same MatMul laid out without the alias;
+- the errors: copies of a reduced dim, copies that do not divide a device's block, and copies of two loop dims.
+
+MindSpore's save/load test 4 (a network of these Layouts saved and loaded) is in
+tests/e2e/search/test_mindspore_out_strategy_propagation.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import assert_close
+
+import mshard as ms
+from mshard import Layout, ops
+from mshard._src.frontend.interleave import put, take
+from mshard._src.values.layout import to_tensor_strategy
+
+IP = "interleaved_parallel"
+SEMI = dict(parallel_mode="semi_auto_parallel", device_num=8, dataset_strategy="full_batch")
+R = np.random.default_rng(41)
+
+
+def _arr(*shape):
+    return jnp.asarray(R.normal(size=shape), jnp.float32)
+
+
+def test_the_interleaved_axis_is_copies_not_devices():
+    lay = Layout((2, 2, 2, 2), ("dp", "mp", "sp", IP))
+    assert (lay.mesh.shape, lay.mesh.names, lay.copies) == ((2, 2, 2), ("dp", "mp", "sp"), 2)
+    st = to_tensor_strategy(lay(("dp", IP, "mp"), "sp"), "x")
+    assert (st.counts, st.axes, st.copies) == ((4, 2), (("dp", "mp"), ("sp",)), (2, 1))
+    assert to_tensor_strategy(lay("dp", "sp"), "x").copies is None
+    with pytest.raises(ms.errors.LayoutError, match="not devices"):
+        Layout((2,), (IP,))
+
+
+@pytest.mark.parametrize("n, k", [(1, 2), (2, 2), (4, 2), (2, 4)])
+def test_copies_are_slices_of_each_devices_block(n, k):
+    x = np.arange(32 * 3, dtype=np.float32).reshape(32, 3)
+    block = 32 // n
+    for i in range(k):      # copy i: rows [i*r, (i+1)*r) of every device's block, blocks in device order
+        want = np.concatenate([x[b * block:(b + 1) * block][i * block // k:(i + 1) * block // k] for b in range(n)])
+        np.testing.assert_array_equal(np.asarray(take(jnp.asarray(x), 0, n, k, i)), want)
+    parts = [take(jnp.asarray(x), 0, n, k, i) for i in range(k)]
+    np.testing.assert_array_equal(np.asarray(put(parts, 0, n, k)), x)
+
+
+def _run(x_layout, w_layout, x, w):
+    mm = ops.MatMul().shard((x_layout, w_layout))
+    c = _arr(x.shape[0], w.shape[1])
+
+    def loss(x, w):
+        return jnp.sum(mm(x, w) * c)
+    with ms.parallel_context(**SEMI):
+        f = ms.jit(lambda x, w: mm(x, w[...]))
+        plan = f.plan(x, nnx.Param(w))
+        rep = ms.comm_report(f, x, nnx.Param(w))
+        y = f(x, nnx.Param(w))
+        g = ms.jit(lambda x, w: jax.grad(loss, argnums=(0, 1))(x, w[...]))(x, nnx.Param(w))
+        jaxpr = str(jax.make_jaxpr(lambda x, w: f(x, w))(x, nnx.Param(w)))
+    return plan, {k: (v["count"], v["bytes"]) for k, v in rep.by_kind.items()}, y, g, c, jaxpr
+
+
+def test_an_interleaved_matmul_computes_in_copies_as_the_whole_op_does():
+    x, w = _arr(64, 32), _arr(32, 16)
+    ip = Layout((2, 2, 2, 2), ("dp", "mp", "sp", IP))
+    whole = Layout((2, 2, 2), ("dp", "mp", "sp"))
+    plan, comm, y, g, c, jaxpr = _run(ip(("dp", IP), "mp"), ip("mp", "sp"), x, w)
+    plan0, comm0, _, _, _, jaxpr0 = _run(whole("dp", "mp"), whole("mp", "sp"), x, w)
+    assert plan.strategy_of("MatMul") == plan0.strategy_of("MatMul") == ((2, 2), (2, 2))
+    assert plan.op("MatMul").copies == ((2, 1), (1, 1)) and plan0.op("MatMul").copies == ()
+    assert (jaxpr.count("dot_general"), jaxpr0.count("dot_general")) == (2, 1)     # the copies are 2 ops
+    # each copy reduces its [16, 8] partial sums over mp; the whole op reduces [32, 8]: the same bytes
+    assert comm == comm0 and sum(b for _, b in comm.values()) == 32 * 8 * 4
+    # float32: 8-term partial sums over mp added in another order (<= 32 * 2**-24 relative each)
+    assert_close(y, x @ w)
+    assert_close(g, jax.grad(lambda x, w: jnp.sum((x @ w) * c), argnums=(0, 1))(x, w))
+
+
+def test_an_interleaved_op_called_eagerly_computes_its_copies():
+    x, w = _arr(16, 8), _arr(8, 8)
+    lay = Layout((4, 2, 2), ("dp", "mp", IP))
+    mm = ops.MatMul().shard((lay(("dp", IP), "None"), lay("None", "mp")))
+    with ms.parallel_context(**SEMI):
+        y = mm(x, w)
+    assert_close(y, x @ w)
+
+
+@pytest.mark.parametrize("x_dims, w_dims, shape, match", [
+    ((("dp", IP), "mp"), ("mp", "sp"), (6, 32), "does not divide"),          # 6 rows: 2 devices x 2 copies
+    (("dp", ("mp", IP)), (("mp",), "sp"), (64, 32), "does not keep"),        # k is reduced
+    ((("dp", IP), "mp"), ("mp", "sp"), (64, 32), None),
+])
+def test_copies_of_a_reduced_dim_or_an_uneven_block_are_refused(x_dims, w_dims, shape, match):
+    lay = Layout((2, 2, 2, 2), ("dp", "mp", "sp", IP))
+    mm = ops.MatMul().shard((lay(*x_dims), lay(*w_dims)))
+    x, w = _arr(*shape), _arr(shape[1], 16)
+    with ms.parallel_context(**SEMI):
+        f = ms.jit(lambda x, w: mm(x, w))
+        if match is None:
+            assert_close(f(x, w), x @ w)
+        else:
+            with pytest.raises(ms.errors.StrategyError, match=match):
+                f(x, w)
+
+
+def test_copies_of_two_loop_dims_are_refused():
+    lay = Layout((2, 2, 2, 2), ("dp", "mp", "sp", IP))
+    mm = ops.MatMul().shard((lay(("dp", IP), "mp"), lay("mp", ("sp", IP))))
+    with ms.parallel_context(**SEMI), pytest.raises(ms.errors.StrategyError, match="2 loop dims"):
+        ms.jit(lambda x, w: mm(x, w))(_arr(64, 32), _arr(32, 16))
+
+
+def test_data_parallel_mode_computes_the_op_whole():
+    """data_parallel ignores strategies (MindSpore's too): the op is one dot, its batch split 8 ways."""
+    lay = Layout((2, 2, 2, 2), ("dp", "mp", "sp", IP))
+    mm = ops.MatMul().shard((lay(("dp", IP), "mp"), lay("mp", "sp")))
+    x, w = _arr(64, 32), _arr(32, 16)
+    with ms.parallel_context(parallel_mode="data_parallel", device_num=8), \
+            pytest.warns(ms.errors.StrategyIgnoredWarning, match="ignores the strategies"):
+        f = ms.jit(lambda x, w: mm(x, w[...]))
+        jaxpr = str(jax.make_jaxpr(lambda x, w: f(x, w))(x, nnx.Param(w)))
+        comm = ms.comm_report(f, x, nnx.Param(w))
+        y = f(x, nnx.Param(w))
+    assert jaxpr.count("dot_general") == 1 and comm.total_count == 0
+    assert_close(y, x @ w)
