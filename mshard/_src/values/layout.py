@@ -188,6 +188,24 @@ class LayoutSpec:
     def __repr__(self) -> str:
         return f"LayoutSpec{self.dims!r}"
 
+    def to_dict(self) -> dict[str, Any]:
+        """MindSpore's ``to_dict()``: the device matrix, the tensor map (per dim, the device-matrix axes counted
+        from the last, ``-1`` for a whole dim, a tuple for a dim over several), whether the Layout has the
+        ``"interleaved_parallel"`` alias, the alias names and the ranks.
+
+        >>> layout = Layout((2, 2, 2), ("dp", "sp", "mp"))
+        >>> d = layout("dp", "mp").to_dict()
+        >>> d["tensor_map"], d["interleaved_parallel"], d["rank_list"]
+        ((2, 0), False, [0, 1, 2, 3, 4, 5, 6, 7])
+        """
+        names = self.layout.alias_names
+        index = {a: len(names) - 1 - i for i, a in enumerate(names)}
+        tensor_map = tuple(-1 if not d else (index[d[0]] if len(d) == 1 else tuple(index[a] for a in d))
+                           for d in self.dims)
+        return {"device_matrix": self.layout.device_matrix, "tensor_map": tensor_map,
+                "interleaved_parallel": INTERLEAVED in names, "alias_name": names,
+                "rank_list": list(range(self.layout.mesh.size))}
+
 
 # -- one tensor's strategy, normalised --------------------------------------------------------------
 @dataclass(frozen=True)
