@@ -52,6 +52,25 @@ def enumerate_strategies(op: Op, mesh: DeviceMesh, *, fully_use_devices: bool = 
     return list(strategies_for(op.split_sizes(), uns, mesh.shape, fully_use_devices, max_candidates, op.apart()))
 
 
+def is_legal(op: Op, strategy: Strategy, mesh: DeviceMesh) -> bool:
+    """Whether :func:`enumerate_strategies` could give ``strategy`` (mesh axes per loop dim, by index or name):
+    no unsplittable dim split, each split dividing what it must (:meth:`~searchers.graph.Op.split_sizes`), no halo
+    dim split together with a dim kept apart from it. For a strategy decided elsewhere (a saved file, a marked
+    body).
+
+    >>> from searchers.graph import Graph
+    >>> g = Graph(DeviceMesh((2, 2)))
+    >>> _ = g.source("x", (4, 3))
+    >>> is_legal(g.ops[0], ((0, 1), ()), g.mesh), is_legal(g.ops[0], ((), (0,)), g.mesh)
+    (True, False)
+    """
+    for (d, _), axes, size in zip(op.dims.items(), strategy, op.split_sizes(), strict=True):
+        if axes and (d in op.unsplittable or size % mesh.count(axes)):
+            return False
+    halo, apart = op.apart()
+    return not (any(strategy[i] for i in halo) and any(strategy[i] for i in apart))
+
+
 def strategies_for(sizes: tuple[int, ...], unsplittable: tuple[bool, ...], mesh_shape: tuple[int, ...],
                    fully_use_devices: bool = False, max_candidates: int | None = None,
                    apart: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> tuple[Strategy, ...]:

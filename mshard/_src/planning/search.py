@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +43,7 @@ from mshard._src.jaxpr.op_graph import REPLICA, TraceResult, jaxpr_to_graph
 from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts, assign_layouts, exact_mark_key, mark_key
 from mshard._src.planning.fused_sums import fused_reductions, unpriced_reduction
 from mshard._src.values import context as ctxmod
-from mshard._src.values.errors import ContextError, PlanError, StrategyError
+from mshard._src.values.errors import ContextError, PlanError, StrategyError, StrategyIgnoredWarning
 from mshard._src.values.layout import (
     DimAxes,
     TensorStrategy,
@@ -75,7 +76,7 @@ from searchers.graph import (
 )
 from searchers.memory import peak_memory
 from searchers.protocol import SEARCHERS, register
-from searchers.strategies import enumerate_strategies
+from searchers.strategies import enumerate_strategies, is_legal
 from searchers.xla_reshard import reshard as xla_reshard
 
 EqnKey = tuple[tuple[int, ...], int]
@@ -403,7 +404,7 @@ def _fix_marked_bodies(trace: TraceResult) -> None:
                 if label is not None and where.setdefault(label, tuple(axes)) != tuple(axes):
                     ok = False
         fixed = tuple(where.get(d, ()) for d in op.dims)
-        if ok and where and _legal(op, fixed, graph.mesh):
+        if ok and where and is_legal(op, fixed, graph.mesh):
             op.fixed = fixed
 
 
@@ -415,26 +416,40 @@ def _apply_strategy_file(load: str, trace: TraceResult, inputs: Sequence[InputIn
     loaded = _on_mesh(load_plan(load), mesh)
     if loaded.mesh != mesh:
         return f"strategy file {load} is for mesh {loaded.mesh}, not {mesh}: not applied"
-    applied = 0
+    applied, misfit = 0, []       # misfit: saved for other shapes (a split that does not divide here): searched
     groups = {te.op: te for te in trace.eqns if te.group}
+
+    def fits(op, fixed) -> bool:
+        if is_legal(op, fixed, mesh):
+            return True
+        misfit.append(op.name)
+        return False
     for op in graph.ops:
         axes = loaded.graph_axes.get(op.name)
         if axes is None and op.id in groups:
             axes = _saved_group_axes(groups[op.id], op, loaded)
-        if axes is not None and len(axes) == len(op.dims) and op.fixed is None:
-            op.fixed = axes_by_index(axes, mesh)
+        if axes is not None and len(axes) == len(op.dims) and op.fixed is None and fits(op, fixed := axes_by_index(
+                axes, mesh)):
+            op.fixed = fixed
             applied += 1
     stored = 0
     for i, info in enumerate(inputs):     # the parameters are stored as the file says
         spec = loaded.param_specs.get(info.name) if info.kind == "param" else None
         op = graph.ops[trace.input_ops[i]]
-        if spec is not None and op.fixed is None:
-            op.fixed = _strategy_from_layout(op, dims_of(spec, len(info.shape)), mesh)
+        if spec is not None and op.fixed is None and len(spec) <= len(info.shape) and fits(
+                op, fixed := _strategy_from_layout(op, dims_of(spec, len(info.shape)), mesh)):
+            op.fixed = fixed
             stored += 1
         axes = loaded.graph_axes.get(op.name) if info.kind == "data" and info.strategy is None else None
-        if axes is not None and len(axes) == len(op.dims):   # data laid out as the saved region's was
-            op.fixed = axes_by_index(axes, mesh)
-    return f"strategy file {load}: {applied} op strategies and {stored} parameter layouts loaded"
+        if axes is not None and len(axes) == len(op.dims) and fits(op, fixed := axes_by_index(axes, mesh)):
+            op.fixed = fixed       # data laid out as the saved region's was
+    note = f"strategy file {load}: {applied} op strategies and {stored} parameter layouts loaded"
+    if misfit:
+        note += (f"; {len(misfit)} saved for other shapes (a split that does not divide here) were searched instead: "
+                 f"{', '.join(misfit[:5])}{' ...' if len(misfit) > 5 else ''}")
+        warnings.warn(f"{note}. Save the file again from this network to apply all of it.", StrategyIgnoredWarning,
+                      stacklevel=2)
+    return note
 
 
 def _on_mesh(loaded, mesh: DeviceMesh):
@@ -449,16 +464,6 @@ def _on_mesh(loaded, mesh: DeviceMesh):
     specs = {k: PartitionSpec(*[None if d is None else (name[d] if isinstance(d, str) else tuple(name[a] for a in d))
                                 for d in spec]) for k, spec in loaded.param_specs.items()}
     return dataclasses.replace(loaded, mesh=mesh, graph_axes=axes, param_specs=specs)
-
-
-def _legal(op, strategy, mesh: DeviceMesh) -> bool:
-    """``strategy`` (mesh axes per loop dim) splits no unsplittable dim, and each split divides what it must
-    (:meth:`searchers.graph.Op.split_sizes`), and no halo dim together with a dim kept apart from it."""
-    for (d, _), axes, size in zip(op.dims.items(), strategy, op.split_sizes(), strict=True):
-        if axes and (d in op.unsplittable or size % mesh.count(axes)):
-            return False
-    halo, apart = op.apart()
-    return not (any(strategy[i] for i in halo) and any(strategy[i] for i in apart))
 
 
 def _saved_group_axes(te, op, loaded) -> list[list[str]] | None:

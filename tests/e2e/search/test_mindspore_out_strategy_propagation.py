@@ -253,6 +253,34 @@ def test_a_matmul_with_an_out_strategy_computes_as_its_in_strategy_says():
     assert_close(y, x @ w.T)
 
 
+def test_a_file_saved_for_other_shapes_loads_what_fits(tmp_path):
+    """A strategy file saved on a batch of 64 split 8 ways, loaded into the same network on a batch of 12 (which 8
+    does not divide): the ops whose saved split does not divide here are searched instead, the plan says which,
+    and a StrategyIgnoredWarning says so; the parameters' layouts load. Before, the plan reported the saved
+    split and failed its own check ("planner bug: please report this")."""
+    path = str(tmp_path / "strategy.json")
+    w1, w2 = nnx.Param(_arr(16, 32)), nnx.Param(_arr(32, 16))
+
+    def net(mm1):
+        return lambda x, w1, w2: ops.MatMul(name="mm2")(ops.ReLU(name="relu")(mm1(x, w1[...])), w2[...])
+    with ms.parallel_context(**PROP, dataset_strategy="full_batch"):
+        ms.set_op_strategy_config(mode="SAVE", path=path)
+        saved = ms.jit(net(ops.MatMul(name="mm1").shard(((8, 1), (1, 1))))).plan(_arr(64, 16), w1, w2)
+    assert saved.strategy_of("mm1") == ((8, 1), (1, 1))
+    x = _arr(12, 16)
+    with ms.parallel_context(**PROP, dataset_strategy="full_batch"):
+        ms.set_op_strategy_config(mode="LOAD", path=path)
+        f = ms.jit(net(ops.MatMul(name="mm1")))
+        with pytest.warns(ms.errors.StrategyIgnoredWarning, match="saved for other shapes"):
+            plan = f.plan(x, w1, w2)
+        y = f(x, w1, w2)
+    note = next(n for n in plan.notes if n.startswith("strategy file"))
+    assert "2 parameter layouts loaded" in note and "mm1/MatMul" in note, note
+    assert all(12 % s[0][0] == 0 for s in plan.strategies.values())
+    # float32: 16- and 32-term dot products reordered by the splits
+    assert_close(y, jax.nn.relu(x @ w1[...]) @ w2[...])
+
+
 @pytest.mark.parametrize("mode, path", [("SAVE", "./strategy.json"), ("LOAD", "./strategy.json"),
                                         ("SAVE", "/tmp/strategy.yaml"), ("LOAD", "/tmp/strategy.yaml"),
                                         ("READ", "/tmp/strategy.json")])
