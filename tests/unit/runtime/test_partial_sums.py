@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+from mshard._src.jaxpr.sum_pairs import ROOTS
 from mshard._src.runtime import partial_sums as ps
 from mshard._src.values.hlo import CommReport
 from mshard._src.values.layout import jax_mesh, prime_mesh, spec_of
@@ -21,7 +22,7 @@ R = np.random.default_rng(7)
 def _eqn(fn, *args):
     """The one eqn of ``fn`` that is not a broadcast (the root under test)."""
     j = jax.make_jaxpr(fn)(*args).jaxpr
-    (eqn,) = [e for e in j.eqns if e.primitive.name in ps.ROOTS]
+    (eqn,) = [e for e in j.eqns if e.primitive.name in ROOTS]
     return eqn
 
 
