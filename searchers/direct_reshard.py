@@ -11,10 +11,10 @@ each step one collective over one mesh axis on the tensor as it is at that point
 - **all-gather**: a mesh axis leaves dim ``s`` (where it is minor-most) and splits nothing: each
   device receives ``k - 1`` blocks of its local size;
 - **all-to-all of a stack**: a dim's whole stack of axes ``(a, b, ...)`` leaves it for a dim split by
-  none, keeping its order, as one all-to-all over the axes together (what XLA does for ``(8, 1)`` to
-  ``(1, 8)``); the axes the destination wants after them and no dim holds are sliced onto the stack
-  first. Axis by axis, the stack's major axis could not leave before its minor ones, which had to be
-  gathered (a loaded strategy file's ``(4, 1)`` to ``(1, 8)`` moved 448 B where this moves 224 B).
+  none whose destination stack starts with it, keeping its order, as one all-to-all over the axes
+  together (what XLA does for ``(8, 1)`` to ``(1, 8)``). Axis by axis, the stack's major axis could not
+  leave before its minor ones, which had to be gathered (a loaded strategy file's rows ``(d0, d1)`` to
+  columns ``(d0, d1, d2)``: XLA's all-to-all and permute moved 448 B, this all-to-all and a slice 384 B).
 
 The order of the axes inside a dim is kept exactly (a dim's axes are a stack: an axis is added or
 removed at its minor end), so every intermediate layout splits each dim by a prefix of the source's
@@ -68,7 +68,7 @@ def plan(src: TensorLayout, dst: TensorLayout, mesh: tuple[int, ...]) -> tuple[M
     all-to-alls of whole stacks, the one that moves less (without, on a tie).
 
     >>> [(m.kind, m.group, m.dim) for m in plan(((0, 1), ()), ((), (0, 1, 2)), (2, 2, 2))]
-    [('slice', (2,), 0), ('all-to-all', (0, 1, 2), 1)]
+    [('all-to-all', (0, 1), 1), ('slice', (2,), 1)]
     """
     by_axis = _plan(src, dst, mesh, False)
     stacked = _plan(src, dst, mesh, True)
@@ -121,29 +121,20 @@ def _plan(src: TensorLayout, dst: TensorLayout, mesh: tuple[int, ...], stacks: b
 
 def _move_stack(cur, want, moves, settled, placed) -> bool:
     """One all-to-all of a whole stack: a dim none of whose axes are settled, to an empty dim whose wanted stack
-    starts as it does (the longest such start). The axes the destination wants next that no dim holds are
-    sliced onto the stack first. False where there is none."""
+    starts with it (the longest such). The dim it lands on is then split by a prefix of its destination stack,
+    so it divides wherever the destination does (an axis sliced onto the stack first might not: a dim of 4 split
+    8 ways). False where there is none."""
     best = None
     for s in range(len(cur)):
         if len(cur[s]) < 2 or settled(s):
             continue
         for d in range(len(cur)):
-            if d == s or cur[d] or not want[d]:
-                continue
-            n = 0
-            while n < min(len(cur[s]), len(want[d])) and cur[s][n] == want[d][n]:
-                n += 1
-            if n and (best is None or n > best[0]):
-                best = (n, s, d)
+            if d != s and not cur[d] and tuple(want[d][:len(cur[s])]) == tuple(cur[s]):
+                if best is None or len(cur[s]) > best[0]:
+                    best = (len(cur[s]), s, d)
     if best is None:
         return False
-    n, s, d = best
-    if n == len(cur[s]):
-        for a in want[d][n:]:
-            if placed(a) is not None:
-                break
-            cur[s].append(a)
-            moves.append(Move("slice", a, s, None))
+    _, s, d = best
     axes = tuple(cur[s])
     cur[d], cur[s] = list(axes), []
     moves.append(Move("all-to-all", axes[0], d, s, axes))
