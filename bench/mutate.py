@@ -80,8 +80,8 @@ BUGS = [
         ("tests/e2e/training/test_train.py",)),
     Bug("direct_reshard_wrong_block", "the executor's own all-to-all sends its rows in reverse order",
         "mshard/_src/runtime/redistribute.py",
-        "                x = jax.lax.all_to_all(x, names if len(names) > 1 else name, split_axis=m.dim, concat_axis=m.src_dim,\n",
-        "                x = jax.lax.all_to_all(x[::-1], names if len(names) > 1 else name, split_axis=m.dim, concat_axis=m.src_dim,\n",
+        "                x = jax.lax.all_to_all(x, group, split_axis=m.dim, concat_axis=m.src_dim, tiled=True)\n",
+        "                x = jax.lax.all_to_all(x[::-1], group, split_axis=m.dim, concat_axis=m.src_dim, tiled=True)\n",
         ("tests/unit/runtime/test_redistribute.py", "tests/e2e/strategies/test_direct_redistribution.py")),
     Bug("scan_stack_whole", "a scan's stacked results are kept whole: a scan over layers stacks every layer's gradient "
         "whole before reducing it", "mshard/_src/runtime/emit.py",

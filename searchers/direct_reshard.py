@@ -129,9 +129,9 @@ def _move_stack(cur, want, moves, settled, placed) -> bool:
         if len(cur[s]) < 2 or settled(s):
             continue
         for d in range(len(cur)):
-            if d != s and not cur[d] and tuple(want[d][:len(cur[s])]) == tuple(cur[s]):
-                if best is None or len(cur[s]) > best[0]:
-                    best = (len(cur[s]), s, d)
+            if (d != s and not cur[d] and tuple(want[d][:len(cur[s])]) == tuple(cur[s])
+                    and (best is None or len(cur[s]) > best[0])):
+                best = (len(cur[s]), s, d)
     if best is None:
         return False
     _, s, d = best

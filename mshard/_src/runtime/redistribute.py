@@ -71,9 +71,8 @@ def _direct(src: DimAxes, dst: DimAxes, mesh: DeviceMesh):
                 size = x.shape[m.dim] // mesh.shape[m.axis]
                 x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(name) * size, size, axis=m.dim)
             elif m.kind == "all-to-all":      # one axis, or a dim's whole stack together (major first)
-                names = tuple(mesh.names[a] for a in m.group)
-                x = jax.lax.all_to_all(x, names if len(names) > 1 else name, split_axis=m.dim, concat_axis=m.src_dim,
-                                       tiled=True)
+                group = tuple(mesh.names[a] for a in m.group) if len(m.group) > 1 else name
+                x = jax.lax.all_to_all(x, group, split_axis=m.dim, concat_axis=m.src_dim, tiled=True)
             else:
                 x = jax.lax.all_gather(x, name, axis=m.src_dim, tiled=True)
         return x
