@@ -93,6 +93,16 @@ BUGS = [
         "        operand = jnp.where(first, operand, jnp.zeros_like(operand))\n",
         "        operand = operand\n",
         ("tests/unit/runtime/test_partial_sums.py", "tests/e2e/training/test_tied_parameters.py")),
+    Bug("interleave_copies_swapped", "an interleaved_parallel op's copies are put back in reverse order, so each "
+        "device's block has its halves swapped", "mshard/_src/frontend/interleave.py",
+        "        flat = [o[j] for j in range(len(out_dims)) for o in outs]\n",
+        "        flat = [o[j] for j in range(len(out_dims)) for o in outs[::-1]]\n",
+        ("tests/e2e/strategies/test_interleaved_parallel.py",)),
+    Bug("fused_sum_priced_twice", "the plan takes no reduction out for partial sums the emitter adds before one "
+        "all-reduce", "mshard/_src/planning/fused_sums.py",
+        "            out[free] = kept\n",
+        "            pass\n",
+        ("tests/unit/planning/test_fused_sums.py", "tests/e2e/training/test_tied_parameters.py")),
     Bug("dataset_off_by_one", "each device's rows of a host batch are the next device's (the last keeps its own)",
         "mshard/_src/runtime/dataset.py",
         "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])\n",

@@ -119,9 +119,10 @@ class Primitive:
                 return out
         k = len(args) if self.n_tensors is None else self.n_tensors
         tensors, attrs = list(args[:k]), args[k:]
-        fn = self._copies(lambda *t: self.compute(*t, *attrs), tensors, attrs)
+        fn = (lambda *t: self.compute(*t, *attrs))
         site = marks.call_site(tuple(tensors))
         if site is not CallSite.REGION:
+            fn = self._copies(fn, tensors, attrs)
             if self.in_strategy is not None and site is CallSite.EAGER and _eager_sharded():
                 if self._self_contained():
                     return self._eager(*args)          # PyNative: the op runs as its own sharded region
@@ -137,7 +138,7 @@ class Primitive:
         shapes = [tuple(jax.numpy.shape(t)) for t in tensors]
         in_dims, out_dims, fixed = self.spec(shapes, attrs)
         note = self._note(shapes, in_dims, out_dims, fixed, trace.device_num)
-        fn = self._copies(lambda *t: self.compute(*t, *attrs), tensors, attrs, note)
+        fn = self._copies(fn, tensors, attrs, note, (in_dims, out_dims, fixed))
         with jax.named_scope(self.name) if self.name else _null():
             out = marks.annotate_call(fn, tensors, note)
         self._check_outputs(note, out)
@@ -151,14 +152,14 @@ class Primitive:
                     check_fits(st, o.shape, trace.device_num, f"{self._where()} output {j}")
         return out
 
-    def _copies(self, fn, tensors, attrs, note: OpNote | None = None):
+    def _copies(self, fn, tensors, attrs, note: OpNote | None = None, spec=None):
         """``fn`` computed in the copies a Layout's ``interleaved_parallel`` asks (:mod:`mshard._src.frontend.interleave`),
-        or ``fn`` itself. With the op's ``note`` (in a region) each copy is annotated as the op with the strategy's
-        device splits, so the search computes it where the strategy says."""
+        or ``fn`` itself. With the op's ``note`` and ``spec`` (in a region) each copy is annotated as the op with the
+        strategy's device splits, so the search computes it where the strategy says."""
         if not _eager_sharded() or not any(s is not None and s.copies is not None for s in self.in_strategy or ()):
             return fn          # the modes that ignore strategies compute the op whole
         shapes = [tuple(jax.numpy.shape(t)) for t in tensors]
-        in_dims, out_dims, fixed = self.spec(shapes, attrs)
+        in_dims, out_dims, fixed = spec or self.spec(shapes, attrs)
         ip = interleave.interleaved_dim(self._where(), self.in_strategy, in_dims)
         if ip is None:
             return fn
@@ -175,7 +176,7 @@ class Primitive:
 
             def merge(put_all, flat):
                 # the copies' results, and the op's, laid out as the strategy computes them
-                outs = [_result_strategy(strategy, in_dims, dims) for dims in out_dims]
+                outs = [_result_strategy(strategy, note.loop_counts, in_dims, dims) for dims in out_dims]
                 ins = tuple(st for st in outs for _ in range(ip[2]))
                 return marks.annotate_call(put_all, flat, OpNote("shard", None, ins, tuple(outs),
                                                                  tuple(tuple(x.shape) for x in flat)))
@@ -244,20 +245,18 @@ class Primitive:
         return {}, frozenset()
 
 
-def _result_strategy(strategy, in_dims, out_dims) -> TensorStrategy:
-    """An output's layout as the op's strategy computes it: each loop dim split as the inputs split it."""
-    counts: dict[str, int] = {}
+def _result_strategy(strategy, counts: dict[str, int], in_dims, out_dims) -> TensorStrategy:
+    """An output's layout as the op's strategy computes it: each loop dim split as the inputs split it (``counts``:
+    :attr:`OpNote.loop_counts`; the axes where the strategy names them)."""
     axes: dict[str, tuple[str, ...]] = {}
     mesh = None
     for st, dims in zip(strategy, in_dims):
-        if st is None:
+        if st is None or st.axes is None:
             continue
         mesh = mesh or st.mesh
-        for d, letter in enumerate(dims):
+        for letter, a in zip(dims, st.axes):
             if letter is not None:
-                counts.setdefault(letter, st.counts[d])
-                if st.axes is not None:
-                    axes.setdefault(letter, st.axes[d])
+                axes.setdefault(letter, a)
     named = all(d is None or d in axes or counts.get(d, 1) == 1 for d in out_dims) and mesh is not None
     return TensorStrategy(tuple(counts.get(d, 1) if d else 1 for d in out_dims),
                           tuple(axes.get(d, ()) if d else () for d in out_dims) if named else None,

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from mshard._src.jaxpr import rules
 from mshard._src.jaxpr.op_graph import TraceResult
 from mshard._src.jaxpr.sum_pairs import ROOTS, partial_sum_pairs
-from mshard._src.jaxpr.walk import as_jaxpr
+from mshard._src.jaxpr.walk import call_jaxpr
 from searchers.cost import Cost, CostParams
 from searchers.graph import partial_axes, result_layout
 
@@ -58,11 +57,7 @@ def fused_reductions(trace: TraceResult, strategies) -> dict[int, int]:
 
 def _jaxpr_at(trace: TraceResult, path: tuple):
     """The jaxpr whose equations carry ``path`` (the inlined calls enclosing them)."""
-    if not path:
-        return trace.closed_jaxpr.jaxpr
-    key = rules.INLINE.get(path[-1].primitive.name)
-    sub = path[-1].params.get(key) if key else None
-    return None if sub is None else as_jaxpr(sub)
+    return call_jaxpr(path[-1]) if path else trace.closed_jaxpr.jaxpr
 
 
 def _side(v, producer, roles, tes, trace: TraceResult, strategies, held):

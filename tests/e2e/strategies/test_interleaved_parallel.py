@@ -87,6 +87,8 @@ def test_an_interleaved_matmul_computes_in_copies_as_the_whole_op_does():
     assert (jaxpr.count("dot_general"), jaxpr0.count("dot_general")) == (2, 1)     # the copies are 2 ops
     # each copy reduces its [16, 8] partial sums over mp; the whole op reduces [32, 8]: the same bytes
     assert comm == comm0 and sum(b for _, b in comm.values()) == 32 * 8 * 4
+    # the plan is the program: it predicts the ring bytes of that all-reduce over mp's 2 devices, 2 S (k - 1) / k
+    assert plan.cost.communication == {"all-reduce": 2 * 32 * 8 * 4 * (2 - 1) / 2}
     # float32: 8-term partial sums over mp added in another order (<= 32 * 2**-24 relative each)
     assert_close(y, x @ w)
     assert_close(g, jax.grad(lambda x, w: jnp.sum((x @ w) * c), argnums=(0, 1))(x, w))
@@ -98,6 +100,7 @@ def test_an_interleaved_op_called_eagerly_computes_its_copies():
     mm = ops.MatMul().shard((lay(("dp", IP), "None"), lay("None", "mp")))
     with ms.parallel_context(**SEMI):
         y = mm(x, w)
+    # float32: 8-term dot products, split over devices and copies (<= 8 * 2**-24 relative each)
     assert_close(y, x @ w)
 
 
@@ -112,7 +115,7 @@ def test_copies_of_a_reduced_dim_or_an_uneven_block_are_refused(x_dims, w_dims, 
     x, w = _arr(*shape), _arr(shape[1], 16)
     with ms.parallel_context(**SEMI):
         f = ms.jit(lambda x, w: mm(x, w))
-        if match is None:
+        if match is None:        # float32: 32-term dot products reordered by the split (<= 32 * 2**-24 relative)
             assert_close(f(x, w), x @ w)
         else:
             with pytest.raises(ms.errors.StrategyError, match=match):
@@ -138,6 +141,7 @@ def test_data_parallel_mode_computes_the_op_whole():
         comm = ms.comm_report(f, x, nnx.Param(w))
         y = f(x, nnx.Param(w))
     assert jaxpr.count("dot_general") == 1 and comm.total_count == 0
+    # float32: each device's rows computed whole, the same 32-term dot products (XLA may order them otherwise)
     assert_close(y, x @ w)
 
 
@@ -191,4 +195,5 @@ def test_a_training_step_with_interleaved_layouts_trains_as_on_one_device():
     assert_close((net.w1[...], net.w2[...]), params)
     leaves = [leaf for leaf in jax.tree.leaves(nnx.state(step)) if getattr(leaf, "shape", ()) in ((32, 64), (64, 16))]
     assert len(leaves) == 4          # the two weights, then their momentum traces
+    # the same bound: the traces are sums of the 3 steps' gradients
     assert_close(leaves[2:], list(state[0].trace))
