@@ -316,8 +316,9 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     _fix_user_layouts(trace, base, inputs, algorithm)
     notes: list[str] = list(base.notes)
     load = ctx.strategy_ckpt_config.get("load_file")
-    if load:
-        notes.append(_apply_strategy_file(load, trace, inputs, mesh))
+    saved = load_plan(load) if load else None        # read once: applied before the search, its copies after
+    if saved is not None:
+        notes.append(_apply_strategy_file(load, saved, trace, inputs, mesh))
     searcher = SEARCHERS["data_parallel"] if dp_mode else SEARCHERS.get(algorithm)
     if searcher is None:
         notes.append(f"search_mode {algorithm!r} is not available yet; used sharding_propagation")
@@ -329,17 +330,17 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     result = _search(searcher, trace, params, opts, inputs, base, hold, notes)
     layouts, eqn_out, eqn_in = _emit_layouts(trace, result.strategies, base)
     plan = build_plan(trace, result.strategies, result, params, mesh, inputs, base, notes, algorithm)
-    if load and (lost := _copies_not_given(load, plan)):
+    if saved is not None and (lost := _copies_not_given(load, saved, plan)):
         plan = dataclasses.replace(plan, notes=plan.notes + (lost,))
     return Planned(plan, layouts, eqn_out, eqn_in)
 
 
-def _copies_not_given(load: str, plan) -> str | None:
+def _copies_not_given(load: str, saved: Plan, plan: Plan) -> str | None:
     """A note on the ops a strategy file computed in ``interleaved_parallel`` copies that this trace computes
     whole: copies are how an op's body is traced (:mod:`mshard._src.frontend.interleave`), which a file read at
     planning time cannot change; their device splits are loaded."""
     now = {o.name: o.copies for o in plan.ops}
-    lost = [o.name for o in load_plan(load).ops if o.copies and now.get(o.name, o.copies) != o.copies]
+    lost = [o.name for o in saved.ops if o.copies and now.get(o.name, o.copies) != o.copies]
     if not lost:
         return None
     return (f"strategy file {load}: {', '.join(lost)} computed in interleaved_parallel copies when saved; here whole "
@@ -408,12 +409,13 @@ def _fix_marked_bodies(trace: TraceResult) -> None:
             op.fixed = fixed
 
 
-def _apply_strategy_file(load: str, trace: TraceResult, inputs: Sequence[InputInfo], mesh: DeviceMesh) -> str:
-    """Fix what a saved strategy file says (``strategy_ckpt_config['load_file']``) on ops not fixed yet: op
+def _apply_strategy_file(load: str, saved: Plan, trace: TraceResult, inputs: Sequence[InputInfo], mesh: DeviceMesh) -> str:
+    """Fix what a saved strategy file ``saved`` (the plan read from ``strategy_ckpt_config['load_file']``, the path
+    ``load``) says on ops not fixed yet: op
     strategies by op name, parameter layouts by name, and data laid out as the saved region's was; the plan's
     note on what was applied."""
     graph = trace.graph
-    loaded = _on_mesh(load_plan(load), mesh)
+    loaded = _on_mesh(saved, mesh)
     if loaded.mesh != mesh:
         return f"strategy file {load} is for mesh {loaded.mesh}, not {mesh}: not applied"
     applied, misfit = 0, []       # misfit: saved for other shapes (a split that does not divide here): searched
