@@ -45,7 +45,17 @@ from types import MappingProxyType
 from .direct_reshard import best_steps, cheaper_than_xla, depends_on_direct
 from .direct_reshard import plan as direct_plan
 from .errors import SearchGraphError
-from .graph import DeviceMesh, Graph, Op, Strategy, TensorLayout, constant_tensors, split_count
+from .graph import (
+    DeviceMesh,
+    Graph,
+    Op,
+    Strategy,
+    TensorLayout,
+    constant_tensors,
+    dead_ops,
+    result_layout,
+    split_count,
+)
 from .spec import OpSpec, layout_of, op_spec
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -183,6 +193,43 @@ def spec_cost(spec: OpSpec, strategy: Strategy, mesh: DeviceMesh, params: CostPa
         total += params.state_price(mesh) * sum(nbytes / split_count(layout_of(maps, strategy), shape)
                                                 for maps, nbytes in zip(spec.out_maps, spec.out_bytes))
     return Cost(compute, by, ar_time, memory, total)
+
+
+def scattered_reduction_cost(op: Op, strategy: Strategy, target: TensorLayout, graph: Graph,
+                             params: CostParams) -> Cost:
+    """The collectives that resolve ``op``'s partial result straight into ``target``, its result layout with some
+    of the partial axes appended to its dims' stacks: a reduce-scatter over those axes (``S_local * (q-1)/q``)
+    and an all-reduce over the others of the smaller block. What the executor runs in place of the all-reduce
+    :func:`op_cost` charges and the consumer's slice (``mshard._src.planning.scattered_sums``).
+
+    >>> from searchers.graph import DeviceMesh, Graph
+    >>> g = Graph(DeviceMesh((2, 2)))
+    >>> x = g.source("x", (8, 4)); w = g.source("w", (4, 6), kind="param")
+    >>> _ = g.add_op("mm", "dot_general", {"m": 8, "k": 4, "n": 6}, [x, w], [("m", "k"), ("k", "n")], [("m", "n")])
+    >>> c = scattered_reduction_cost(g.ops[2], ((), (0, 1), ()), ((0, 1), ()), g, CostParams())
+    >>> c.comm_bytes["reduce-scatter"], c.comm_bytes["all-reduce"]     # 192 B partial: 3/4 of it; nothing left
+    (144.0, 0.0)
+    >>> c = scattered_reduction_cost(g.ops[2], ((), (0, 1), ()), ((0,), ()), g, CostParams())
+    >>> c.comm_bytes["reduce-scatter"], c.comm_bytes["all-reduce"]     # half of 192 B; 2 * 96 * 1/2 over axis 1
+    (96.0, 96.0)
+    """
+    mesh = graph.mesh
+    have = result_layout(op, strategy, 0)
+    partial = {a for d in op.reduction_dims for a in dict(zip(op.dims, strategy))[d]}
+    block = graph.tensors[op.outputs[0]].nbytes / split_count(have, mesh.shape)
+    by = {"reduce-scatter": 0.0, "all-reduce": 0.0}
+    seconds = 0.0
+    steps = [("reduce-scatter", tuple(t)[len(h):]) for h, t in zip(have, target)]   # one per dim, as emitted
+    steps.append(("all-reduce", tuple(a for a in sorted(partial) if all(a not in ax for _, ax in steps))))
+    for kind, axes in steps:
+        k = mesh.count(axes)
+        if k == 1:
+            continue
+        b = (1.0 if kind == "reduce-scatter" else 2.0) * block * (k - 1) / k
+        block /= k if kind == "reduce-scatter" else 1
+        by[kind] += b
+        seconds += max(mesh.latency[a] for a in axes) + b / min(mesh.bandwidth[a] for a in axes)
+    return Cost(0.0, by, seconds, 0.0, params.weigh(0.0, seconds, 0.0))
 
 
 def _halo(spec: OpSpec, strategy: Strategy, mesh: DeviceMesh) -> tuple[float, float]:
@@ -366,8 +413,9 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
     :class:`OpSpec` per op, optional) saves recomputing them. ``shared=True`` counts a tensor
     redistributed to one layout once however many ops read it there, as the compiled program does
     (XLA reshards a value once per target sharding and shares the result), and a tensor computed from
-    constants alone not at all (it is re-broadcast locally); the default charges every edge, the
-    searchers' objective.
+    constants alone not at all (it is re-broadcast locally), and leaves out the ops whose results nothing uses
+    (:func:`~searchers.graph.dead_ops`: XLA removes them); the default charges every edge and op, the searchers'
+    objective.
 
     >>> from searchers.graph import DeviceMesh, Graph
     >>> g = Graph(DeviceMesh((2,)))
@@ -383,13 +431,15 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
     chosen: list[Strategy] = []
     out_lay: dict[int, TensorLayout] = {}
     op_count: Counter = Counter()
+    dead = dead_ops(graph) if shared else frozenset()
     for op, spec in zip(graph.ops, specs):
         try:
             s = _canon(strategies[op.id])
         except KeyError:
             raise SearchGraphError(f"graph_cost: no strategy for op {op.id} ({op.name})") from None
         chosen.append(s)
-        op_count[spec, s] += 1
+        if op.id not in dead:
+            op_count[spec, s] += 1
         for tid, maps in zip(op.outputs, spec.out_maps):
             out_lay[tid] = layout_of(maps, s)
     red_count: Counter = Counter()
@@ -398,6 +448,8 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
     extra = [_merged_latency(specs, chosen, mesh, params, [op.merge_group for op in graph.ops])] if shared else []
     done: dict[int, list] = {}
     for op, spec, s in zip(graph.ops, specs, chosen):
+        if op.id in dead:
+            continue
         for tid, maps, nbytes in zip(op.inputs, spec.in_maps, spec.in_bytes):
             want, have = layout_of(maps, s), out_lay[tid]
             if have != want and tid not in free and not (shared and (tid, want) in seen):

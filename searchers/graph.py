@@ -411,6 +411,28 @@ def constant_tensors(graph: Graph) -> frozenset[int]:
     return frozenset(out)
 
 
+def dead_ops(graph: Graph) -> frozenset[int]:
+    """Ops whose results reach neither a region result nor a ``writeback`` (a loss a step computes and drops): the
+    compiled program does not run them (XLA removes dead code), so the program's cost leaves them out.
+
+    >>> g = Graph(DeviceMesh((2,)))
+    >>> x = g.source("x", (4,))
+    >>> (y,) = g.add_op("neg", "neg", {"i": 4}, [x], [("i",)], [("i",)])
+    >>> _ = g.add_op("exp", "exp", {"i": 4}, [x], [("i",)], [("i",)])
+    >>> g.outputs.append(y)
+    >>> sorted(dead_ops(g))
+    [2]
+    """
+    live_tensors = set(graph.outputs)
+    dead: set[int] = set()
+    for op in reversed(graph.ops):        # ops are in program order: every reader comes after its producer
+        if op.kind == "writeback" or not op.outputs or any(t in live_tensors for t in op.outputs):
+            live_tensors.update(op.inputs)
+        else:
+            dead.add(op.id)
+    return frozenset(dead)
+
+
 def partial_axes(op: Op, strategy: Strategy) -> Axes:
     """Mesh axes over which the results are partial (axes of split reduction dims)."""
     where = dict(zip(op.dims, strategy))

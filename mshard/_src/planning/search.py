@@ -42,6 +42,7 @@ from mshard._src.jaxpr.marks import OpNote, mark_p
 from mshard._src.jaxpr.op_graph import REPLICA, TraceResult, jaxpr_to_graph
 from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts, assign_layouts, exact_mark_key, mark_key
 from mshard._src.planning.fused_sums import fused_reductions, unpriced_reduction
+from mshard._src.planning.scattered_sums import Scattered, scattered_reductions
 from mshard._src.values import context as ctxmod
 from mshard._src.values.errors import ContextError, PlanError, StrategyError, StrategyIgnoredWarning
 from mshard._src.values.layout import (
@@ -63,10 +64,12 @@ from searchers.cost import (
     op_cost,
     redistribution_cost,
     reshard_once,
+    scattered_reduction_cost,
 )
 from searchers.direct_reshard import cheaper_than_xla
 from searchers.graph import (
     constant_tensors,
+    dead_ops,
     mark_merged_reductions,
     operand_layout,
     operand_tied_strategy,
@@ -97,6 +100,7 @@ class Planned:
     layouts: RegionLayouts
     eqn_out: dict[EqnKey, tuple[DimAxes | None, ...]] = field(default_factory=dict)
     eqn_in: dict[EqnKey, tuple[DimAxes | None, ...]] = field(default_factory=dict)
+    eqn_scatter: dict[EqnKey, DimAxes] = field(default_factory=dict)   # partial results reduce-scattered there
 
 
 def _strategy_from_layout(op, layout: DimAxes, mesh: DeviceMesh, operand: int | None = None):
@@ -328,11 +332,13 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
             "elementwise_op_strategy_follow": algo.elementwise_op_strategy_follow}
     hold = input_layout_hook if not hooked_before else None
     result = _search(searcher, trace, params, opts, inputs, base, hold, notes)
-    layouts, eqn_out, eqn_in = _emit_layouts(trace, result.strategies, base)
-    plan = build_plan(trace, result.strategies, result, params, mesh, inputs, base, notes, algorithm)
+    scattered = scattered_reductions(trace, result.strategies)     # partial results reduce-scattered to readers
+    layouts, eqn_out, eqn_in = _emit_layouts(trace, result.strategies, base, scattered)
+    plan = build_plan(trace, result.strategies, result, params, mesh, inputs, base, notes, algorithm, scattered)
     if saved is not None and (lost := _copies_not_given(load, saved, plan)):
         plan = dataclasses.replace(plan, notes=plan.notes + (lost,))
-    return Planned(plan, layouts, eqn_out, eqn_in)
+    eqn_scatter = {item.key: axes_by_name(item.target, mesh) for item in scattered.values()}
+    return Planned(plan, layouts, eqn_out, eqn_in, eqn_scatter)
 
 
 def _copies_not_given(load: str, saved: Plan, plan: Plan) -> str | None:
@@ -553,11 +559,13 @@ def _xla_bytes(have, want, t, mesh: DeviceMesh) -> float | None:
     return float(sum(st.moved for st in xla_reshard(have, want, tuple(mesh.shape))) * math.prod(t.shape) * t.itemsize)
 
 
-def _emit_layouts(trace: TraceResult, strategies, base: RegionLayouts
+def _emit_layouts(trace: TraceResult, strategies, base: RegionLayouts, scattered: dict[int, Scattered] | None = None
                   ) -> tuple[RegionLayouts, dict[EqnKey, tuple], dict[EqnKey, tuple]]:
     """The layouts the program is emitted with: every input's, every mark's (a primitive object's operands and
     results as it computes), and per equation its results' layouts and the operands it reads in another layout
-    than their producer gave them (None where it reads them as they are)."""
+    than their producer gave them (None where it reads them as they are). A primitive object whose result is
+    reduce-scattered (``scattered``) holds it in the layout it is scattered to."""
+    scattered = scattered or {}
     graph, mesh = trace.graph, base.mesh
     layouts = RegionLayouts(mesh, list(base.inputs), dict(base.marks), base.op_names, honour_marks=True,
                             user_inputs=set(base.user_inputs), strategy_inputs=list(base.inputs))
@@ -579,6 +587,8 @@ def _emit_layouts(trace: TraceResult, strategies, base: RegionLayouts
                 if e.primitive is mark_p:
                     idx = e.params["index"]
                     lay = operand_layout(op, s, idx) if e.params["role"] == "in" else result_layout(op, s, idx)
+                    if op.id in scattered and scattered[op.id].mark is e:
+                        lay = scattered[op.id].target
                     layouts.marks[mark_key(e)] = axes_by_name(lay, mesh)
             continue
         if te.eqn.primitive is mark_p:
@@ -600,10 +610,13 @@ def _emit_layouts(trace: TraceResult, strategies, base: RegionLayouts
 
 
 def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh: DeviceMesh,
-               inputs: Sequence[InputInfo], base: RegionLayouts, notes: list[str], algorithm: str) -> Plan:
+               inputs: Sequence[InputInfo], base: RegionLayouts, notes: list[str], algorithm: str,
+               scattered: dict[int, Scattered] | None = None) -> Plan:
     graph = trace.graph
+    scattered = scattered or {}
     groups = _groups(trace)
-    costs = {op.id: op_cost(op, strategies[op.id], graph, params) for op in graph.ops}
+    dead = dead_ops(graph)       # results nothing uses: XLA removes them, they cost nothing (graph_cost(shared=True))
+    costs = {op.id: Cost() if op.id in dead else op_cost(op, strategies[op.id], graph, params) for op in graph.ops}
     owner: dict[int, str] = {}          # graph op id -> the plan entry it belongs to
     groups_by_name: dict[str, OpNote] = {}
     entries: dict[str, dict] = {}       # plan entry name -> its fields, in program order
@@ -639,16 +652,25 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
                                  fixed=op.fixed is not None, ids=[op.id])
         owner[op.id] = name
     fused = fused_reductions(trace, strategies)     # partial sums the emitter adds before one all-reduce
+    fused = {oid: kept for oid, kept in fused.items() if oid not in dead}
     for oid in fused:
         costs[oid] = costs[oid] + unpriced_reduction(costs[oid], params)
+    rescaled = {oid: unpriced_reduction(costs[oid], params) + scattered_reduction_cost(
+        graph.ops[oid], strategies[oid], item.target, graph, params) for oid, item in scattered.items()}
+    for oid, change in rescaled.items():             # reduce-scattered where it is read (scattered_sums)
+        costs[oid] = costs[oid] + change
     redistributions = []
     done: set = set()
     free = constant_tensors(graph)
     ran: dict[int, list] = {}
     for op in graph.ops:   # redistribution into each op is charged to it, and listed on its own line
+        if op.id in dead:
+            continue
         for i, tid in enumerate(op.inputs):
             prod, t = graph.producer(tid), graph.tensors[tid]
             have = result_layout(prod, strategies[prod.id], prod.outputs.index(tid))
+            if prod.id in scattered:
+                have = scattered[prod.id].target
             want = operand_layout(op, strategies[op.id], i)
             if (tid, want) in done or tid in free:
                 continue           # XLA reshards a value once per layout (the first reader is charged), and
@@ -680,7 +702,7 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
                   if not op.is_source or op.kind == "data"}
     program = Cost.sum([graph_cost(graph, strategies, params, shared=True)]    # what the compiled program runs
                        + [unpriced_reduction(op_cost(graph.ops[i], strategies[i], graph, params), params)
-                          for i in fused])
+                          for i in fused] + list(rescaled.values()))
     return Plan(mesh, plan_ops, param_specs, PlanCost.of(program), algorithm, result.seconds, tuple(notes),
                 graph_axes, tuple(redistributions), _Explainer(graph, strategies, params, mesh),
                 peak_bytes=peak_memory(graph, strategies, fused=True)[0])

@@ -46,11 +46,14 @@ class _null:
 
 
 class Emitter:
-    def __init__(self, layouts: RegionLayouts, eqn_out: dict | None = None, eqn_in: dict | None = None):
+    def __init__(self, layouts: RegionLayouts, eqn_out: dict | None = None, eqn_in: dict | None = None,
+                 eqn_scatter: dict | None = None):
         self.layouts = layouts
         self.mesh = jax_mesh(layouts.mesh)
         self.eqn_out = eqn_out or {}
         self.eqn_in = eqn_in or {}
+        self.eqn_scatter = eqn_scatter or {}  # key -> the layout a partial result is reduce-scattered to
+        self._summed: dict[int, tuple] = {}   # id(Stacked) -> (it, its sum): one collective however many read it
         self.planned = bool(eqn_out)
         self._laid: dict[int, tuple] = {}     # id(value) -> (value, the layout it was constrained to)
         # id(value) -> (value, its layout, the layout its readers take): a scanned slice moved where it is read
@@ -139,7 +142,11 @@ class Emitter:
         the layout the plan gave the sum, or to its parts' layout."""
         if not isinstance(x, partial_sums.Stacked):
             return x
-        return self.wsc(partial_sums.materialize(x), x.layout if x.target is None else x.target)
+        done = self._summed.get(id(x))
+        if done is None or done[0] is not x:
+            done = self._summed[id(x)] = (x, self.wsc(partial_sums.materialize(x, self.layouts.mesh),
+                                                      x.layout if x.target is None else x.target))
+        return done[1]
 
     def _partial(self, eqn, invals, key):
         """An op of a sum of partial sums (:mod:`~mshard._src.runtime.partial_sums`): its parts per device, or
@@ -165,6 +172,25 @@ class Emitter:
             return out
         return None
 
+    def _operand_layouts(self, eqn, invals, key) -> list | None:
+        ins = self.eqn_in.get(key) or [None] * len(invals)
+        lays = [self._layout_of(x, lay) if hasattr(x, "shape") else None for x, lay in zip(invals, ins)]
+        return None if any(lay is None or len(lay) != len(x.shape) for x, lay in zip(invals, lays)) else lays
+
+    def _scattered(self, eqn, invals, key, target):
+        """An op whose partial result the plan reduce-scatters into ``target`` (``scattered_sums``): computed per
+        device as a :class:`~mshard._src.runtime.partial_sums.Stacked` that its first reader sums; None to bind
+        it as traced (its operands' layouts unknown, or its parts not laid out as the plan has them)."""
+        lays = self._operand_layouts(eqn, invals, key)
+        if lays is None:
+            return None
+        invals = [self.move(x, lay) for x, lay in zip(invals, lays)]
+        part = partial_sums.local_partial(eqn, invals, lays, self.layouts.mesh)
+        target = tuple(tuple(d) for d in target)
+        if part is None or partial_sums.scattered_dims(part.layout, target, part.axes) is None:
+            return None
+        return dataclasses.replace(part, target=target)
+
     def eqn(self, eqn, invals, path: tuple):
         prim = eqn.primitive
         if self._partial_roles or any(isinstance(x, partial_sums.Stacked) for x in invals):
@@ -172,6 +198,10 @@ class Emitter:
             if part is not None:
                 return part
             invals = [self._materialize(x) for x in invals]
+        if (target := self.eqn_scatter.get((path, id(eqn)))) is not None:
+            part = self._scattered(eqn, invals, (path, id(eqn)), target)
+            if part is not None:
+                return part
         if prim is mark_p:
             if not self.layouts.honour_marks:
                 return invals[0]
@@ -251,9 +281,9 @@ def _stacked_results_free(outs_lay, num_carry: int) -> list:
 
 
 def emit(closed: jcore.ClosedJaxpr, layouts: RegionLayouts, eqn_out: dict | None = None,
-         eqn_in: dict | None = None) -> Callable[..., list]:
+         eqn_in: dict | None = None, eqn_scatter: dict | None = None) -> Callable[..., list]:
     """A function of the region's flat inputs that evaluates ``closed`` with planned constraints."""
-    em = Emitter(layouts, eqn_out, eqn_in)
+    em = Emitter(layouts, eqn_out, eqn_in, eqn_scatter)
 
     def run(*args):
         em._laid.clear()
@@ -268,5 +298,6 @@ def emit(closed: jcore.ClosedJaxpr, layouts: RegionLayouts, eqn_out: dict | None
             em._laid.clear()        # the trace's values are not kept alive past it
             em._deferred.clear()
             em._undeferred.clear()
+            em._summed.clear()
             em._partial_roles.clear()   # found again per traced body (a rebuilt remat body is a new jaxpr each trace)
     return run

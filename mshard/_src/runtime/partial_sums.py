@@ -15,6 +15,12 @@ it by running its data-parallel replicas side by side (``mshard._src.training.tr
 * the chain acts on the stack, the ``add_any`` adds the stacks, and :func:`materialize` sums the leading dim,
   which XLA runs as one all-reduce over those axes.
 
+:func:`materialize` also reduce-scatters. Where the layout the sum goes to (``Stacked.target``) splits a dim further
+over some of the partial sum's axes (a row-parallel MatMul read split by rows: Megatron's sequence parallelism,
+MindSpore's ``out_strategy`` of a MatMul), each device sums only its block: ``psum_scatter`` over those axes (half
+an all-reduce's bytes) and ``psum`` over the others. The planner asks for it on one op too
+(``mshard._src.planning.scattered_sums``): XLA's partitioner all-reduces the whole result and slices it.
+
 Where a layout is unknown or the op's split is not a partial sum of this form, nothing changes: the ops are bound
 as traced.
 """
@@ -30,7 +36,7 @@ from jax.sharding import PartitionSpec
 from mshard._src.jaxpr.sum_pairs import partial_sum_pairs
 from mshard._src.values.layout import DimAxes, jax_mesh, spec_of
 
-__all__ = ["Stacked", "add", "chain_op", "local_partial", "materialize", "partial_sum_pairs"]
+__all__ = ["Stacked", "add", "chain_op", "local_partial", "materialize", "partial_sum_pairs", "scattered_dims"]
 
 
 
@@ -130,6 +136,46 @@ def add(a: Stacked, b: Stacked) -> Stacked | None:
     return Stacked(a.value + b.value, a.axes, a.layout)
 
 
-def materialize(x):
-    """The sum of the parts (one all-reduce over their axes); anything else as it is."""
-    return jnp.sum(x.value, axis=0) if isinstance(x, Stacked) else x
+def scattered_dims(layout: DimAxes, target: DimAxes, axes) -> dict[int, tuple[str, ...]] | None:
+    """Per dim, the partial-sum ``axes`` that ``target`` splits it over after ``layout``'s own (its stack's tail):
+    the dims a reduce-scatter leaves split. ``{}`` where ``target`` is ``layout``; None where ``target`` is not
+    ``layout`` with some of ``axes`` appended to its dims' stacks.
+
+    >>> scattered_dims(((), ("a",)), (("p",), ("a", "q")), ("p", "q", "r"))
+    {0: ('p',), 1: ('q',)}
+    >>> scattered_dims((("a",),), (("q", "a"),), ("q",)) is None
+    True
+    """
+    if len(layout) != len(target):
+        return None
+    out: dict[int, tuple[str, ...]] = {}
+    for d, (have, want) in enumerate(zip(layout, target)):
+        have, want = tuple(have), tuple(want)
+        if want[:len(have)] != have:
+            return None
+        if len(want) > len(have):
+            out[d] = want[len(have):]
+    used = [a for extra in out.values() for a in extra]
+    if any(a not in axes for a in used) or len(set(used)) != len(used):
+        return None
+    return out
+
+
+def materialize(x, mesh=None):
+    """The sum of the parts; anything else as it is. One all-reduce over their axes, or, where ``x.target`` splits
+    dims further over some of them (:func:`scattered_dims`, given the ``mesh``), a reduce-scatter over those and
+    an all-reduce over the rest, which leaves the sum in ``x.target``."""
+    if not isinstance(x, Stacked):
+        return x
+    extra = scattered_dims(x.layout, x.target, x.axes) if x.target is not None and mesh is not None else None
+    if not extra:
+        return jnp.sum(x.value, axis=0)
+    rest = tuple(a for a in x.axes if all(a not in e for e in extra.values()))
+
+    def body(v):
+        v = v[0]
+        for d, axes in extra.items():
+            v = jax.lax.psum_scatter(v, axes, scatter_dimension=d, tiled=True)
+        return jax.lax.psum(v, rest) if rest else v
+    return jax.shard_map(body, mesh=jax_mesh(mesh), in_specs=PartitionSpec(x.axes, *spec_of(x.layout)),
+                         out_specs=spec_of(x.target), check_vma=False)(x.value)
