@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from mshard._src.jaxpr.op_graph import TraceResult
 from mshard._src.jaxpr.sum_pairs import partial_sum_pairs
 from mshard._src.jaxpr.walk import call_jaxpr
+from mshard._src.planning.fused_sums import unpriced_reduction
+from searchers.cost import CostParams, op_cost, redistribution_cost, scattered_reduction_cost
 from searchers.graph import TensorLayout, operand_layout, partial_axes, result_layout
 
 
@@ -34,8 +36,12 @@ class Scattered:
     mark: object | None = None
 
 
-def scattered_reductions(trace: TraceResult, strategies) -> dict[int, Scattered]:
-    """Op id -> :class:`Scattered`, for every op whose partial result the executor reduce-scatters."""
+def scattered_reductions(trace: TraceResult, strategies, params: CostParams) -> dict[int, Scattered]:
+    """Op id -> :class:`Scattered`, for every op whose partial result the executor reduce-scatters: into the layout
+    its readers want where that layout is its own with some partial axes appended (nothing left to move), or into
+    its own layout with the partial axes the readers split on appended, then changed to theirs, where that moves
+    fewer bytes than the all-reduce and the change from its own layout (a MatMul's rows over d2, reduced over
+    (d0, d1) and read as rows over (d0, d1, d2): a reduce-scatter to rows (d2, d0, d1) and a permute)."""
     graph = trace.graph
     readers: dict[int, list] = defaultdict(list)
     for _, consumer, tid, i in graph.edges():
@@ -57,22 +63,32 @@ def scattered_reductions(trace: TraceResult, strategies) -> dict[int, Scattered]
         if len(wants) != 1:
             continue
         (want,) = wants
-        if _extends(result_layout(op, s, 0), want, axes):
-            out[op.id] = Scattered((tuple(id(e) for e in te.path), id(dot)), want, mark)
+        t = graph.tensors[op.outputs[0]]
+        have = result_layout(op, s, 0)
+        target = _scattered_layout(have, want, axes, t.shape, graph.mesh)
+        if target is None:
+            continue
+        # both less the all-reduce the op's cost holds: the change alone against the reduce-scatter and its change
+        before = redistribution_cost(have, want, t.shape, t.itemsize, graph.mesh, params)
+        after = (unpriced_reduction(op_cost(op, s, graph, params), params)
+                 + scattered_reduction_cost(op, s, target, graph, params)
+                 + redistribution_cost(target, want, t.shape, t.itemsize, graph.mesh, params))
+        if (after.communication, after.total) < (before.communication, before.total):
+            out[op.id] = Scattered((tuple(id(e) for e in te.path), id(dot)), target, mark)
     return out
 
 
-def _extends(have: TensorLayout, want: TensorLayout, axes) -> bool:
-    """Whether ``want`` is ``have`` with some of ``axes`` (at least one) appended to its dims' stacks."""
-    if len(have) != len(want):
-        return False
-    extra = []
-    for h, w in zip(have, want):
-        h, w = tuple(h), tuple(w)
-        if w[:len(h)] != h:
-            return False
-        extra += w[len(h):]
-    return bool(extra) and len(set(extra)) == len(extra) and all(a in axes for a in extra)
+def _scattered_layout(have: TensorLayout, want: TensorLayout, axes, shape, mesh) -> TensorLayout | None:
+    """``have`` with, on each dim, the partial ``axes`` that ``want`` splits that dim on appended (in ``want``'s
+    order); None where ``want`` splits no dim on them or a dim would not divide."""
+    out, added = [], False
+    for h, w, n in zip(have, want, shape, strict=True):
+        extra = tuple(a for a in w if a in axes and a not in h)
+        added = added or bool(extra)
+        out.append(tuple(h) + extra)
+        if n % mesh.count(out[-1]):
+            return None
+    return tuple(out) if added else None
 
 
 def _dot_of(te):

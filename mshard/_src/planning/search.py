@@ -332,7 +332,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
             "elementwise_op_strategy_follow": algo.elementwise_op_strategy_follow}
     hold = input_layout_hook if not hooked_before else None
     result = _search(searcher, trace, params, opts, inputs, base, hold, notes)
-    scattered = scattered_reductions(trace, result.strategies)     # partial results reduce-scattered to readers
+    scattered = scattered_reductions(trace, result.strategies, params)     # partial results reduce-scattered
     layouts, eqn_out, eqn_in = _emit_layouts(trace, result.strategies, base, scattered)
     plan = build_plan(trace, result.strategies, result, params, mesh, inputs, base, notes, algorithm, scattered)
     if saved is not None and (lost := _copies_not_given(load, saved, plan)):

@@ -184,12 +184,14 @@ def test_saved_strategies_load_into_the_network_without_shard_calls(case, tmp_pa
         # all-to-all of the stack (d0, d1) over 4 devices (512 B) and a slice (searchers/direct_reshard.py); XLA's
         # own, before stack moves, was an all-to-all and one more collective-permute of 256 B. The saved matmul1's
         # partial sums over d2 ([16, 8] f32) are reduce-scattered into its out_strategy's rows (d0, d1, d2), [8, 8],
-        # as MindSpore's ReduceScatter (mshard/_src/planning/scattered_sums.py); matmul2's ([32, 16], rows over d2)
-        # are all-reduced: its out_strategy's rows (d0, d1, d2) do not extend its own (d2). Loaded, matmul1's result
-        # is read as columns, which no reduce-scatter gives: both are all-reduced
-        assert saved_comm == {"all-reduce": (1, 2048), "reduce-scatter": (1, 256), "all-to-all": (2, 512),
-                              "collective-permute": (1, 512)}
-        assert loaded_comm == {"all-reduce": (2, 2560), "all-to-all": (2, 768), "collective-permute": (1, 512)}
+        # as MindSpore's ReduceScatter (mshard/_src/planning/scattered_sums.py); matmul2's ([32, 16], rows over d2,
+        # reduced over (d0, d1)) are reduce-scattered into rows (d2, d0, d1), [8, 16], and permuted to its
+        # out_strategy's (d0, d1, d2) (the permute an all-reduce needed too). Loaded, matmul1's result is read as
+        # columns over (d0, d1, d2): it is reduce-scattered onto columns over d2 ([16, 4]), and (d0, d1) join the
+        # columns by an all-to-all and a 256 B permute; 2,880 B moved against the saved program's 2,656 B (before
+        # reduce-scatters: 1,024 B and 864 B, besides all-reduces of 2,560 B of partial sums in each)
+        assert saved_comm == {"reduce-scatter": (2, 768), "all-to-all": (2, 512), "collective-permute": (1, 512)}
+        assert loaded_comm == {"reduce-scatter": (2, 768), "all-to-all": (2, 512), "collective-permute": (2, 768)}
     else:
         assert loaded_comm == saved_comm
     x, b1, b2, b3, w1, w2 = args
@@ -338,9 +340,10 @@ def test_out_strategies_add2_moves_no_more_than_mindspores_strategies():
         y = g(*args)
     assert plan.strategy_of("add2") == ((1, 8), (1, 8))
     moved = {k: sum(v["bytes"] for v in r.by_kind.values()) for k, r in (("ours", ours), ("theirs", theirs))}
-    # 3,584 B before matmul1's partial sums ([16, 8], 512 B) were reduce-scattered into its out_strategy's rows
-    # ([8, 8], 256 B; mshard/_src/planning/scattered_sums.py), in both programs
-    assert moved == {"ours": 3328, "theirs": 3328}, (ours.by_kind, theirs.by_kind)
+    # 3,584 B when the MatMuls' partial sums were all-reduced (matmul1's [16, 8], 512 B; matmul2's [32, 16],
+    # 2,048 B); reduce-scattered towards their out_strategies' rows (mshard/_src/planning/scattered_sums.py), they
+    # are [8, 8] and [8, 16]: 3,584 - 512 - 2,048 + 256 + 512, in both programs
+    assert moved == {"ours": 1792, "theirs": 1792}, (ours.by_kind, theirs.by_kind)
     x, b1, b2, b3, w1, w2 = args
     want = ((x + b1) @ w1[...].T + b2) @ w2[...].T + b3
     # float32: 32- and 8-term dot products reordered by the splits

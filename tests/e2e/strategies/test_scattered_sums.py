@@ -95,3 +95,23 @@ def test_a_result_read_in_two_layouts_is_all_reduced():
     assert "reduce-scatter" not in rep.by_kind and rep.moved("all-reduce") > 0, rep.by_kind
     assert_close(y, jax.nn.relu(X @ W))
     assert_close(z, jnp.tanh(X @ W))
+
+
+def test_partial_sums_read_in_another_axis_order_are_scattered_then_permuted():
+    """A MatMul with rows over c and the contraction over (a, b), read as rows over (a, b, c): its result is not
+    its own layout with axes appended (c comes last there), so it is reduce-scattered into rows (c, a, b), then
+    permuted to (a, b, c). Partial result [32, 128] f32 per device (16 KiB): the 4-way reduce-scatter moves 3/4 of
+    it, the permute each device's [8, 128] (4 KiB); the all-reduce alone would move 2 x 3/4 of it."""
+    lay = ms.Layout((2, 2, 2), ("a", "b", "c"))
+    mm = ops.MatMul().shard((lay("c", ("a", "b")), lay(("a", "b"), "None")))
+    relu = ops.ReLU().shard((lay(("a", "b", "c"), "None"),))
+    with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8):
+        g = ms.jit(lambda x, w: relu(mm(x, w[...])))
+        plan = g.plan(X, nnx.Param(W))
+        rep = ms.comm_report(g, X, nnx.Param(W))
+        y = g(X, nnx.Param(W))
+    local = 32 * 128 * 4
+    want = {"reduce-scatter": local * 3 / 4, "collective-permute": local / 4}
+    assert {k: rep.moved(k) for k in rep.by_kind} == want, rep.by_kind
+    assert plan.cost.communication == want
+    assert_close(y, jax.nn.relu(X @ W))
