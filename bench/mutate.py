@@ -114,6 +114,11 @@ BUGS = [
         "        costs[oid] = costs[oid] + change\n",
         "    rescaled = {}\n",
         ("tests/e2e/strategies/test_scattered_sums.py", "tests/e2e/search/test_plan_program.py")),
+    Bug("scatter_pairs_dropped", "the searchers' pairwise problem prices a reduce-scattered partial sum as an "
+        "all-reduce", "searchers/pairwise_problem.py",
+        "        self._add_scatter_pairs(graph, params)\n",
+        "",
+        ("tests/searchers/test_scatter_pricing.py",)),
     Bug("dataset_off_by_one", "each device's rows of a host batch are the next device's (the last keeps its own)",
         "mshard/_src/runtime/dataset.py",
         "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])\n",

@@ -39,7 +39,7 @@ def graph_key(graph: Graph) -> bytes:
     ops = [(op.name, op.kind, tuple(op.dims.items()), tuple(op.inputs), tuple(op.in_dims), tuple(op.outputs),
             tuple(op.out_dims), op.reduce, tuple(sorted(op.unsplittable)), op.flops, op.fixed,
             tuple(sorted(op.split_limit.items())) if op.split_limit else None, op.free_devices, op.derived, op.follow_operand,
-            op.latency_share)
+            op.latency_share, op.scatter)
            for op in graph.ops]
     tensors = [(t.shape, t.itemsize) for t in graph.tensors]
     blob = pickle.dumps((graph.mesh, ops, tensors, tuple(graph.outputs)), protocol=pickle.HIGHEST_PROTOCOL)

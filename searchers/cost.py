@@ -53,6 +53,8 @@ from .graph import (
     TensorLayout,
     constant_tensors,
     dead_ops,
+    operand_layout,
+    partial_axes,
     result_layout,
     split_count,
 )
@@ -232,6 +234,74 @@ def scattered_reduction_cost(op: Op, strategy: Strategy, target: TensorLayout, g
     return Cost(0.0, by, seconds, 0.0, params.weigh(0.0, seconds, 0.0))
 
 
+def scattered_layout(have: TensorLayout, want: TensorLayout, axes, shape: Sequence[int],
+                     mesh: DeviceMesh) -> TensorLayout | None:
+    """``have`` with, on each dim, the partial ``axes`` that ``want`` splits that dim on appended (in ``want``'s
+    order): where a reduce-scatter leaves a partial result read in ``want``. None where ``want`` splits no dim on
+    them or a dim would not divide.
+
+    >>> m = DeviceMesh((2, 2, 2))
+    >>> scattered_layout(((2,), ()), ((0, 1, 2), ()), (0, 1), (64, 16), m)     # then a permute to (0, 1, 2)
+    ((2, 0, 1), ())
+    """
+    out, added = [], False
+    for h, w, n in zip(have, want, shape, strict=True):
+        extra = tuple(a for a in w if a in axes and a not in h)
+        added = added or bool(extra)
+        out.append(tuple(h) + extra)
+        if n % mesh.count(out[-1]):
+            return None
+    return tuple(out) if added else None
+
+
+def scatter_saving(op: Op, strategy: Strategy, want: TensorLayout, graph: Graph,
+                   params: CostParams) -> tuple[TensorLayout, Cost] | None:
+    """Where ``op``'s partial result, read in ``want``, moves fewer bytes reduce-scattered into
+    :func:`scattered_layout` and changed from there than all-reduced (as :func:`op_cost` charges) and changed from
+    its result layout: (that layout, the change in cost, negative). Else None. The rule the executor's choice
+    follows (``mshard._src.planning.scattered_sums``).
+
+    >>> from searchers.graph import Graph
+    >>> g = Graph(DeviceMesh((2, 2)))
+    >>> x = g.source("x", (8, 4)); w = g.source("w", (4, 6), kind="param")
+    >>> _ = g.add_op("mm", "dot_general", {"m": 8, "k": 4, "n": 6}, [x, w], [("m", "k"), ("k", "n")], [("m", "n")])
+    >>> target, change = scatter_saving(g.ops[2], ((), (0, 1), ()), ((0, 1), ()), g, CostParams())
+    >>> target, change.comm_bytes["all-reduce"], change.comm_bytes["reduce-scatter"]    # 288 B -> 144 B
+    (((0, 1), ()), -288.0, 144.0)
+    """
+    axes = partial_axes(op, strategy)
+    if not axes or len(op.outputs) != 1:
+        return None
+    t = graph.tensors[op.outputs[0]]
+    have = result_layout(op, strategy, 0)
+    target = scattered_layout(have, want, axes, t.shape, graph.mesh)
+    if target is None:
+        return None
+    reduced = op_cost(op, strategy, graph, params)
+    before = Cost(0.0, {"all-reduce": reduced.comm_bytes["all-reduce"]}, reduced.comm_time, 0.0,
+                  params.weigh(0.0, reduced.comm_time, 0.0)) + redistribution_cost(
+        have, want, t.shape, t.itemsize, graph.mesh, params)
+    after = (scattered_reduction_cost(op, strategy, target, graph, params)
+             + redistribution_cost(target, want, t.shape, t.itemsize, graph.mesh, params))
+    if (after.communication, after.total) >= (before.communication, before.total):
+        return None
+    return target, Cost(0.0, {k: after.comm_bytes[k] - before.comm_bytes[k] for k in KINDS},
+                        after.comm_time - before.comm_time, 0.0, after.total - before.total)
+
+
+def scatter_edges(graph: Graph) -> dict[int, tuple[int, int]]:
+    """Op id of every ``scatter`` op whose one result is read by exactly one operand -> (its reader's op id,
+    operand index): the edges whose price :func:`scatter_saving` changes in a search."""
+    reads: dict[int, list[tuple[int, int]]] = {}
+    for op in graph.ops:
+        for i, tid in enumerate(op.inputs):
+            reads.setdefault(tid, []).append((op.id, i))
+    ends = set(graph.outputs)
+    return {op.id: reads[op.outputs[0]][0] for op in graph.ops
+            if op.scatter and len(op.outputs) == 1 and op.outputs[0] not in ends
+            and len(reads.get(op.outputs[0], ())) == 1}
+
+
 def _halo(spec: OpSpec, strategy: Strategy, mesh: DeviceMesh) -> tuple[float, float]:
     """(bytes, seconds) of the halo exchange of a windowed op (``OpSpec.halo``). Each operand that follows a split
     halo dim sends its neighbours ``halo`` rows of its local block, in two collective-permutes (one each way, as
@@ -407,7 +477,7 @@ def redistribution_total(src: TensorLayout, dst: TensorLayout, nbytes: int, mesh
 
 # -- a whole graph ---------------------------------------------------------------------------
 def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostParams, *,
-               specs: Sequence[OpSpec] | None = None, shared: bool = False) -> Cost:
+               specs: Sequence[OpSpec] | None = None, shared: bool = False, scatter: bool = True) -> Cost:
     """Sum of every op's cost and of the redistribution on every edge (producer result layout ->
     consumer operand layout). ``strategies`` needs an entry for every op id; ``specs`` (one
     :class:`OpSpec` per op, optional) saves recomputing them. ``shared=True`` counts a tensor
@@ -415,7 +485,8 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
     (XLA reshards a value once per target sharding and shares the result), and a tensor computed from
     constants alone not at all (it is re-broadcast locally), and leaves out the ops whose results nothing uses
     (:func:`~searchers.graph.dead_ops`: XLA removes them); the default charges every edge and op, the searchers'
-    objective.
+    objective. ``scatter``: a ``scatter`` op read by one operand is priced reduce-scattered where that moves less
+    (:func:`scatter_saving`), as the executor runs it.
 
     >>> from searchers.graph import DeviceMesh, Graph
     >>> g = Graph(DeviceMesh((2,)))
@@ -462,6 +533,13 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
                                                                                     params, k)
                     extra.append(Cost(0.0, {kk: rest.comm_bytes[kk] - whole.comm_bytes[kk] for kk in KINDS},
                                       rest.comm_time - whole.comm_time, 0.0, rest.total - whole.total))
+    if scatter:
+        for pid, (cid, i) in scatter_edges(graph).items():
+            if pid not in dead and cid not in dead:
+                found = scatter_saving(graph.ops[pid], chosen[pid], operand_layout(graph.ops[cid], chosen[cid], i),
+                                       graph, params)
+                if found is not None:
+                    extra.append(found[1])
     return Cost.sum([counted_cost(op_count, red_count, mesh, params)] + extra)
 
 

@@ -149,6 +149,8 @@ class Op:
                                                 # convolution window): splitting it costs a halo exchange
     halo_apart: frozenset[str] = frozenset()    # loop dims never split together with a split halo dim (XLA's
                                                 # partitioner miscompiles the pair: mshard._src.planning.xla_guards)
+    scatter: bool = False                       # its partial result, read by one op, may be reduce-scattered into
+                                                # the layout that op reads it in (searchers.cost.scatter_saving)
 
     def split_sizes(self) -> tuple[int, ...]:
         """Per loop dim, the number a split count must divide (its size, or gcd with its split_limit)."""

@@ -41,7 +41,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .cost import CostParams
+from .cost import CostParams, scatter_edges, scatter_saving
 from .cost_vectors import layout_cost_matrix
 from .graph import Graph, Op, Strategy, TensorLayout, operand_layout, result_layout
 from .graph_index import GraphIndex
@@ -145,7 +145,27 @@ class PairwiseProblem:
             if m is None:
                 m = mat_memo[mk] = layout_cost_matrix(src, dst, nbytes, mesh, params)
             self.add_pair(p, c, m, mk)
+        self._add_scatter_pairs(graph, params)
         return self
+
+    def _add_scatter_pairs(self, graph: Graph, params: CostParams) -> None:
+        """Each ``scatter`` op read by one operand: the change :func:`~searchers.cost.scatter_saving` makes to the
+        pair's price where its reader's layout lets the partial result be reduce-scattered (0 elsewhere), so the
+        problem's total stays :func:`~searchers.cost.graph_cost`'s."""
+        for p, (c, i) in scatter_edges(graph).items():
+            prod, cons = graph.ops[p], graph.ops[c]
+            memo: dict[tuple, float] = {}
+            m = np.zeros((len(self.cands[p]), len(self.cands[c])))
+            for b, sc in enumerate(self.cands[c]):
+                want = operand_layout(cons, sc, i)
+                for a, sp in enumerate(self.cands[p]):
+                    key = (a, want)
+                    if key not in memo:
+                        found = scatter_saving(prod, sp, want, graph, params)
+                        memo[key] = 0.0 if found is None else found[1].total
+                    m[a, b] = memo[key]
+            if m.any():
+                self.add_pair(p, c, m, self.keys(("scatter", p, c, i)))
 
     # -- editing -------------------------------------------------------------------------------
     def add_pair(self, a: int, b: int, m: np.ndarray, key: int) -> None:

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from mshard._src.jaxpr.op_graph import TraceResult
 from mshard._src.jaxpr.sum_pairs import partial_sum_pairs
 from mshard._src.jaxpr.walk import call_jaxpr
-from mshard._src.planning.fused_sums import unpriced_reduction
-from searchers.cost import CostParams, op_cost, redistribution_cost, scattered_reduction_cost
-from searchers.graph import TensorLayout, operand_layout, partial_axes, result_layout
+from searchers.cost import CostParams, scatter_saving
+from searchers.graph import TensorLayout, operand_layout
 
 
 @dataclass(frozen=True)
@@ -36,59 +35,43 @@ class Scattered:
     mark: object | None = None
 
 
+def mark_scatter(trace: TraceResult) -> None:
+    """Set ``Op.scatter`` on every op the executor can reduce-scatter (a dot, or a primitive object whose body is one
+    dot read by its out mark, that is not part of a sum of partial sums), so the searchers price it so where its
+    one reader's layout allows (``searchers.cost.scatter_saving``)."""
+    roots = _sum_roots(trace)
+    for te in trace.eqns:
+        found = _dot_of(te)
+        if found is not None and id(found[0]) not in roots:
+            trace.graph.ops[te.op].scatter = True
+
+
 def scattered_reductions(trace: TraceResult, strategies, params: CostParams) -> dict[int, Scattered]:
-    """Op id -> :class:`Scattered`, for every op whose partial result the executor reduce-scatters: into the layout
-    its readers want where that layout is its own with some partial axes appended (nothing left to move), or into
-    its own layout with the partial axes the readers split on appended, then changed to theirs, where that moves
-    fewer bytes than the all-reduce and the change from its own layout (a MatMul's rows over d2, reduced over
-    (d0, d1) and read as rows over (d0, d1, d2): a reduce-scatter to rows (d2, d0, d1) and a permute)."""
+    """Op id -> :class:`Scattered`, for every ``scatter`` op (:func:`mark_scatter`) whose readers all read its
+    result in one layout and whose partial result moves fewer bytes reduce-scattered
+    (``searchers.cost.scatter_saving``): into that layout where it is the op's own with some partial axes appended
+    (nothing left to move), or into the op's own with the partial axes the readers split on appended, then changed
+    to theirs (a MatMul's rows over d2, reduced over (d0, d1) and read as rows over (d0, d1, d2): a reduce-scatter
+    to rows (d2, d0, d1) and a permute)."""
     graph = trace.graph
     readers: dict[int, list] = defaultdict(list)
     for _, consumer, tid, i in graph.edges():
         readers[tid].append((graph.ops[consumer], i))
-    roots = _sum_roots(trace)
     ends = set(graph.outputs)
     out: dict[int, Scattered] = {}
     for te in trace.eqns:
-        found = _dot_of(te)
-        if found is None or id(found[0]) in roots:
-            continue
-        dot, mark = found
         op = graph.ops[te.op]
-        s = strategies[op.id]
-        axes = partial_axes(op, s)
-        if len(op.outputs) != 1 or not axes or op.outputs[0] in ends or not readers[op.outputs[0]]:
+        if not op.scatter or len(op.outputs) != 1 or op.outputs[0] in ends or not readers[op.outputs[0]]:
             continue
+        s = strategies[op.id]
         wants = {operand_layout(c, strategies[c.id], i) for c, i in readers[op.outputs[0]]}
         if len(wants) != 1:
             continue
-        (want,) = wants
-        t = graph.tensors[op.outputs[0]]
-        have = result_layout(op, s, 0)
-        target = _scattered_layout(have, want, axes, t.shape, graph.mesh)
-        if target is None:
-            continue
-        # both less the all-reduce the op's cost holds: the change alone against the reduce-scatter and its change
-        before = redistribution_cost(have, want, t.shape, t.itemsize, graph.mesh, params)
-        after = (unpriced_reduction(op_cost(op, s, graph, params), params)
-                 + scattered_reduction_cost(op, s, target, graph, params)
-                 + redistribution_cost(target, want, t.shape, t.itemsize, graph.mesh, params))
-        if (after.communication, after.total) < (before.communication, before.total):
-            out[op.id] = Scattered((tuple(id(e) for e in te.path), id(dot)), target, mark)
+        found = scatter_saving(op, s, next(iter(wants)), graph, params)
+        if found is not None:
+            dot, mark = _dot_of(te)
+            out[op.id] = Scattered((tuple(id(e) for e in te.path), id(dot)), found[0], mark)
     return out
-
-
-def _scattered_layout(have: TensorLayout, want: TensorLayout, axes, shape, mesh) -> TensorLayout | None:
-    """``have`` with, on each dim, the partial ``axes`` that ``want`` splits that dim on appended (in ``want``'s
-    order); None where ``want`` splits no dim on them or a dim would not divide."""
-    out, added = [], False
-    for h, w, n in zip(have, want, shape, strict=True):
-        extra = tuple(a for a in w if a in axes and a not in h)
-        added = added or bool(extra)
-        out.append(tuple(h) + extra)
-        if n % mesh.count(out[-1]):
-            return None
-    return tuple(out) if added else None
 
 
 def _dot_of(te):

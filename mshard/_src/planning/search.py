@@ -42,7 +42,7 @@ from mshard._src.jaxpr.marks import OpNote, mark_p
 from mshard._src.jaxpr.op_graph import REPLICA, TraceResult, jaxpr_to_graph
 from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts, assign_layouts, exact_mark_key, mark_key
 from mshard._src.planning.fused_sums import fused_reductions, unpriced_reduction
-from mshard._src.planning.scattered_sums import Scattered, scattered_reductions
+from mshard._src.planning.scattered_sums import Scattered, mark_scatter, scattered_reductions
 from mshard._src.values import context as ctxmod
 from mshard._src.values.errors import ContextError, PlanError, StrategyError, StrategyIgnoredWarning
 from mshard._src.values.layout import (
@@ -317,6 +317,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
                         device_memory_capacity=cm.device_memory_capacity, state_weight=cm.costmodel_state_weight)
     trace = trace_on(mesh)
     _mark_graph(trace.graph, n_user)
+    mark_scatter(trace)                  # the dots whose partial results the executor can reduce-scatter
     _fix_user_layouts(trace, base, inputs, algorithm)
     notes: list[str] = list(base.notes)
     load = ctx.strategy_ckpt_config.get("load_file")
@@ -700,7 +701,7 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
             param_specs[info.name] = spec_of(axes_by_name(result_layout(op, strategies[op.id], 0), mesh))
     graph_axes = {op.name: [list(ax) for ax in axes_by_name(strategies[op.id], mesh)] for op in graph.ops
                   if not op.is_source or op.kind == "data"}
-    program = Cost.sum([graph_cost(graph, strategies, params, shared=True)]    # what the compiled program runs
+    program = Cost.sum([graph_cost(graph, strategies, params, shared=True, scatter=False)]  # what the program runs
                        + [unpriced_reduction(op_cost(graph.ops[i], strategies[i], graph, params), params)
                           for i in fused] + list(rescaled.values()))
     return Plan(mesh, plan_ops, param_specs, PlanCost.of(program), algorithm, result.seconds, tuple(notes),
