@@ -23,11 +23,12 @@ from mshard.fusion import plan_buckets
 SIZES = [256, 4096, 256, 16384, 32, 2048]
 
 
-def gradient_collectives(step, data, kind):
-    """Sizes of the ``kind`` collectives in the compiled step, without the 4-byte f32[] loss reduction."""
+def gradient_collectives(step, data, kind, group_size=None):
+    """Sizes of the ``kind`` collectives in the compiled step (over ``group_size`` devices, where given), without the
+    4-byte f32[] loss reduction."""
     out = []
     for c in ms.comm_report(step, *data).collectives:
-        if c.kind != kind:
+        if c.kind != kind or (group_size is not None and c.group_size != group_size):
             continue
         shape = c.text.split("=", 1)[1].split(kind)[0]
         scalar = 4 * len(re.findall(r"f32\[\]", shape))
@@ -223,7 +224,11 @@ def test_searched_megatron_step_with_optimizer_parallel_buckets():
     assert [sorted(info)[i].split(".")[-1] for i in zero] == ["weight"] * 3          # the >= 1 KB ones
     weights = [slices[i] for i in zero]
     expect = [sum(weights[i] for i in b) // 2 for b in plan_buckets(weights, "size", 0.001)]
-    assert sorted(gradient_collectives(step, data[0], "reduce-scatter")) == sorted(expect)
+    assert sorted(gradient_collectives(step, data[0], "reduce-scatter", group_size=2)) == sorted(expect)
+    # besides the replicas' gradient buckets, one reduce-scatter over the 4 model-parallel devices: the row-parallel
+    # [64, 64] layer's partial result ([16, 64] f32 on each device of a replica) read split by columns 4 ways is
+    # reduce-scattered there (mshard/_src/planning/scattered_sums.py), [16, 16]
+    assert gradient_collectives(step, data[0], "reduce-scatter", group_size=4) == [16 * 16 * 4]
     biases = [slices[i] for i in range(6) if i not in zero]
     assert sorted(replica_all_reduces(step, data[0], DP_PAIRS)) == sorted(
         sum(biases[i] for i in b) for b in plan_buckets(biases, "index", (2, 4)))
@@ -281,7 +286,11 @@ def test_fused_megatron_step_with_optimizer_parallel_buckets():
     # weight slices 1024 / 4096 / 2048 B: one reduce-scatter each (1 KB buckets), half of each slice per device
     weights = [MP_SIZES[1], MP_SIZES[3], MP_SIZES[5]]
     expect = [sum(weights[i] for i in b) // 2 for b in plan_buckets(weights, "size", 0.001)]
-    assert sorted(gradient_collectives(step, data[0], "reduce-scatter")) == sorted(expect) == [512, 1024, 2048]
+    assert sorted(gradient_collectives(step, data[0], "reduce-scatter", group_size=2)) == sorted(expect)
+    # besides the replicas' gradient buckets, one reduce-scatter over the 4 model-parallel devices: the row-parallel
+    # [64, 64] layer's partial result ([16, 64] f32 on each device of a replica) read split by columns 4 ways is
+    # reduce-scattered there (mshard/_src/planning/scattered_sums.py), [16, 16]
+    assert gradient_collectives(step, data[0], "reduce-scatter", group_size=4) == [16 * 16 * 4] == [512, 1024, 2048]
     # the updated halves come back in one all-gather (auto: 64 MB buckets)
     assert gradient_collectives(step, data[0], "all-gather").count(sum(weights)) == 1
     # the biases are all-reduced over the replicas in the allreduce buckets ([2, 4] over the 3 biases: 2 buckets)
