@@ -43,7 +43,7 @@ import numpy as np
 
 from .cost import CostParams, scatter_edges, scatter_saving
 from .cost_vectors import layout_cost_matrix
-from .graph import Graph, Op, Strategy, TensorLayout, operand_layout, result_layout
+from .graph import Graph, Op, Strategy, TensorLayout, operand_layout, partial_axes, result_layout
 from .graph_index import GraphIndex
 from .spec import all_devices
 from .tables import Tables
@@ -154,16 +154,20 @@ class PairwiseProblem:
         problem's total stays :func:`~searchers.cost.graph_cost`'s."""
         for p, (c, i) in scatter_edges(graph).items():
             prod, cons = graph.ops[p], graph.ops[c]
-            memo: dict[tuple, float] = {}
-            m = np.zeros((len(self.cands[p]), len(self.cands[c])))
+            partial = [(a, sp) for a, sp in enumerate(self.cands[p]) if partial_axes(prod, sp)]
+            if not partial:
+                continue
+            wants: dict[TensorLayout, list[int]] = {}
             for b, sc in enumerate(self.cands[c]):
-                want = operand_layout(cons, sc, i)
-                for a, sp in enumerate(self.cands[p]):
-                    key = (a, want)
-                    if key not in memo:
-                        found = scatter_saving(prod, sp, want, graph, params)
-                        memo[key] = 0.0 if found is None else found[1].total
-                    m[a, b] = memo[key]
+                wants.setdefault(operand_layout(cons, sc, i), []).append(b)
+            m = np.zeros((len(self.cands[p]), len(self.cands[c])))
+            for want, cols in wants.items():
+                if not any(want):
+                    continue                    # read whole: nothing to scatter into
+                for a, sp in partial:
+                    found = scatter_saving(prod, sp, want, graph, params)
+                    if found is not None:
+                        m[a, cols] = found[1].total
             if m.any():
                 self.add_pair(p, c, m, self.keys(("scatter", p, c, i)))
 

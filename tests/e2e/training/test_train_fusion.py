@@ -286,11 +286,7 @@ def test_fused_megatron_step_with_optimizer_parallel_buckets():
     # weight slices 1024 / 4096 / 2048 B: one reduce-scatter each (1 KB buckets), half of each slice per device
     weights = [MP_SIZES[1], MP_SIZES[3], MP_SIZES[5]]
     expect = [sum(weights[i] for i in b) // 2 for b in plan_buckets(weights, "size", 0.001)]
-    assert sorted(gradient_collectives(step, data[0], "reduce-scatter", group_size=2)) == sorted(expect)
-    # besides the replicas' gradient buckets, one reduce-scatter over the 4 model-parallel devices: the row-parallel
-    # [64, 64] layer's partial result ([16, 64] f32 on each device of a replica) read split by columns 4 ways is
-    # reduce-scattered there (mshard/_src/planning/scattered_sums.py), [16, 16]
-    assert gradient_collectives(step, data[0], "reduce-scatter", group_size=4) == [16 * 16 * 4] == [512, 1024, 2048]
+    assert sorted(gradient_collectives(step, data[0], "reduce-scatter")) == sorted(expect) == [512, 1024, 2048]
     # the updated halves come back in one all-gather (auto: 64 MB buckets)
     assert gradient_collectives(step, data[0], "all-gather").count(sum(weights)) == 1
     # the biases are all-reduced over the replicas in the allreduce buckets ([2, 4] over the 3 biases: 2 buckets)
