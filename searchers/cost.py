@@ -54,8 +54,6 @@ from .graph import (
     constant_tensors,
     dead_ops,
     operand_layout,
-    partial_axes,
-    result_layout,
     split_count,
 )
 from .spec import OpSpec, layout_of, op_spec
@@ -215,10 +213,15 @@ def scattered_reduction_cost(op: Op, strategy: Strategy, target: TensorLayout, g
     >>> c.comm_bytes["reduce-scatter"], c.comm_bytes["all-reduce"]     # half of 192 B; 2 * 96 * 1/2 over axis 1
     (96.0, 96.0)
     """
-    mesh = graph.mesh
-    have = result_layout(op, strategy, 0)
-    partial = {a for d in op.reduction_dims for a in dict(zip(op.dims, strategy))[d]}
-    block = graph.tensors[op.outputs[0]].nbytes / split_count(have, mesh.shape)
+    return _scattered_cost(op_spec(op, graph), _canon(strategy), _canon(target), graph.mesh, params)
+
+
+@lru_cache(maxsize=1 << 16)
+def _scattered_cost(spec: OpSpec, strategy: Strategy, target: TensorLayout, mesh: DeviceMesh,
+                    params: CostParams) -> Cost:
+    have = layout_of(spec.out_maps[0], strategy)
+    partial = {a for d in spec.reduction for a in strategy[d]}
+    block = spec.out_bytes[0] / split_count(have, mesh.shape)
     by = {"reduce-scatter": 0.0, "all-reduce": 0.0}
     seconds = 0.0
     steps = [("reduce-scatter", tuple(t)[len(h):]) for h, t in zip(have, target)]   # one per dim, as emitted
@@ -254,12 +257,15 @@ def scattered_layout(have: TensorLayout, want: TensorLayout, axes, shape: Sequen
     return tuple(out) if added else None
 
 
-def scatter_saving(op: Op, strategy: Strategy, want: TensorLayout, graph: Graph,
-                   params: CostParams) -> tuple[TensorLayout, Cost] | None:
+def scatter_saving(op: Op, strategy: Strategy, want: TensorLayout, graph: Graph, params: CostParams, *,
+                   then_change: bool = True) -> tuple[TensorLayout, Cost] | None:
     """Where ``op``'s partial result, read in ``want``, moves fewer bytes reduce-scattered into
     :func:`scattered_layout` and changed from there than all-reduced (as :func:`op_cost` charges) and changed from
     its result layout: (that layout, the change in cost, negative). Else None. The rule the executor's choice
-    follows (``mshard._src.planning.scattered_sums``).
+    follows (``mshard._src.planning.scattered_sums``). ``then_change=False``: only where ``want`` is that layout
+    (the result layout with reduced axes appended, nothing to change after), the searchers' objective
+    (:func:`graph_cost`, the pairwise problem): pricing every change after a reduce-scatter for every pair of
+    candidates tripled a search's time.
 
     >>> from searchers.graph import Graph
     >>> g = Graph(DeviceMesh((2, 2)))
@@ -269,20 +275,30 @@ def scatter_saving(op: Op, strategy: Strategy, want: TensorLayout, graph: Graph,
     >>> target, change.comm_bytes["all-reduce"], change.comm_bytes["reduce-scatter"]    # 288 B -> 144 B
     (((0, 1), ()), -288.0, 144.0)
     """
-    axes = partial_axes(op, strategy)
-    if not axes or len(op.outputs) != 1:
+    if len(op.outputs) != 1:
         return None
     t = graph.tensors[op.outputs[0]]
-    have = result_layout(op, strategy, 0)
-    target = scattered_layout(have, want, axes, t.shape, graph.mesh)
+    found = _scatter_saving(op_spec(op, graph), _canon(strategy), _canon(want), tuple(t.shape), t.itemsize,
+                            graph.mesh, params)
+    return found if found is None or then_change or found[0] == _canon(want) else None
+
+
+@lru_cache(maxsize=1 << 18)
+def _scatter_saving(spec: OpSpec, strategy: Strategy, want: TensorLayout, shape: tuple[int, ...], itemsize: int,
+                    mesh: DeviceMesh, params: CostParams) -> tuple[TensorLayout, Cost] | None:
+    axes = {a for d in spec.reduction for a in strategy[d]}
+    if not axes:
+        return None
+    have = layout_of(spec.out_maps[0], strategy)
+    target = scattered_layout(have, want, axes, shape, mesh)
     if target is None:
         return None
-    reduced = op_cost(op, strategy, graph, params)
+    reduced = spec_cost(spec, strategy, mesh, params)
     before = Cost(0.0, {"all-reduce": reduced.comm_bytes["all-reduce"]}, reduced.comm_time, 0.0,
                   params.weigh(0.0, reduced.comm_time, 0.0)) + redistribution_cost(
-        have, want, t.shape, t.itemsize, graph.mesh, params)
-    after = (scattered_reduction_cost(op, strategy, target, graph, params)
-             + redistribution_cost(target, want, t.shape, t.itemsize, graph.mesh, params))
+        have, want, shape, itemsize, mesh, params)
+    after = (_scattered_cost(spec, strategy, target, mesh, params)
+             + redistribution_cost(target, want, shape, itemsize, mesh, params))
     if (after.communication, after.total) >= (before.communication, before.total):
         return None
     return target, Cost(0.0, {k: after.comm_bytes[k] - before.comm_bytes[k] for k in KINDS},
@@ -485,8 +501,9 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
     (XLA reshards a value once per target sharding and shares the result), and a tensor computed from
     constants alone not at all (it is re-broadcast locally), and leaves out the ops whose results nothing uses
     (:func:`~searchers.graph.dead_ops`: XLA removes them); the default charges every edge and op, the searchers'
-    objective. ``scatter``: a ``scatter`` op read by one operand is priced reduce-scattered where that moves less
-    (:func:`scatter_saving`), as the executor runs it.
+    objective. ``scatter``: a ``scatter`` op read by one operand is priced reduce-scattered where its reader's
+    layout is its own with reduced axes appended and that moves less (:func:`scatter_saving`), as the executor runs
+    it.
 
     >>> from searchers.graph import DeviceMesh, Graph
     >>> g = Graph(DeviceMesh((2,)))
@@ -537,7 +554,7 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
         for pid, (cid, i) in scatter_edges(graph).items():
             if pid not in dead and cid not in dead:
                 found = scatter_saving(graph.ops[pid], chosen[pid], operand_layout(graph.ops[cid], chosen[cid], i),
-                                       graph, params)
+                                       graph, params, then_change=False)
                 if found is not None:
                     extra.append(found[1])
     return Cost.sum([counted_cost(op_count, red_count, mesh, params)] + extra)

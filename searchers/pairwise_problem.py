@@ -150,11 +150,12 @@ class PairwiseProblem:
 
     def _add_scatter_pairs(self, graph: Graph, params: CostParams) -> None:
         """Each ``scatter`` op read by one operand: the change :func:`~searchers.cost.scatter_saving` makes to the
-        pair's price where its reader's layout lets the partial result be reduce-scattered (0 elsewhere), so the
-        problem's total stays :func:`~searchers.cost.graph_cost`'s."""
+        pair's price where its reader's layout is its result layout with reduced axes appended (0 elsewhere), so
+        the problem's total stays :func:`~searchers.cost.graph_cost`'s."""
         for p, (c, i) in scatter_edges(graph).items():
             prod, cons = graph.ops[p], graph.ops[c]
-            partial = [(a, sp) for a, sp in enumerate(self.cands[p]) if partial_axes(prod, sp)]
+            partial = [(a, sp, set(axes), result_layout(prod, sp, 0))
+                       for a, sp in enumerate(self.cands[p]) if (axes := partial_axes(prod, sp))]
             if not partial:
                 continue
             wants: dict[TensorLayout, list[int]] = {}
@@ -162,10 +163,10 @@ class PairwiseProblem:
                 wants.setdefault(operand_layout(cons, sc, i), []).append(b)
             m = np.zeros((len(self.cands[p]), len(self.cands[c])))
             for want, cols in wants.items():
-                if not any(want):
-                    continue                    # read whole: nothing to scatter into
-                for a, sp in partial:
-                    found = scatter_saving(prod, sp, want, graph, params)
+                for a, sp, axes, have in partial:
+                    if not _extends(have, want, axes):
+                        continue                # not its layout with reduced axes appended: priced as an all-reduce
+                    found = scatter_saving(prod, sp, want, graph, params, then_change=False)
                     if found is not None:
                         m[a, cols] = found[1].total
             if m.any():
@@ -425,3 +426,13 @@ def _elementwise(op: Op) -> bool:
         return False
     out = op.out_dims[0]
     return set(out) == set(op.dims) and all(d == out for d in op.in_dims)
+
+
+def _extends(have: TensorLayout, want: TensorLayout, axes: set) -> bool:
+    """Whether ``want`` is ``have`` with some of ``axes`` appended to its dims' stacks."""
+    added = False
+    for h, w in zip(have, want):
+        if w[:len(h)] != h or any(a not in axes for a in w[len(h):]):
+            return False
+        added = added or len(w) > len(h)
+    return added
