@@ -308,6 +308,8 @@ def _scatter_saving(spec: OpSpec, strategy: Strategy, want: TensorLayout, shape:
 def scatter_edges(graph: Graph) -> dict[int, tuple[int, int]]:
     """Op id of every ``scatter`` op whose one result is read by exactly one operand -> (its reader's op id,
     operand index): the edges whose price :func:`scatter_saving` changes in a search."""
+    if not any(op.scatter for op in graph.ops):
+        return {}
     reads: dict[int, list[tuple[int, int]]] = {}
     for op in graph.ops:
         for i, tid in enumerate(op.inputs):

@@ -21,21 +21,30 @@ from searchers.cost import Cost, CostParams
 from searchers.graph import partial_axes, result_layout
 
 
-def fused_reductions(trace: TraceResult, strategies) -> dict[int, int]:
-    """Op id whose partial sums are reduced together with another's -> that other op's id."""
+def sum_roles(trace: TraceResult) -> dict[tuple, tuple]:
+    """Per jaxpr the trace's equations sit in (keyed by the ids of their enclosing calls): (that jaxpr, the role of
+    each of its equations in a sum of partial sums, ``jaxpr.sum_pairs.partial_sum_pairs``)."""
+    out: dict[tuple, tuple] = {}
+    for te in trace.eqns:
+        key = tuple(map(id, te.path))
+        if key not in out and (jaxpr := _jaxpr_at(trace, te.path)) is not None:
+            out[key] = (jaxpr, partial_sum_pairs(jaxpr))
+    return out
+
+
+def fused_reductions(trace: TraceResult, strategies, roles_at: dict[tuple, tuple] | None = None) -> dict[int, int]:
+    """Op id whose partial sums are reduced together with another's -> that other op's id. ``roles_at``: the
+    trace's :func:`sum_roles`, where already found."""
     by_path: dict[tuple, dict[int, object]] = defaultdict(dict)
-    paths: dict[tuple, tuple] = {}
     for te in trace.eqns:
         if not te.group:
-            key = tuple(map(id, te.path))
-            by_path[key][id(te.eqn)] = te
-            paths[key] = te.path
+            by_path[tuple(map(id, te.path))][id(te.eqn)] = te
+    roles_at = sum_roles(trace) if roles_at is None else roles_at
     out: dict[int, int] = {}
     for key, tes in by_path.items():
-        jaxpr = _jaxpr_at(trace, paths[key])
-        if jaxpr is None:
+        if key not in roles_at:
             continue
-        roles = partial_sum_pairs(jaxpr)
+        jaxpr, roles = roles_at[key]
         if "sum" not in roles.values():
             continue
         producer = {v: e for e in jaxpr.eqns for v in e.outvars}

@@ -19,8 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from mshard._src.jaxpr.op_graph import TraceResult
-from mshard._src.jaxpr.sum_pairs import partial_sum_pairs
-from mshard._src.jaxpr.walk import call_jaxpr
+from mshard._src.planning.fused_sums import sum_roles
 from searchers.cost import CostParams, scatter_saving
 from searchers.graph import TensorLayout, operand_layout
 
@@ -87,15 +86,5 @@ def _dot_of(te):
 
 
 def _sum_roots(trace: TraceResult) -> set[int]:
-    """ids of the equations the emitter computes as parts of a sum of partial sums (``jaxpr.sum_pairs``)."""
-    roots: set[int] = set()
-    seen: set[tuple] = set()
-    for te in trace.eqns:
-        key = tuple(map(id, te.path))
-        if key in seen:
-            continue
-        seen.add(key)
-        jaxpr = call_jaxpr(te.path[-1]) if te.path else trace.closed_jaxpr.jaxpr
-        if jaxpr is not None:
-            roots |= {k for k, role in partial_sum_pairs(jaxpr).items() if role == "root"}
-    return roots
+    """ids of the equations the emitter computes as parts of a sum of partial sums (``fused_sums.sum_roles``)."""
+    return {k for _, roles in sum_roles(trace).values() for k, role in roles.items() if role == "root"}

@@ -155,11 +155,9 @@ class Emitter:
         role = seen[1] if seen is not None and seen[0] is eqn else None
         stacked = [isinstance(x, partial_sums.Stacked) for x in invals]
         if role == "root" and not any(stacked):
-            ins = self.eqn_in.get(key) or [None] * len(invals)
-            lays = [self._layout_of(x, lay) if hasattr(x, "shape") else None for x, lay in zip(invals, ins)]
-            if eqn.primitive.name == "scatter-add" and lays[0] is None and hasattr(invals[0], "shape"):
-                lays[0] = ((),) * len(invals[0].shape)     # the operand a gather's transpose adds into: zeros, whole
-            if any(lay is None or len(lay) != len(x.shape) for x, lay in zip(invals, lays)):
+            # the operand a gather's transpose adds into: zeros, whole
+            lays = self._operand_layouts(invals, key, whole_first=eqn.primitive.name == "scatter-add")
+            if lays is None:
                 return None
             return partial_sums.local_partial(eqn, invals, lays, self.layouts.mesh)
         if role == "chain" and stacked == [True]:
@@ -172,16 +170,20 @@ class Emitter:
             return out
         return None
 
-    def _operand_layouts(self, eqn, invals, key) -> list | None:
+    def _operand_layouts(self, invals, key, whole_first: bool = False) -> list | None:
+        """The layouts an equation reads its operands in (planned, or as they were constrained); None where one is
+        unknown. ``whole_first``: an unknown first operand is taken whole."""
         ins = self.eqn_in.get(key) or [None] * len(invals)
         lays = [self._layout_of(x, lay) if hasattr(x, "shape") else None for x, lay in zip(invals, ins)]
+        if whole_first and lays[0] is None and hasattr(invals[0], "shape"):
+            lays[0] = ((),) * len(invals[0].shape)
         return None if any(lay is None or len(lay) != len(x.shape) for x, lay in zip(invals, lays)) else lays
 
     def _scattered(self, eqn, invals, key, target):
         """An op whose partial result the plan reduce-scatters into ``target`` (``scattered_sums``): computed per
         device as a :class:`~mshard._src.runtime.partial_sums.Stacked` that its first reader sums; None to bind
         it as traced (its operands' layouts unknown, or its parts not laid out as the plan has them)."""
-        lays = self._operand_layouts(eqn, invals, key)
+        lays = self._operand_layouts(invals, key)
         if lays is None:
             return None
         invals = [self.move(x, lay) for x, lay in zip(invals, lays)]
