@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec
 from mshard._src.jaxpr.marks import OpNote, mark_p
 from mshard._src.jaxpr.op_graph import REPLICA, TraceResult, jaxpr_to_graph
 from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts, assign_layouts, exact_mark_key, mark_key
-from mshard._src.planning.fused_sums import fused_reductions, unpriced_reduction
+from mshard._src.planning.fused_sums import fused_reductions, sum_roles, unpriced_reduction
 from mshard._src.planning.scattered_sums import Scattered, mark_scatter, scattered_reductions
 from mshard._src.values import context as ctxmod
 from mshard._src.values.errors import ContextError, PlanError, StrategyError, StrategyIgnoredWarning
@@ -317,7 +317,8 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
                         device_memory_capacity=cm.device_memory_capacity, state_weight=cm.costmodel_state_weight)
     trace = trace_on(mesh)
     _mark_graph(trace.graph, n_user)
-    mark_scatter(trace)                  # the dots whose partial results the executor can reduce-scatter
+    roles = sum_roles(trace)             # the sums of partial sums, found once: reduced together, never scattered
+    mark_scatter(trace, roles)           # the dots whose partial results the executor can reduce-scatter
     _fix_user_layouts(trace, base, inputs, algorithm)
     notes: list[str] = list(base.notes)
     load = ctx.strategy_ckpt_config.get("load_file")
@@ -333,9 +334,12 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
             "elementwise_op_strategy_follow": algo.elementwise_op_strategy_follow}
     hold = input_layout_hook if not hooked_before else None
     result = _search(searcher, trace, params, opts, inputs, base, hold, notes)
-    scattered = scattered_reductions(trace, result.strategies, params)     # partial results reduce-scattered
-    layouts, eqn_out, eqn_in = _emit_layouts(trace, result.strategies, base, scattered)
-    plan = build_plan(trace, result.strategies, result, params, mesh, inputs, base, notes, algorithm, scattered)
+    # partial results reduce-scattered; the Cell out marks they pass through laid out as their readers read them
+    scattered, strategies = scattered_reductions(trace, result.strategies, params)
+    if strategies != result.strategies:
+        result = dataclasses.replace(result, strategies=strategies)
+    layouts, eqn_out, eqn_in = _emit_layouts(trace, strategies, base, scattered)
+    plan = build_plan(trace, strategies, result, params, mesh, inputs, base, notes, algorithm, scattered, roles)
     if saved is not None and (lost := _copies_not_given(load, saved, plan)):
         plan = dataclasses.replace(plan, notes=plan.notes + (lost,))
     eqn_scatter = {item.key: axes_by_name(item.target, mesh) for item in scattered.values()}
@@ -612,7 +616,7 @@ def _emit_layouts(trace: TraceResult, strategies, base: RegionLayouts, scattered
 
 def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh: DeviceMesh,
                inputs: Sequence[InputInfo], base: RegionLayouts, notes: list[str], algorithm: str,
-               scattered: dict[int, Scattered] | None = None) -> Plan:
+               scattered: dict[int, Scattered] | None = None, roles: dict[tuple, tuple] | None = None) -> Plan:
     graph = trace.graph
     scattered = scattered or {}
     groups = _groups(trace)
@@ -652,14 +656,19 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
             entries[name] = dict(kind=op.kind, strategy=split_counts(op, strategies[op.id], graph.mesh),
                                  fixed=op.fixed is not None, ids=[op.id])
         owner[op.id] = name
-    fused = fused_reductions(trace, strategies)     # partial sums the emitter adds before one all-reduce
+    fused = fused_reductions(trace, strategies, roles)     # partial sums the emitter adds before one all-reduce
     fused = {oid: kept for oid, kept in fused.items() if oid not in dead}
     for oid in fused:
         costs[oid] = costs[oid] + unpriced_reduction(costs[oid], params)
-    rescaled = {oid: unpriced_reduction(costs[oid], params) + scattered_reduction_cost(
-        graph.ops[oid], strategies[oid], item.target, graph, params) for oid, item in scattered.items()}
-    for oid, change in rescaled.items():             # reduce-scattered where it is read (scattered_sums)
-        costs[oid] = costs[oid] + change
+    rescaled, twins = {}, set()
+    for oid, item in scattered.items():              # reduce-scattered where it is read (scattered_sums)
+        op = graph.ops[oid]
+        rescaled[oid] = unpriced_reduction(costs[oid], params)
+        twin = (op.kind, tuple(op.inputs), tuple(op.in_dims), tuple(op.out_dims), strategies[oid], item.target)
+        if twin not in twins:        # XLA computes two equal reductions of one value once (CSE: a batch norm's
+            twins.add(twin)          # mean, and jnp.var's own)
+            rescaled[oid] = rescaled[oid] + scattered_reduction_cost(op, strategies[oid], item.target, graph, params)
+        costs[oid] = costs[oid] + rescaled[oid]
     redistributions = []
     done: set = set()
     free = constant_tensors(graph)

@@ -18,8 +18,9 @@ it by running its data-parallel replicas side by side (``mshard._src.training.tr
 :func:`materialize` also reduce-scatters. Where the layout the sum goes to (``Stacked.target``) splits a dim further
 over some of the partial sum's axes (a row-parallel MatMul read split by rows: Megatron's sequence parallelism,
 MindSpore's ``out_strategy`` of a MatMul), each device sums only its block: ``psum_scatter`` over those axes (half
-an all-reduce's bytes) and ``psum`` over the others. The planner asks for it on one op too
-(``mshard._src.planning.scattered_sums``): XLA's partitioner all-reduces the whole result and slices it.
+an all-reduce's bytes) and ``psum`` over the others. The planner asks for it on one op too, a dot or a sum over
+split dims (``reduce_sum``: a bias's gradient) (``mshard._src.planning.scattered_sums``): XLA's partitioner
+all-reduces the whole result and slices it.
 
 Where a layout is unknown or the op's split is not a partial sum of this form, nothing changes: the ops are bound
 as traced.
@@ -117,7 +118,22 @@ def _scatter_add(eqn, layouts):
     return axes, tuple(() for _ in op_lay), local
 
 
-_RULES = {"dot_general": _dot, "scatter-add": _scatter_add}
+def _reduce_sum(eqn, layouts):
+    """A sum over dims split on some axes (a bias's gradient over the split batch): those axes are the partial
+    sum's; the kept dims keep their layout."""
+    (lay,) = layouts
+    summed = set(eqn.params["axes"])
+    axes = tuple(a for d in sorted(summed) for a in lay[d])
+    if not axes:
+        return None
+    prim = eqn.primitive
+
+    def local(xs, params):
+        return prim.bind(*xs, **params)
+    return axes, tuple(tuple(lay[d]) for d in range(len(lay)) if d not in summed), local
+
+
+_RULES = {"dot_general": _dot, "scatter-add": _scatter_add, "reduce_sum": _reduce_sum}
 
 
 def chain_op(eqn, x: Stacked) -> Stacked:

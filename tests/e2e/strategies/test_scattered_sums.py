@@ -115,3 +115,38 @@ def test_partial_sums_read_in_another_axis_order_are_scattered_then_permuted():
     assert {k: rep.moved(k) for k in rep.by_kind} == want, rep.by_kind
     assert plan.cost.communication == want
     assert_close(y, jax.nn.relu(X @ W))
+
+
+@pytest.mark.parametrize("primitive", [True, False], ids=["ReduceSum", "jnp.sum"])
+def test_a_sum_over_the_split_batch_read_split_is_reduce_scattered(primitive):
+    """A sum over the rows of x split 8 ways (a bias's gradient over the split batch) is a partial sum on each
+    device, [128] f32 (512 B). Read split 8 ways by the ReLU, the 8-way reduce-scatter moves 7/8 of it, where the
+    all-reduce XLA's partitioner emits moves twice that; through a transpose and a reshape that only pass it on
+    (``jnp.sum`` of the transposed x, reshaped to [1, 128]), the same."""
+    xs = jnp.asarray(R.normal(size=(64, 128)), jnp.float32)
+    relu = ops.ReLU().shard(((8,),) if primitive else ((1, 8),))
+    split = ops.ReLU().shard(((8, 1),))                   # x's rows over all 8 devices
+    if primitive:
+        total = ops.ReduceSum().shard(((8, 1),))
+
+        def net(x):
+            return relu(total(split(x), 0))
+
+        def ref(x):
+            return jax.nn.relu(jnp.sum(jax.nn.relu(x), 0))
+    else:
+        def net(x):
+            return relu(jnp.sum(split(x).T, 1).reshape(1, 128))
+
+        def ref(x):
+            return jax.nn.relu(jnp.sum(jax.nn.relu(x), 0).reshape(1, 128))
+    with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8):
+        g = ms.jit(net)
+        plan = g.plan(xs)
+        rep = ms.comm_report(g, xs)
+        y = g(xs)
+    want = {"reduce-scatter": 128 * 4 * 7 / 8}
+    assert {k: rep.moved(k) for k in rep.by_kind} == want, rep.by_kind
+    assert plan.cost.communication == want
+    # float32: 64-term sums reordered by the split (<= 64 * 2**-24 relative each)
+    assert_close(y, ref(xs))

@@ -124,9 +124,10 @@ def test_optimizer_level3_holds_an_eighth_of_the_weights_and_gathers_each_once_p
     eighth of each (memory_analysis: the step's arguments). The level3 step gathers every parameter whole once (the
     backward reuses the forward's gather) and reduces each gradient once to its shard (per device, from the compiled
     HLO): 6 all-gathers of the parameters' bytes, and 6 reductions of them, one per parameter and not combined (a
-    level3 step compiles without XLA:CPU's all-reduce combiner), plus the loss's. XLA:CPU makes each reduction to a
-    shard an all-reduce of the whole gradient that each device slices (XLA forms reduce-scatters from those in its
-    GPU pipeline only)."""
+    level3 step compiles without XLA:CPU's all-reduce combiner), plus the loss's. Each gradient is a sum over the
+    split batch (a weight's a MatMul, a bias's a reduce_sum and a reshape) read in the shard its parameter is stored
+    in: reduce-scattered into it (mshard/_src/planning/scattered_sums.py, through the ops that pass it on), half an
+    all-reduce's bytes, as MindSpore's level3 does. XLA's partitioner would all-reduce each whole and slice it."""
     (x, y), = batches(1, [(32, 16), (32, 8)], seed=7)
     data = (x.nbytes + y.nbytes) // 8                 # the batch, split 8 ways
     args = {}
@@ -135,12 +136,16 @@ def test_optimizer_level3_holds_an_eighth_of_the_weights_and_gathers_each_once_p
         args[level] = step.lower(x, y).compile().memory_analysis().argument_size_in_bytes
         if level == "level3":
             report = ms.comm_report(step, x, y)
+            predicted = step.plan(x, y).cost.communication
     # 16 B: the scalar state a step may take besides its parameters (an RNG key and counter, a step count)
     assert PARAM_BYTES + data <= args["level1"] <= PARAM_BYTES + data + 16, args
     assert PARAM_BYTES // 8 + data <= args["level3"] <= PARAM_BYTES // 8 + data + 16, args
     assert report.count("all-gather") == 6 and report.bytes("all-gather") == PARAM_BYTES, report.by_kind
-    assert report.count("reduce-scatter") == 0, report.by_kind
-    assert report.count("all-reduce") == 6 + 1 and report.bytes("all-reduce") == PARAM_BYTES + 4, report.by_kind
+    # each gradient reduce-scattered into its eighth (a reduce-scatter's bytes are its result's); the loss all-reduced
+    assert report.count("reduce-scatter") == 6 and report.bytes("reduce-scatter") == PARAM_BYTES // 8, report.by_kind
+    assert report.count("all-reduce") == 1 and report.bytes("all-reduce") == 4, report.by_kind
+    # the plan prices the program it runs, kind by kind (ring bytes moved)
+    assert predicted == {k: report.moved(k) for k in report.by_kind}, (predicted, report.by_kind)
 
 
 def test_optimizer_level2_is_level1s_program():

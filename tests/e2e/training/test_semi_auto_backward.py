@@ -10,7 +10,9 @@ from the forward's strategies; a derived op now takes its operands' axes in the 
 
 Expected bytes per device, derived from the model (f32; batch 32, d_in 64, d_hidden 256, d_out 64; 2 replicas
 over the batch x 4-way model parallel):
-- the row-parallel output's all-reduce over the 4 devices of a replica: [16, 64] -> 4,096 B;
+- the row-parallel output's partial sums ([16, 64] per device) reduce-scattered over the 4 devices of a replica
+  into the loss's 8-way rows, [4, 64] per device -> 1,024 B (the Cell's out mark passes it on untouched, so the
+  loss's layout decides: ``mshard/_src/planning/scattered_sums.py``; MindSpore all-reduces, 4,096 B, and slices);
 - the cotangent gathered from 8-way to 2-way rows: [16, 64] -> 4,096 B;
 - each weight's gradient shard ([64, 64] of w1 and of w2) all-reduced over the 2 replicas: 2 x 16,384 B;
 - the loss, 4 B.
@@ -29,7 +31,7 @@ from mshard import nn
 
 pytestmark = pytest.mark.slow
 
-EXPECTED = 4 * (16 * 64) + 4 * (16 * 64) + 2 * 4 * (64 * 64) + 4
+EXPECTED = 4 * (4 * 64) + 4 * (16 * 64) + 2 * 4 * (64 * 64) + 4
 
 
 def _megatron(m):
@@ -46,10 +48,15 @@ def test_a_megatron_step_with_a_data_parallel_loss_keeps_its_backward_model_para
         net = _megatron(MLP())
         step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), optax.sgd(0.1))
         rep = ms.comm_report(step, *data[0])
+        plan = step.plan(*data[0])
         for batch in data:
             step(*batch)
     got = {k: (v["count"], v["bytes"]) for k, v in rep.by_kind.items()}
     assert sum(b for _, b in got.values()) == EXPECTED, got
-    assert set(got) == {"all-reduce", "all-gather"}, got
+    assert set(got) == {"all-reduce", "all-gather", "reduce-scatter"}, got
+    assert got["reduce-scatter"] == (1, 4 * (4 * 64)), got
+    # the plan prices the program it runs, kind by kind (ring bytes moved)
+    assert {k: round(v) for k, v in plan.cost.communication.items()} == {
+        k: round(rep.moved(k)) for k in rep.by_kind}, (plan.cost.communication, rep.by_kind)
     ref, _, _ = reference_train(MLP(), optax.sgd(0.1), data, mse)
     assert_params_close(net, ref)
