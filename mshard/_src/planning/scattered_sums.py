@@ -7,12 +7,12 @@ those same axes then slices it: a row-parallel MatMul read split by rows (Megatr
 MatMul with an ``out_strategy`` that splits its result over its reduced axes (MindSpore runs that as a
 ReduceScatter). The reduce-scatter alone moves half those bytes. Given the searched strategies,
 :func:`scattered_reductions` finds each such op: a dot, a sum over split dims (a bias's gradient over the split
-batch), or a primitive object whose body is one of them, that is not part of a sum of partial sums (those are reduced
-once, ``fused_sums``), whose result every reader reads in one layout that is its result layout with some of the
-partial axes appended to its dims' stacks; ops that only pass the result on (marks, casts, transposes, reshapes
-that keep every dim) are looked through and laid out as the readers after them read it. The executor computes it
-per device and reduce-scatters it into that layout (``mshard._src.runtime.partial_sums.materialize``); the plan
-prices it so (``searchers.cost.scattered_reduction_cost``) and its readers read it as they want it.
+batch), or a primitive object whose body is one of them, that is not part of a sum of partial sums (those are
+reduced once, ``fused_sums``), whose result every reader reads in one layout that is its result layout with some
+of the partial axes appended to its dims' stacks. Ops that only pass the result on (marks, casts, transposes,
+reshapes that keep every dim) are looked through and laid out as the readers after them read it. The executor
+computes it per device and reduce-scatters it into that layout (``mshard._src.runtime.partial_sums.materialize``);
+the plan prices it so (``searchers.cost.scattered_reduction_cost``) and its readers read it as they want it.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ def scattered_reductions(trace: TraceResult, strategies, params: CostParams
     (d0, d1, d2): a reduce-scatter to rows (d2, d0, d1) and a permute).
 
     Ops that only pass the result on (:func:`_pass_chain`: a Cell's out mark, a parameter's storage mark, a cast, a
-    reshape that keeps every dim) are looked through: the readers after them decide, and they are laid out as
-    those readers read it. That is a Megatron block's row-parallel output read by a data-parallel loss in
+    transpose, a reshape that keeps every dim) are looked through: the readers after them decide, and they are laid
+    out as those readers read it. That is a Megatron block's row-parallel output read by a data-parallel loss in
     semi_auto (reduce-scattered into the loss's rows, where MindSpore all-reduces it and slices), and a level3
     parameter's gradient reduced into the shard it is stored in."""
     graph = trace.graph
@@ -91,8 +91,10 @@ def scattered_reductions(trace: TraceResult, strategies, params: CostParams
 
 
 # ops that can pass a value on untouched: with every loop dim of size > 1 in both their operand and their result
-# (:func:`_pass_chain`), a layout maps through them both ways (a transpose permutes it; a reshape, squeeze,
-# broadcast or sum over size-1 dims only drops or adds unsplit dims)
+# (:func:`_pass_chain`), a layout maps through them both ways (a transpose permutes it; a cast copies it; a
+# reshape, squeeze, broadcast or sum over size-1 dims only drops or adds unsplit dims). An elementwise op that
+# follows a dot takes the dot's layout with its partial axes appended already (semi_auto's follow_operands, the
+# searchers' pair price), so it is read directly.
 _PASSING = frozenset({"mshard_mark", "convert_element_type", "copy", "copy_p", "reshape", "squeeze", "transpose",
                       "broadcast_in_dim", "reduce_sum"})
 
