@@ -609,6 +609,8 @@ def _emit_layouts(trace: TraceResult, strategies, base: RegionLayouts, scattered
             want = operand_layout(op, s, i)
             moved = have != want or (tid in free and any(want))
             ins.append(axes_by_name(want, mesh) if moved and prod.kind != "const" else None)
+        if op.id in scattered:     # computed per device on its operands' blocks: every layout it reads is said,
+            ins = [axes_by_name(operand_layout(op, s, i), mesh) for i in range(len(op.inputs))]    # known or not
         if any(x is not None for x in ins):
             eqn_in[eqn_key(te)] = tuple(ins)
     return layouts, eqn_out, eqn_in
