@@ -443,7 +443,7 @@ def shared_steps(steps: Sequence[tuple[str, int, float]], earlier: Sequence[Sequ
     return best
 
 
-def reshard_once(ran: dict[int, list], tid: int, src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> int:
+def reshard_once(ran: dict, tid, src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> int:
     """:func:`shared_steps` of tensor ``tid``'s redistribution ``src -> dst`` against the ones already recorded in
     ``ran`` (tensor id -> (layout, steps) list), which it then records: one reader at a time, in program order. Two
     direct redistributions (:mod:`searchers.direct_reshard`) share the collectives of their common leading moves."""
@@ -542,11 +542,12 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
             continue
         for tid, maps, nbytes in zip(op.inputs, spec.in_maps, spec.in_bytes):
             want, have = layout_of(maps, s), out_lay[tid]
-            if have != want and tid not in free and not (shared and (tid, want) in seen):
-                seen.add((tid, want))
+            key = (tid, op.share_scope)
+            if have != want and tid not in free and not (shared and (key, want) in seen):
+                seen.add((key, want))
                 red_count[have, want, nbytes] += 1
-                # collectives another reader of the tensor already ran are not run again
-                k = reshard_once(done, tid, have, want, mesh) if shared else 0
+                # collectives another reader of the tensor already ran are not run again (in its scope)
+                k = reshard_once(done, key, have, want, mesh) if shared else 0
                 if k:
                     whole, rest = _redist(have, want, nbytes, mesh, params), _redist(have, want, nbytes, mesh,
                                                                                     params, k)

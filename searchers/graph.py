@@ -151,6 +151,9 @@ class Op:
                                                 # partitioner miscompiles the pair: mshard._src.planning.xla_guards)
     scatter: bool = False                       # its partial result, read by one op, may be reduce-scattered into
                                                 # the layout that op reads it in (searchers.cost.scatter_saving)
+    share_scope: int = 0                        # reads of one value in one layout share one redistribution only
+                                                # within a scope: a recomputed layer's reads run again (XLA does not
+                                                # share values across a jax.checkpoint boundary)
 
     def split_sizes(self) -> tuple[int, ...]:
         """Per loop dim, the number a split count must divide (its size, or gcd with its split_limit)."""

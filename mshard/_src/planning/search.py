@@ -317,6 +317,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
                         device_memory_capacity=cm.device_memory_capacity, state_weight=cm.costmodel_state_weight)
     trace = trace_on(mesh)
     _mark_graph(trace.graph, n_user)
+    _mark_recomputed(trace)
     roles = sum_roles(trace)             # the sums of partial sums, found once: reduced together, never scattered
     mark_scatter(trace, roles)           # the dots whose partial results the executor can reduce-scatter
     _fix_user_layouts(trace, base, inputs, algorithm)
@@ -344,6 +345,19 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
         plan = dataclasses.replace(plan, notes=plan.notes + (lost,))
     eqn_scatter = {item.key: axes_by_name(item.target, mesh) for item in scattered.values()}
     return Planned(plan, layouts, eqn_out, eqn_in, eqn_scatter)
+
+
+def _mark_recomputed(trace: TraceResult) -> None:
+    """``Op.share_scope``: the innermost ``jax.checkpoint`` (``prevent_cse``) an op sits in, numbered from 1. A
+    recomputed layer's backward reads the values the forward read, and XLA runs their redistributions again there
+    (a level3 weight gathered for the forward and again for its recomputation): the program's cost shares a
+    redistribution only between readers in one scope."""
+    scopes: dict[int, int] = {}
+    for te in trace.eqns:
+        inner = next((e for e in reversed(te.path) if e.primitive.name in ("checkpoint", "remat", "remat2")
+                      and e.params.get("prevent_cse", True)), None)
+        if inner is not None:
+            trace.graph.ops[te.op].share_scope = scopes.setdefault(id(inner), len(scopes) + 1)
 
 
 def _copies_not_given(load: str, saved: Plan, plan: Plan) -> str | None:
@@ -674,7 +688,7 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
     redistributions = []
     done: set = set()
     free = constant_tensors(graph)
-    ran: dict[int, list] = {}
+    ran: dict = {}
     for op in graph.ops:   # redistribution into each op is charged to it, and listed on its own line
         if op.id in dead:
             continue
@@ -684,11 +698,13 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
             if prod.id in scattered:
                 have = scattered[prod.id].target
             want = operand_layout(op, strategies[op.id], i)
-            if (tid, want) in done or tid in free:
-                continue           # XLA reshards a value once per layout (the first reader is charged), and
-                                   # re-broadcasts a tensor computed from constants alone where it is read
-            done.add((tid, want))
-            reused = reshard_once(ran, tid, have, want, graph.mesh)    # XLA runs a collective on a value once
+            key = (tid, op.share_scope)
+            if (key, want) in done or tid in free:
+                continue           # XLA reshards a value once per layout (the first reader is charged; a recomputed
+                                   # layer's readers again), and re-broadcasts a tensor computed from constants
+                                   # alone where it is read
+            done.add((key, want))
+            reused = reshard_once(ran, key, have, want, graph.mesh)    # XLA runs a collective on a value once
             c = redistribution_cost(have, want, t.shape, t.itemsize, graph.mesh, params, reused)
             costs[op.id] = costs[op.id] + c
             if have != want and prod.kind != "const" and op.id in owner:

@@ -114,8 +114,13 @@ def test_level3_over_a_python_loop_holds_about_one_layer_whole_at_a_time():
     assert len(grads) == L and all(kind != "all-reduce" or shape == "f32[]" for kind, shape in coll), coll
     assert set(grads) <= {f"f32[{D},{D // 8}]", f"f32[{D // 8},{D}]"}, coll
     assert not [c for c in coll if c[0] == "all-to-all"], coll
-    notes = step.plan(x, y).notes
+    plan = step.plan(x, y)
+    notes = plan.notes
     assert any("optimizer_level level3: each weight is gathered where a layer reads it" in n for n in notes), notes
+    # the plan prices the program it runs, kind by kind (ring bytes moved): the recomputation's gathers too (a
+    # recomputed layer reads its weight again, and XLA gathers it again: Op.share_scope) and the reduce-scatters
+    rep = ms.comm_report(step, x, y)
+    assert {k: round(v) for k, v in plan.cost.communication.items()} == {k: round(rep.moved(k)) for k in rep.by_kind}
 
 
 def test_level3_with_a_comm_fusion_setting_keeps_mindsporess_buckets():
