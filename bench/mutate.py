@@ -123,6 +123,11 @@ BUGS = [
         "            strategies.update(relaid)\n",
         "            pass\n",
         ("tests/e2e/strategies/test_storage_layouts.py",)),
+    Bug("recompute_reads_shared", "the program's price shares a recomputed layer's redistributions with the "
+        "forward's, which XLA runs again", "searchers/cost.py",
+        "            key = (tid, op.share_scope)\n",
+        "            key = (tid, 0)\n",
+        ("tests/e2e/training/test_fsdp_layer_loop.py",)),
     Bug("dataset_off_by_one", "each device's rows of a host batch are the next device's (the last keeps its own)",
         "mshard/_src/runtime/dataset.py",
         "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])\n",
