@@ -445,8 +445,9 @@ def shared_steps(steps: Sequence[tuple[str, int, float]], earlier: Sequence[Sequ
 
 def reshard_once(ran: dict, tid, src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> int:
     """:func:`shared_steps` of tensor ``tid``'s redistribution ``src -> dst`` against the ones already recorded in
-    ``ran`` (tensor id -> (layout, steps) list), which it then records: one reader at a time, in program order. Two
-    direct redistributions (:mod:`searchers.direct_reshard`) share the collectives of their common leading moves."""
+    ``ran`` (``tid`` -> (layout, steps) list; ``tid`` a tensor id, or (tensor id, ``Op.share_scope``)), which it then
+    records: one reader at a time, in program order. Two direct redistributions (:mod:`searchers.direct_reshard`)
+    share the collectives of their common leading moves."""
     src, dst = _canon(src), _canon(dst)
     steps = redistribution_steps(src, dst, mesh)
     earlier = ran.setdefault(tid, [])

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec
 
 from mshard._src.jaxpr.marks import OpNote, mark_p
 from mshard._src.jaxpr.op_graph import REPLICA, TraceResult, jaxpr_to_graph
+from mshard._src.jaxpr.walk import REMAT
 from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts, assign_layouts, exact_mark_key, mark_key
 from mshard._src.planning.fused_sums import fused_reductions, sum_roles, unpriced_reduction
 from mshard._src.planning.scattered_sums import Scattered, mark_scatter, scattered_reductions
@@ -335,7 +336,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
             "elementwise_op_strategy_follow": algo.elementwise_op_strategy_follow}
     hold = input_layout_hook if not hooked_before else None
     result = _search(searcher, trace, params, opts, inputs, base, hold, notes)
-    # partial results reduce-scattered; the Cell out marks they pass through laid out as their readers read them
+    # partial results reduce-scattered; the ops that only pass them on laid out as their readers read them
     scattered, strategies = scattered_reductions(trace, result.strategies, params)
     if strategies != result.strategies:
         result = dataclasses.replace(result, strategies=strategies)
@@ -354,7 +355,7 @@ def _mark_recomputed(trace: TraceResult) -> None:
     redistribution only between readers in one scope."""
     scopes: dict[int, int] = {}
     for te in trace.eqns:
-        inner = next((e for e in reversed(te.path) if e.primitive.name in ("checkpoint", "remat", "remat2")
+        inner = next((e for e in reversed(te.path) if e.primitive.name in REMAT
                       and e.params.get("prevent_cse", True)), None)
         if inner is not None:
             trace.graph.ops[te.op].share_scope = scopes.setdefault(id(inner), len(scopes) + 1)
