@@ -128,6 +128,11 @@ BUGS = [
         "            key = (tid, op.share_scope)\n",
         "            key = (tid, 0)\n",
         ("tests/e2e/training/test_fsdp_layer_loop.py",)),
+    Bug("merged_dim_minor_first", "a dim made of several loop dims (a reshape's merged run) is laid out over its "
+        "minor loop dim's axes first", "searchers/graph.py",
+        "    return tuple(a for d in label for a in where[d])\n",
+        "    return tuple(a for d in reversed(label) for a in where[d])\n",
+        ("tests/searchers/test_merged_dims.py", "tests/e2e/search/test_reshape_layouts.py")),
     Bug("dataset_off_by_one", "each device's rows of a host batch are the next device's (the last keeps its own)",
         "mshard/_src/runtime/dataset.py",
         "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])\n",

@@ -330,6 +330,8 @@ def _halo(spec: OpSpec, strategy: Strategy, mesh: DeviceMesh) -> tuple[float, fl
     for maps, size in zip(spec.in_maps, spec.in_bytes):
         block = size / split_count(layout_of(maps, strategy), mesh.shape)
         for d in maps:
+            if not isinstance(d, int):          # a merged dim (a reshape's): never a window's
+                continue
             rows = spec.halo[d] if d >= 0 else 0
             axes = strategy[d] if d >= 0 else ()
             if not rows or not axes:

@@ -21,7 +21,7 @@ import numpy as np
 from .cost import CostParams, _reduction_groups, redistribution_steps
 from .direct_reshard import depends_on_direct
 from .graph import DeviceMesh, Graph, Op, Strategy, TensorLayout
-from .spec import OpSpec, layout_of, op_spec
+from .spec import OpSpec, layout_of, map_dims, op_spec
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,9 +52,9 @@ def candidate_tables(in_maps: tuple[tuple[int, ...], ...], out_maps: tuple[tuple
         counts = [_prod(shape[a] for a in axes) for axes in s]
         dev[c] = _prod(counts)
         for i, m in enumerate(in_maps):
-            in_div[c, i] = 1.0 / _prod(counts[d] for d in m if d >= 0)
+            in_div[c, i] = 1.0 / _prod(counts[d] for e in m for d in map_dims(e))
         for j, m in enumerate(out_maps):
-            out_div[c, j] = 1.0 / _prod(counts[d] for d in m if d >= 0)
+            out_div[c, j] = 1.0 / _prod(counts[d] for e in m for d in map_dims(e))
         for k, latency, bandwidth in _reduction_groups(reduction, s, mesh):
             lat[c] += latency
             coef[c] += 2.0 * (k - 1) / k / bandwidth
@@ -67,7 +67,7 @@ def candidate_tables(in_maps: tuple[tuple[int, ...], ...], out_maps: tuple[tuple
         for i, m in enumerate(in_maps):
             block = in_div[c, i]
             for d in m:
-                if d < 0 or not halo[d] or not s[d]:
+                if not isinstance(d, int) or d < 0 or not halo[d] or not s[d]:
                     continue
                 b = block * halo[d] * _prod(shape[a] for a in s[d])
                 h_lat[c] += 2 * max(mesh.latency[a] for a in s[d])

@@ -30,7 +30,7 @@ import time
 from typing import cast
 
 from .cost import CostParams, redistribution_total, spec_cost
-from .graph import DeviceMesh, Graph, Strategy, TensorLayout, operand_layout, pinned_strategy, replicated
+from .graph import DeviceMesh, Graph, Strategy, TensorLayout, hand_out, operand_layout, pinned_strategy, replicated
 from .graph_index import GraphIndex
 from .result import SearchResult
 from .spec import OpSpec, layout_of
@@ -173,6 +173,12 @@ def follow_layouts(spec: OpSpec, lays: tuple[TensorLayout, ...], shape: tuple[in
         for d, axes in zip(spec.in_maps[i], lay):
             if order is not None and axes and set(axes) & used:     # the leading axes not used yet (a coarser split)
                 axes = tuple(itertools.takewhile(lambda a: a not in used, axes))
+            if not isinstance(d, int):              # a dim made of several loop dims: its axes, major part first
+                if axes and not set(axes) & used and not any(x in where or spec.unsplittable[x] for x in d):
+                    got = hand_out(d, tuple(axes), spec.sizes, shape)
+                    where.update((x, a) for x, a in got.items() if a)
+                    used.update(a for got_axes in got.values() for a in got_axes)
+                continue
             if d < 0 or not axes or d in where or spec.unsplittable[d] or set(axes) & used:
                 continue
             if spec.sizes[d] % math.prod(shape[a] for a in axes):
@@ -180,3 +186,4 @@ def follow_layouts(spec: OpSpec, lays: tuple[TensorLayout, ...], shape: tuple[in
             where[d] = tuple(axes)
             used.update(axes)
     return tuple(where.get(d, ()) for d in range(len(spec.sizes)))
+

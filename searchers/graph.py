@@ -6,6 +6,11 @@ An op is described as an einsum-like *iteration space*:
 * ``in_dims[i]``: for operand ``i``, the loop dim of each of its tensor dims (``None`` for a dim
   that cannot follow a loop dim, e.g. a broadcast size-1 dim);
 * ``out_dims[j]``: the same for result ``j``;
+* a tensor dim may also map to a *tuple* of loop dims, major first: the dim is their product, as a
+  reshape's merged dim is (``[64, 8] -> [4, 128]`` runs over loop dims ``(4, 16, 8)``: the operand's
+  dim 0 is ``("a", "b")``, the result's dim 1 ``("b", "c")``). Its layout is the loop dims' axes in
+  that order, and a loop dim in it may be split only when every loop dim before it is split whole
+  (:meth:`Op.nested`): a device's block of the tensor dim is then one contiguous run;
 * loop dims that no result uses are *reductions*; splitting one leaves partial results that
   are combined with ``op.reduce`` (an all-reduce, or a reduce-scatter into a split consumer).
 
@@ -36,6 +41,50 @@ from .errors import SearchGraphError
 Axes = tuple[int, ...]
 Strategy = tuple[Axes, ...]          # one entry per loop dim, in op.dims order
 TensorLayout = tuple[Axes, ...]      # one entry per tensor dim
+Label = str | tuple[str, ...] | None  # the loop dim(s) of one tensor dim (a tuple: their product, major first)
+
+
+def parts(label: Label) -> tuple[str, ...]:
+    """The loop dims a tensor dim maps to: ``()`` for None, ``(d,)`` for one, the tuple itself for several.
+
+    >>> parts(None), parts("m"), parts(("a", "b"))
+    ((), ('m',), ('a', 'b'))
+    """
+    if label is None:
+        return ()
+    return (label,) if isinstance(label, str) else tuple(label)
+
+
+def label_axes(where: dict, label: Label) -> Axes:
+    """The mesh axes of a tensor dim mapped to ``label``, given each loop dim's axes ``where``."""
+    if label is None:
+        return ()
+    if isinstance(label, str):
+        return where[label]
+    return tuple(a for d in label for a in where[d])
+
+
+def hand_out(dims: tuple[int, ...], axes: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]
+             ) -> dict[int, tuple[int, ...]]:
+    """The axes of a tensor dim made of loop dims ``dims`` (major first) given to them: each takes the next axes
+    until it is split into its size; what no loop dim can take whole (a split that does not divide) is left.
+
+    >>> hand_out((0, 1), (0, 1, 2), (4, 16), (2, 2, 2))
+    {0: (0, 1), 1: (2,)}
+    """
+    got: dict[int, tuple[int, ...]] = {}
+    rest = list(axes)
+    for d in dims:
+        take: list[int] = []
+        while rest and math.prod(shape[a] for a in take) < sizes[d]:
+            take.append(rest.pop(0))
+        n = math.prod(shape[a] for a in take)
+        if sizes[d] % n:
+            break
+        got[d] = tuple(take)
+        if n < sizes[d]:
+            break
+    return got
 
 SOURCE_KINDS = frozenset({"data", "param", "const"})
 # ops a traced program shows as one op over a body it does not inline (a loop or a branch: mshard._src.jaxpr.rules): their own
@@ -126,9 +175,9 @@ class Op:
     kind: str                                   # JAX primitive name, MindSpore op kind or a source kind
     dims: dict[str, int]                        # loop dim -> size, ordered
     inputs: list[int]                           # tensor ids
-    in_dims: list[tuple[str | None, ...]]       # per operand: loop dim per tensor dim
+    in_dims: list[tuple[Label, ...]]            # per operand: loop dim(s) per tensor dim
     outputs: list[int]
-    out_dims: list[tuple[str | None, ...]]
+    out_dims: list[tuple[Label, ...]]
     reduce: str = "sum"                         # combiner of partial results: sum|max|min|prod|and|or
     unsplittable: frozenset[str] = frozenset()  # loop dims that may not be split
     flops: float | None = None                  # None: prod(dims) (x2 when there is a reduction)
@@ -169,13 +218,36 @@ class Op:
         return (tuple(i for i, d in enumerate(names) if self.halo.get(d)),
                 tuple(i for i, d in enumerate(names) if d in self.halo_apart))
 
+    def nested(self) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
+        """For each loop dim that is a minor part of a tensor dim mapped to several loop dims: (its index, the
+        (index, size) of every loop dim before it there). No candidate splits it unless each of those is split
+        into its size (a device's block of the tensor dim stays one contiguous run). ``()`` for most ops.
+
+        >>> g = Graph(DeviceMesh((2, 2, 2)))
+        >>> x = g.source("x", (64, 8))
+        >>> _ = g.add_op("r", "reshape", {"a": 4, "b": 16, "c": 8}, [x], [(("a", "b"), "c")], [("a", ("b", "c"))],
+        ...              out_shapes=[(4, 128)])
+        >>> g.ops[1].nested()
+        ((1, ((0, 4),)), (2, ((1, 16),)))
+        """
+        idx = {d: i for i, d in enumerate(self.dims)}
+        out: dict[int, tuple[tuple[int, int], ...]] = {}
+        for labels in (*self.in_dims, *self.out_dims):
+            for lab in labels:
+                if lab is None or isinstance(lab, str):
+                    continue
+                for k in range(1, len(lab)):
+                    before = tuple((idx[d], self.dims[d]) for d in lab[:k])
+                    out[idx[lab[k]]] = tuple(sorted(set(out.get(idx[lab[k]], ())) | set(before)))
+        return tuple(sorted(out.items()))
+
     @property
     def dim_names(self) -> tuple[str, ...]:
         return tuple(self.dims)
 
     @property
     def reduction_dims(self) -> tuple[str, ...]:
-        used = {d for od in self.out_dims for d in od if d is not None}
+        used = {d for od in self.out_dims for lab in od for d in parts(lab)}
         return tuple(d for d in self.dims if d not in used)
 
     @property
@@ -237,11 +309,12 @@ class Graph:
         return tid
 
     def add_op(self, name: str, kind: str, dims: dict[str, int], inputs: Sequence[int],
-               in_dims: Sequence[Sequence[str | None]], out_dims: Sequence[Sequence[str | None]],
+               in_dims: Sequence[Sequence[Label]], out_dims: Sequence[Sequence[Label]],
                out_shapes: Sequence[Sequence[int]] | None = None, itemsize: int = 4, **kw: Any) -> list[int]:
         """Add an op; returns its result tensor ids. ``out_shapes`` defaults to the loop-dim sizes."""
+        canon = lambda labels: tuple(lab if lab is None or isinstance(lab, str) else tuple(lab) for lab in labels)
         op = Op(len(self.ops), name, kind, dict(dims), list(inputs),
-                [tuple(d) for d in in_dims], [], [tuple(d) for d in out_dims], **kw)
+                [canon(d) for d in in_dims], [], [canon(d) for d in out_dims], **kw)
         if len(op.in_dims) != len(op.inputs):
             raise SearchGraphError(f"{name}: {len(op.inputs)} inputs but {len(op.in_dims)} in_dims")
         k = op.follow_operand
@@ -253,12 +326,13 @@ class Graph:
             if len(idims) != len(t.shape):
                 raise SearchGraphError(f"{name}: operand {t.name or tid} has rank {len(t.shape)}, in_dims {idims}")
             for size, d in zip(t.shape, idims):
-                if d is not None and dims[d] != size:
-                    raise SearchGraphError(f"{name}: operand dim of size {size} mapped to loop dim {d}={dims[d]}")
+                if d is not None and math.prod(dims[x] for x in parts(d)) != size:
+                    raise SearchGraphError(f"{name}: operand dim of size {size} mapped to loop dim(s) {d} of "
+                                           f"sizes {[dims[x] for x in parts(d)]}")
             t.consumers.append(op.id)
         self.ops.append(op)
         for j, od in enumerate(op.out_dims):
-            shape = out_shapes[j] if out_shapes is not None else [dims[d] if d else 1 for d in od]
+            shape = out_shapes[j] if out_shapes is not None else [math.prod(dims[x] for x in parts(d)) for d in od]
             op.outputs.append(self._tensor(shape, itemsize, f"{name}:{j}", op.id))
         return list(op.outputs)
 
@@ -280,19 +354,23 @@ class Graph:
 def operand_layout(op: Op, strategy: Strategy, index: int) -> TensorLayout:
     """Layout (axes per tensor dim) operand ``index`` must have under ``strategy``."""
     where = dict(zip(op.dims, strategy))
-    return tuple(where[d] if d is not None else () for d in op.in_dims[index])
+    return tuple(label_axes(where, d) for d in op.in_dims[index])
 
 
 def result_layout(op: Op, strategy: Strategy, index: int = 0) -> TensorLayout:
     """Layout of result ``index`` under ``strategy`` after partial sums are resolved."""
     where = dict(zip(op.dims, strategy))
-    return tuple(where[d] if d is not None else () for d in op.out_dims[index])
+    return tuple(label_axes(where, d) for d in op.out_dims[index])
 
 
-def strategy_of_layout(op: Op, layout: TensorLayout, operand: int | None = None) -> Strategy:
+def strategy_of_layout(op: Op, layout: TensorLayout, operand: int | None = None,
+                       mesh: DeviceMesh | None = None) -> Strategy:
     """The strategy that gives result 0 (or operand ``operand``) of ``op`` the tensor ``layout``, every loop
     dim that tensor does not map left unsplit: the inverse of :func:`result_layout` for ops whose loop dims
     are one tensor's dims (sources, elementwise ops, marks).
+
+    A tensor dim mapped to several loop dims hands its axes out major first, each loop dim taking axes until
+    it is split into its size (``mesh`` gives the axes' sizes; required for such a dim).
 
     >>> g = Graph(DeviceMesh((2, 2)))
     >>> x = g.source("x", (4, 6))
@@ -300,7 +378,21 @@ def strategy_of_layout(op: Op, layout: TensorLayout, operand: int | None = None)
     ((), (0, 1))
     """
     dims = op.out_dims[0] if operand is None else op.in_dims[operand]
-    where = {d: tuple(axes) for d, axes in zip(dims, layout) if d is not None}
+    where: dict[str, tuple[int, ...]] = {}
+    for lab, axes in zip(dims, layout):
+        if lab is None:
+            continue
+        if isinstance(lab, str):
+            where[lab] = tuple(axes)
+            continue
+        if axes and mesh is None:
+            raise SearchGraphError(f"{op.name}: a layout of a dim made of loop dims {lab} needs the mesh")
+        rest = list(axes)
+        for k, d in enumerate(lab):
+            got: list[int] = []
+            while rest and (k == len(lab) - 1 or mesh.count(got) < op.dims[d]):
+                got.append(rest.pop(0))
+            where[d] = tuple(got)
     return tuple(where.get(d, ()) for d in op.dims)
 
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .graph import Graph, Strategy, split_count
+from .graph import Graph, Strategy, parts, result_layout, split_count
 
 
 def live_ranges(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
@@ -39,12 +39,8 @@ def live_ranges(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
 def local_bytes(graph: Graph, op_id: int, strategy: Strategy) -> list[float]:
     """Local bytes of each result of op ``op_id`` under ``strategy``."""
     op, shape = graph.ops[op_id], graph.mesh.shape
-    where = dict(zip(op.dims, strategy))
-    out = []
-    for tid, dims in zip(op.outputs, op.out_dims):
-        lay = tuple(where[d] if d is not None else () for d in dims)
-        out.append(graph.tensors[tid].nbytes / split_count(lay, shape))
-    return out
+    return [graph.tensors[tid].nbytes / split_count(result_layout(op, strategy, j), shape)
+            for j, tid in enumerate(op.outputs)]
 
 
 def fusible(graph: Graph, op_id: int) -> bool:
@@ -53,8 +49,8 @@ def fusible(graph: Graph, op_id: int) -> bool:
     op = graph.ops[op_id]
     if op.is_source or len(op.outputs) != 1:
         return False
-    out = {d for d in op.out_dims[0] if d is not None}
-    return set(op.dims) <= out and all({d for d in dims if d is not None} <= out for dims in op.in_dims)
+    out = {d for lab in op.out_dims[0] for d in parts(lab)}
+    return set(op.dims) <= out and all({d for lab in dims for d in parts(lab)} <= out for dims in op.in_dims)
 
 
 def fused_live_ranges(graph: Graph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

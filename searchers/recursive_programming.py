@@ -106,12 +106,16 @@ class _Rounds:
         fin = set()
         for f in finals:
             c = code(f)
+            path = [index.get(c[:r + 1] + none[r + 1:]) for r in range(n_axes)]
+            if None in path:        # a cut before it is no candidate (a merged dim's minor part split before its
+                continue            # major one is whole: Op.nested); the same layout is reached with the axes reordered
             fin.add(index[c])
             parent = self.rep
-            for r in range(n_axes):
-                kid = index[c[:r + 1] + none[r + 1:]]
+            for r, kid in enumerate(path):
                 kids.setdefault((r, parent), set()).add(kid)
                 parent = kid
+        if not fin:                 # every final needs such a cut (a mesh whose axis sizes force it): replicated
+            fin.add(self.rep)
         # ties go to the cut of the leading loop dim (the batch dim first, as in data parallel), "none" last
         dim_of = {i: c for c, i in index.items()}
         self.kids = {(r, p): np.array(sorted(v, key=lambda i: (dim_of[i][r] < 0, dim_of[i][r])), dtype=np.intp)

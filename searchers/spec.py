@@ -24,12 +24,14 @@ from .graph import SOURCE_KINDS, Graph, Op, may_idle
 from .rows import distinct_rows
 from .slots import Flat, flat_ops, starts
 
+Map = int | tuple[int, ...]       # a tensor dim's loop dim index (-1: none), or the indices of the loop dims it is made of
+
 
 class OpSpec(NamedTuple):
     sizes: tuple[int, ...]                   # loop-dim sizes a split must divide (Op.split_sizes), op.dims order
     unsplittable: tuple[bool, ...]           # per loop dim
-    in_maps: tuple[tuple[int, ...], ...]     # per operand, per tensor dim: loop-dim index or -1
-    out_maps: tuple[tuple[int, ...], ...]    # per result, the same
+    in_maps: tuple[tuple[Map, ...], ...]     # per operand, per tensor dim: loop-dim index, -1, or a tuple of indices
+    out_maps: tuple[tuple[Map, ...], ...]    # per result, the same
     in_bytes: tuple[int, ...]                # global bytes of each operand
     out_bytes: tuple[int, ...]               # global bytes of each result
     reduction: tuple[int, ...]               # loop-dim indices no result uses
@@ -39,6 +41,7 @@ class OpSpec(NamedTuple):
     halo: tuple[int, ...] = ()               # Op.halo per loop dim (0: none); () when the op has none
     apart: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())   # no strategy splits one of [0] and one of [1]
     stored: bool = False                     # a "param" source: state the device stores (weights, optimizer moments)
+    nested: tuple = ()                       # Op.nested: minor parts of merged tensor dims, split only after the major
 
 
 def op_spec(op: Op, graph: Graph) -> OpSpec:
@@ -126,8 +129,8 @@ def distinct_spec_keys(graph: Graph, flat: Flat | None = None) -> tuple[list[Spe
 
 def spec_from_key(key: SpecKey) -> OpSpec:
     """The :class:`OpSpec` a :func:`spec_key` stands for."""
-    sizes, uns, in_maps, out_maps, red, flops, free, share, halo, apart, stored = _STRUCTS[key[0]]
-    return OpSpec(sizes, uns, in_maps, out_maps, key[1], key[2], red, flops, free, share, halo, apart, stored)
+    sizes, uns, in_maps, out_maps, red, flops, free, share, halo, apart, stored, nested = _STRUCTS[key[0]]
+    return OpSpec(sizes, uns, in_maps, out_maps, key[1], key[2], red, flops, free, share, halo, apart, stored, nested)
 
 
 def all_devices(spec: OpSpec, fully_use_devices: bool) -> bool:
@@ -142,20 +145,38 @@ _STRUCTS: list[tuple] = []
 
 def _structure(op: Op) -> tuple:
     idx = {d: i for i, d in enumerate(op.dims)}
-    in_maps = tuple(tuple(-1 if d is None else idx[d] for d in dd) for dd in op.in_dims)
-    out_maps = tuple(tuple(-1 if d is None else idx[d] for d in dd) for dd in op.out_dims)
-    used = {i for m in out_maps for i in m}
+
+    def index(d):
+        return -1 if d is None else idx[d] if isinstance(d, str) else tuple(idx[x] for x in d)
+    in_maps = tuple(tuple(index(d) for d in dd) for dd in op.in_dims)
+    out_maps = tuple(tuple(index(d) for d in dd) for dd in op.out_dims)
+    used = {i for m in out_maps for e in m for i in ((e,) if isinstance(e, int) else e)}
     uns = op.unsplittable
     halo = tuple(op.halo.get(d, 0) for d in op.dims) if op.halo else ()
     return (op.split_sizes(), tuple(d in uns for d in op.dims), in_maps, out_maps,
             tuple(i for i in range(len(idx)) if i not in used), op.compute_flops(), op.free_devices, op.latency_share,
-            halo, op.apart(), op.kind == "param")
+            halo, op.apart(), op.kind == "param", op.nested())
 
 
-def layout_of(maps: tuple[int, ...], strategy: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
-    """Tensor layout from a tensor-dim map and a strategy (``-1`` -> not split).
+def layout_of(maps: tuple[Map, ...], strategy: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """Tensor layout from a tensor-dim map and a strategy (``-1`` -> not split; a tuple of loop dims -> their axes,
+    major first).
 
     >>> layout_of((0, -1, 2), ((1,), (), (0,)))
     ((1,), (), (0,))
+    >>> layout_of(((0, 1), 2), ((1,), (2,), ()))
+    ((1, 2), ())
     """
-    return tuple(() if i < 0 else strategy[i] for i in maps)
+    return tuple((() if i < 0 else strategy[i]) if isinstance(i, int) else tuple(a for j in i for a in strategy[j])
+                 for i in maps)
+
+
+def map_dims(m: Map) -> tuple[int, ...]:
+    """The loop dim indices one tensor dim's map names (``()`` for -1).
+
+    >>> map_dims(-1), map_dims(2), map_dims((0, 1))
+    ((), (2,), (0, 1))
+    """
+    if isinstance(m, int):
+        return () if m < 0 else (m,)
+    return m

@@ -17,9 +17,10 @@ dim whose size stays divisible by the product of its axes' sizes, so there are a
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import lru_cache
 
-from .graph import DeviceMesh, Op, Strategy, split_count
+from .graph import DeviceMesh, Op, Strategy, hand_out, split_count
 
 
 def enumerate_strategies(op: Op, mesh: DeviceMesh, *, fully_use_devices: bool = False,
@@ -49,7 +50,8 @@ def enumerate_strategies(op: Op, mesh: DeviceMesh, *, fully_use_devices: bool = 
     if op.any_devices:       # fully_use_devices is about operators; a tensor's layout follows its users (MindSpore),
         fully_use_devices = False          # an op with no operands too; free_devices: the backward and update (Op)
     uns = tuple(d in op.unsplittable for d in op.dims)
-    return list(strategies_for(op.split_sizes(), uns, mesh.shape, fully_use_devices, max_candidates, op.apart()))
+    return list(strategies_for(op.split_sizes(), uns, mesh.shape, fully_use_devices, max_candidates, op.apart(),
+                               op.nested()))
 
 
 def is_legal(op: Op, strategy: Strategy, mesh: DeviceMesh) -> bool:
@@ -68,14 +70,26 @@ def is_legal(op: Op, strategy: Strategy, mesh: DeviceMesh) -> bool:
         if axes and (d in op.unsplittable or size % mesh.count(axes)):
             return False
     halo, apart = op.apart()
-    return not (any(strategy[i] for i in halo) and any(strategy[i] for i in apart))
+    if any(strategy[i] for i in halo) and any(strategy[i] for i in apart):
+        return False
+    counts = [mesh.count(axes) for axes in strategy]
+    return _whole_before(counts, op.nested())
+
+
+def _whole_before(counts: Sequence[int], nested: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]) -> bool:
+    """Whether every split minor part of a tensor dim made of several loop dims has each part before it split
+    into its size (:meth:`~searchers.graph.Op.nested`)."""
+    return all(counts[i] == 1 or all(counts[j] == n for j, n in before) for i, before in nested)
 
 
 def strategies_for(sizes: tuple[int, ...], unsplittable: tuple[bool, ...], mesh_shape: tuple[int, ...],
                    fully_use_devices: bool = False, max_candidates: int | None = None,
-                   apart: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> tuple[Strategy, ...]:
+                   apart: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
+                   nested: tuple = ()) -> tuple[Strategy, ...]:
     """:func:`enumerate_strategies` on plain loop-dim sizes (memoised). ``apart``: no strategy splits a loop dim of
     ``apart[0]`` (a convolution's halo dims) together with one of ``apart[1]`` (its out-channels: ``Op.halo_apart``).
+    ``nested``: :meth:`~searchers.graph.Op.nested` (a minor part of a merged tensor dim is split only when the parts
+    before it are split whole).
 
     A split count is a product of mesh axis sizes, so it divides the device count ``N``; it
     divides a size exactly when it divides ``gcd(size, N)``. Sizes are memoised by that gcd, so
@@ -86,13 +100,14 @@ def strategies_for(sizes: tuple[int, ...], unsplittable: tuple[bool, ...], mesh_
     """
     n = math.prod(mesh_shape)
     return _strategies_for(tuple(math.gcd(s, n) for s in sizes), unsplittable, tuple(mesh_shape),
-                           fully_use_devices, max_candidates, apart)
+                           fully_use_devices, max_candidates, apart, nested)
 
 
 @lru_cache(maxsize=4096)
 def _strategies_for(sizes: tuple[int, ...], unsplittable: tuple[bool, ...], mesh_shape: tuple[int, ...],
                     fully_use_devices: bool, max_candidates: int | None,
-                    apart: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> tuple[Strategy, ...]:
+                    apart: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
+                    nested: tuple = ()) -> tuple[Strategy, ...]:
     n_dims, n_axes = len(sizes), len(mesh_shape)
     found: list[tuple[int, Strategy]] = []
     counts = [1] * n_dims
@@ -117,6 +132,9 @@ def _strategies_for(sizes: tuple[int, ...], unsplittable: tuple[bool, ...], mesh
     if apart[0] and apart[1]:
         found = [(u, s) for u, s in found
                  if not (any(s[d] for d in apart[0]) and any(s[d] for d in apart[1]))]
+    if nested:
+        found = [(u, s) for u, s in found
+                 if _whole_before([math.prod(mesh_shape[a] for a in axes) for axes in s], nested)]
     if fully_use_devices:
         every = [(u, s) for u, s in found if sum(len(a) for a in s) == n_axes]
         best = max(u for u, _ in found)
@@ -153,12 +171,27 @@ def data_parallel_strategy(op: Op, mesh: DeviceMesh) -> Strategy:
         if not op.in_dims or not op.in_dims[0]:
             return tuple(strategy)
         dim = op.in_dims[0][0]
+    names = list(op.dims)
+    if dim is not None and not isinstance(dim, str):        # a dim made of several loop dims: split as one, major first
+        if any(d in op.unsplittable for d in dim):
+            return tuple(strategy)
+        sizes = op.split_sizes()
+        idx = tuple(names.index(d) for d in dim)
+        axes = _greedy_axes(math.prod(sizes[i] for i in idx), mesh.shape)
+        for i, got in hand_out(idx, axes, sizes, mesh.shape).items():
+            strategy[i] = got
+        return tuple(strategy)
     if dim is None or dim in op.unsplittable:
         return tuple(strategy)
-    size, count, axes = op.split_sizes()[list(op.dims).index(dim)], 1, []
-    for a, k in enumerate(mesh.shape):
+    strategy[names.index(dim)] = _greedy_axes(op.split_sizes()[names.index(dim)], mesh.shape)
+    return tuple(strategy)
+
+
+def _greedy_axes(size: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """As many mesh axes, in ascending order, as divide ``size`` together (MindSpore's data-parallel split)."""
+    count, axes = 1, []
+    for a, k in enumerate(mesh_shape):
         if k > 1 and size % (count * k) == 0:
             count *= k
             axes.append(a)
-    strategy[list(op.dims).index(dim)] = tuple(axes)
-    return tuple(strategy)
+    return tuple(axes)

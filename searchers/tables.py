@@ -127,7 +127,7 @@ class Tables:
         if got is None:
             spec = self.specs[sid]
             got = self._cands[key] = strategies_for(spec.sizes, spec.unsplittable, self.mesh.shape, all_devices,
-                                                    self.maxc, spec.apart)
+                                                    self.maxc, spec.apart, spec.nested)
         return got
 
     def unary(self, sid: int, cands: tuple[Strategy, ...]) -> np.ndarray:

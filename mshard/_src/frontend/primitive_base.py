@@ -68,6 +68,10 @@ class Primitive:
     """
 
     n_tensors: int | None = None      # leading tensor arguments; the rest are attributes (None: all)
+    # planned as the JAX it computes (its equations' rules; a strategy fixes its inputs and the equation computes as
+    # they arrive), not as one op of its spec: where those rules are finer than the letters (Reshape:
+    # mshard._src.jaxpr.rules.reshape_rule's merged dims)
+    as_traced = False
     _eager_fast = None                # the eager region's fast path (mshard._src.runtime.fastcall), set after an eager call
     _fast_hits = 0                    # its hits since it was set (mshard._src.frontend.direct_call)
 
@@ -237,7 +241,8 @@ class Primitive:
             check_strategy(self._where(), self.kind, shapes, in_dims, fixed, strategy, device_num)
         halo, apart = self.halo(shapes)
         return OpNote(self.kind, self.name, strategy or (None,) * len(shapes), self.out_strategy, tuple(shapes),
-                      tuple(in_dims), tuple(out_dims), frozenset(fixed), tuple(sorted(halo.items())), apart)
+                      tuple(in_dims), tuple(out_dims), frozenset(fixed), tuple(sorted(halo.items())), apart,
+                      as_traced=self.as_traced)
 
     def halo(self, shapes) -> tuple[dict[str, int], frozenset[str]]:
         """A windowed primitive's halo: (loop dim -> rows of its input beyond a device's block that it reads, the

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from mshard._src.frontend.primitive_base import LETTERS, Primitive, broadcast_spec
+from mshard._src.jaxpr import rules
 from mshard._src.values.errors import StrategyError
 
 _NONE: frozenset[str] = frozenset()
@@ -574,9 +575,15 @@ class Transpose(Primitive):
 class Reshape(Primitive):
     """``Reshape()(x, shape)``: ``x`` with a new shape of the same size (one ``-1`` is inferred), as MindSpore's.
 
-    Strategy: one split tuple for ``x`` only. The dims are grouped into runs of equal products; within a merged or
-    split run only the leading dim may be split (MindSpore's reshape rule). A shape of another size raises
-    StrategyError.
+    Strategy: one split tuple for ``x`` only; the result is laid out as the split blocks fall in the new shape. The
+    dims are grouped into runs of equal products and a run into the finest factors both shapes are made of
+    (:func:`mshard._src.jaxpr.rules.reshape_rule`): a split of a dim made of several factors is a split of its
+    leading factor, and of the next ones only once the leading one is split whole, so that each device's block is
+    one contiguous run of the array and the reshape moves no data. ``[64, 8]`` split ``(8, 1)`` reshaped to
+    ``(4, -1)`` is ``[4, 128]`` split ``(4, 2)``; ``[8, 6]`` split ``(1, 2)`` reshaped to ``(48,)`` is refused (the
+    halves of each row are no block of the 48). A run with no common factors (``[6, 4] -> [4, 6]``) splits its leading
+    dim only, by a count dividing both leading dims. The op is planned as the JAX reshape it computes. A shape of
+    another size, or a split the rule refuses, raises StrategyError.
 
     Args:
         name: the op's name in plans and errors (default ``None``: it goes by its class name).
@@ -588,11 +595,15 @@ class Reshape(Primitive):
     """
 
     n_tensors = 1
+    as_traced = True
 
     def compute(self, x, shape):
         return jnp.reshape(x, shape)
 
     def spec(self, shapes, attrs):
+        """One letter per input dim (its loop dim, or its factors' joined: a dim of the input is split alone, and
+        its split is checked against its factors here); the result's dims carry none: the result is laid out by
+        the traced reshape (``as_traced``), not by letters."""
         src = tuple(shapes[0])
         want = tuple(attrs[0])
         size = math.prod(src)
@@ -603,37 +614,44 @@ class Reshape(Primitive):
             raise StrategyError(f"Reshape: cannot reshape an array of shape {src} ({size} elements) to {want}; "
                                 f"the new shape must have the same number of elements.")
         dst = tuple(size // math.prod(d for d in want if d != -1) if d == -1 else d for d in want)
-        ins, outs, fixed = [], [], set()
-        i = j = 0
-        n = 0
-        while i < len(src) or j < len(dst):
-            a, b = [i], [j]
-            pa = src[i] if i < len(src) else 1
-            pb = dst[j] if j < len(dst) else 1
-            while pa != pb:
-                if pa < pb:
-                    i += 1
-                    a.append(i)
-                    pa *= src[i]
-                else:
-                    j += 1
-                    b.append(j)
-                    pb *= dst[j]
-            letter = f"r{n}"
-            n += 1
-            a = [x for x in a if x < len(src)]
-            b = [x for x in b if x < len(dst)]
-            # the run's leading dim is its first of size > 1: a size-1 dim dropped or added is no dim to split
-            la = next((x for x in a if src[x] != 1), a[0] if a else None)
-            lb = next((x for x in b if dst[x] != 1), b[0] if b else None)
-            lead_ok = la is not None and lb is not None and (src[la] % dst[lb] == 0 or dst[lb] % src[la] == 0)
-            ins += [letter if x == la else None for x in a]
-            outs += [letter if x == lb else None for x in b]
-            if not lead_ok:
-                fixed.add(letter)
-            i += 1
-            j += 1
-        return (tuple(ins),), (tuple(outs),), frozenset(fixed)
+        space = rules.reshape_rule([src], [dst])
+        if self.in_strategy is not None and self.in_strategy[0] is not None:
+            _check_reshape_split(self._where(), space, src, dst, self.in_strategy[0].counts)
+        ins = tuple(lab if lab is None or isinstance(lab, str) else "*".join(lab) for lab in space.in_dims[0])
+        return (ins,), ((None,) * len(dst),), _NONE
+
+
+def _check_reshape_split(where: str, space, src: tuple[int, ...], dst: tuple[int, ...], counts) -> None:
+    """Raise StrategyError unless split counts ``counts`` of the input are a layout of the reshape's loop dims
+    (``space``, :func:`mshard._src.jaxpr.rules.reshape_rule`): each loop dim split by a count dividing what it allows
+    (``split_divides``); a dim made of several loop dims split major first, the leading one up to its size; and in
+    every dim made of several (the input's or the result's), a loop dim split only when those before it are whole."""
+    per: dict[str, int] = {}
+    for d, (lab, c) in enumerate(zip(space.in_dims[0], counts)):
+        parts = () if lab is None else (lab,) if isinstance(lab, str) else tuple(lab)
+        rest = max(c, 1)
+        for x in parts:
+            n = math.gcd(space.dims[x], space.split_divides.get(x, space.dims[x]))
+            take = rest if rest <= n else n
+            per[x] = take
+            rest //= take
+            if rest == 1 or take != space.dims[x]:
+                break
+        ok = rest == 1 and all(space.dims[x] % per[x] == 0 and
+                               math.gcd(space.dims[x], space.split_divides.get(x, space.dims[x])) % per[x] == 0
+                               for x in parts if x in per)
+        if ok:
+            for labels in (*space.in_dims, *space.out_dims):
+                for m in labels:
+                    if isinstance(m, tuple):
+                        ok = ok and all(per.get(x, 1) == 1 or all(per.get(y, 1) == space.dims[y] for y in m[:k])
+                                        for k, x in enumerate(m))
+        if not ok:
+            raise StrategyError(f"{where}: input dim {d} (size {src[d]}) split {c} ways in {tuple(counts)} is no "
+                                f"block split of the new shape {dst}: a reshape keeps a split where each device's "
+                                f"block stays one contiguous run of the array (of a dim made of several, the leading "
+                                f"one first, whole before the next). Use a split the new shape keeps whole, e.g. one "
+                                f"dividing its leading dim.")
 
 
 class Flatten(Reshape):

@@ -74,6 +74,7 @@ class OpNote:
     fixed: frozenset[str] = frozenset()              # loop dims the primitive cannot split (Softmax's axis, ...)
     halo: tuple[tuple[str, int], ...] = ()           # (loop dim, rows beyond a block it reads): a conv window
     halo_apart: frozenset[str] = frozenset()         # loop dims a search never splits with a halo dim (planning/xla_guards.py)
+    as_traced: bool = False                          # planned as the JAX it computes, not as one op (Primitive.as_traced)
     uid: int = field(default_factory=lambda: next(_uid))
 
     @property

@@ -171,7 +171,7 @@ def _group_end(jaxpr, start: int, last: dict[Any, int]) -> int | None:
     eqns = jaxpr.eqns
     first = eqns[start]
     note = first.params["note"]
-    if note.in_dims is None or first.params["role"] != "in" or any(note.out_strategy or ()):
+    if note.in_dims is None or note.as_traced or first.params["role"] != "in" or any(note.out_strategy or ()):
         return None
     n_in, n_out = len(note.in_dims), len(note.out_dims)
     seen_in: set[int] = set()

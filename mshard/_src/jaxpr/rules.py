@@ -34,15 +34,18 @@ Nested jaxprs, the choice made for each (the tracer, :mod:`mshard._src.jaxpr.op_
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mshard._src.jaxpr.walk import CALLS
+from searchers.graph import parts
 
 Shape = tuple[int, ...]
-Labels = tuple["str | None", ...]
+Labels = tuple["str | tuple[str, ...] | None", ...]   # per tensor dim: its loop dim, or the loop dims it is made of
 
 __all__ = [
     "INLINE",
@@ -102,7 +105,7 @@ class IterSpace:
 
     @property
     def reduction_dims(self) -> tuple[str, ...]:
-        used = {d for od in self.out_dims for d in od if d is not None}
+        used = {d for od in self.out_dims for lab in od for d in parts(lab)}
         return tuple(d for d in self.dims if d not in used)
 
     def check(self, in_shapes: Sequence[Sequence[int]], out_shapes: Sequence[Sequence[int]]) -> None:
@@ -117,6 +120,10 @@ class IterSpace:
                     raise ValueError(f"IterSpace: {what} {i} has rank {len(shape)}, labels {labels}")
                 for size, d in zip(shape, labels):
                     if d is None:
+                        continue
+                    if not isinstance(d, str):          # a dim made of several loop dims (a reshape's merged run)
+                        if not set(d) <= set(self.dims) or math.prod(self.dims[x] for x in d) != size:
+                            raise ValueError(f"IterSpace: {what} {i} dim of size {size} mapped to loop dims {d}")
                         continue
                     if d not in self.dims:
                         raise ValueError(f"IterSpace: {what} {i} uses unknown loop dim {d!r}")
@@ -152,24 +159,27 @@ def space(ins: Sequence[Sequence[str | None]], outs: Sequence[Sequence[str | Non
           in_shapes: Sequence[Sequence[int]], out_shapes: Sequence[Sequence[int]], *,
           reduce: str = "sum", unsplittable: Iterable[str] = (), flops: float | None = None,
           split_divides: Mapping[str, int] | None = None, halo: Mapping[str, int] | None = None,
-          halo_apart: Iterable[str] = ()) -> IterSpace:
+          halo_apart: Iterable[str] = (), sizes: Mapping[str, int] | None = None) -> IterSpace:
     """An :class:`IterSpace` from per-tensor label tuples. Loop dims are ordered by first
     appearance in the results, then in the operands (free dims first, reductions last, as einsum).
 
     A loop dim's size is that of the first operand (else result) dim carrying its label, checked
-    against every other dim with that label (:meth:`IterSpace.check`).
+    against every other dim with that label (:meth:`IterSpace.check`); ``sizes`` gives those of loop
+    dims that only appear as parts of a dim made of several (a tuple label).
     """
     dims: dict[str, int] = {}
-    size: dict[str, int] = {}   # operands fix a loop dim's size (results may be multiples: split_divides)
+    size: dict[str, int] = dict(sizes or {})   # operands fix a loop dim's size (results may be multiples)
     for labels, shape in zip([*ins, *outs], [*in_shapes, *out_shapes]):
         for d, n in zip(labels, shape):
-            if d is not None and d not in size:
+            if isinstance(d, str) and d not in size:
                 size[d] = int(n)
     for labels in [*outs, *ins]:
-        for d in labels:
-            if d is not None and d not in dims:
-                dims[d] = size[d]
-    s = IterSpace(dims, tuple(tuple(x) for x in ins), tuple(tuple(x) for x in outs), reduce,
+        for lab in labels:
+            for d in parts(lab):
+                if d not in dims:
+                    dims[d] = size[d]
+    canon = lambda labels: tuple(lab if lab is None or isinstance(lab, str) else tuple(lab) for lab in labels)
+    s = IterSpace(dims, tuple(canon(x) for x in ins), tuple(canon(x) for x in outs), reduce,
                   frozenset(d for d in unsplittable if d in dims), flops, dict(split_divides or {}),
                   dict(halo or {}), frozenset(halo_apart))
     s.check(in_shapes, out_shapes)
@@ -493,32 +503,81 @@ def reshape_runs(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], li
     return runs
 
 
+def common_factors(a: Sequence[int], b: Sequence[int]) -> list[int] | None:
+    """The finest factorisation of a run of equal products that both ``a`` and ``b`` are made of, major first:
+    each dim of either side is a product of consecutive factors. None where there is none (the two sides' prefix
+    products do not form one chain of multiples, e.g. ``(6, 4)`` and ``(4, 6)``).
+
+    >>> common_factors((64, 8), (4, 128)), common_factors((6, 4), (4, 6))
+    ([4, 16, 8], None)
+    """
+    cuts = sorted({p for side in (a, b) for p in itertools.accumulate(side, operator.mul)})
+    factors, prev = [], 1
+    for c in cuts:
+        if c % prev:
+            return None
+        factors.append(c // prev)
+        prev = c
+    return factors
+
+
+def _factor_labels(side: Sequence[int], factors: Sequence[int], r: int) -> list[str | tuple[str, ...]]:
+    """Per dim of ``side``, the factors (loop dims ``r{r}_{k}``) it is made of: one label, or a tuple."""
+    out, k = [], 0
+    for n in side:
+        got = []
+        while n > 1:
+            got.append(f"r{r}_{k}")
+            n //= factors[k]
+            k += 1
+        out.append(got[0] if len(got) == 1 else tuple(got))
+    return out
+
+
 @register("reshape")
 def reshape_rule(in_shapes, out_shapes, *, dimensions=None, **_):
     """MindSpore's reshape rule over runs of equal products (:func:`reshape_runs`).
 
-    A run of one dim on each side is a shared free loop dim. In a merged run the leading input dim
-    and the leading result dim share a loop dim (sized like the input dim); a split of it must also
-    divide the leading result dim (``split_divides``: a contiguous block split survives the
-    reshape only then); the run's other dims are replicated (input) / unsplittable (result).
-    Size-1 dims follow no loop dim.
+    A run of one dim on each side is a shared free loop dim. A merged run is split into the finest factors both
+    sides are made of (:func:`common_factors`), one loop dim each; a dim made of several factors maps to that
+    tuple of loop dims, so a block split of it survives the reshape exactly where it is a block split of the
+    other side too: ``[64, 8] -> [4, 128]`` runs over ``(4, 16, 8)``, and rows split 8 ways are the result
+    split ``(4, 2)``, with no data moved (a minor factor is split only after the factors before it are split
+    whole: :meth:`searchers.graph.Op.nested`). A run with no common factors (``(6, 4) -> (4, 6)``) keeps the
+    rule before: the leading input dim and the leading result dim share a loop dim (sized like the input
+    dim) whose split must also divide the leading result dim (``split_divides``); the run's other dims are
+    replicated (input) / unsplittable (result). Size-1 dims follow no loop dim.
+
+    >>> s = reshape_rule([(64, 8)], [(4, 128)])
+    >>> s.dims, s.in_dims, s.out_dims
+    ({'r0_0': 4, 'r0_1': 16, 'r0_2': 8}, ((('r0_0', 'r0_1'), 'r0_2'),), (('r0_0', ('r0_1', 'r0_2')),))
     """
     a, b = in_shapes[0], out_shapes[0]
     if dimensions is not None or _size(a) != _size(b) or 0 in a:
         return replicated_rule(in_shapes, out_shapes)
-    lab_in: list[str | None] = [None] * len(a)
-    lab_out: list[str | None] = [None] * len(b)
-    unsplit, divides = [], {}
+    lab_in: list = [None] * len(a)
+    lab_out: list = [None] * len(b)
+    unsplit, divides, sizes = [], {}, {}
     for r, (ins, outs) in enumerate(reshape_runs(a, b)):
+        if len(ins) == 1 and len(outs) == 1:
+            lab_in[ins[0]] = lab_out[outs[0]] = f"r{r}"
+            continue
+        factors = common_factors([a[i] for i in ins], [b[j] for j in outs])
+        if factors is not None:
+            sizes.update((f"r{r}_{k}", n) for k, n in enumerate(factors))
+            for i, lab in zip(ins, _factor_labels([a[i] for i in ins], factors, r)):
+                lab_in[i] = lab
+            for j, lab in zip(outs, _factor_labels([b[j] for j in outs], factors, r)):
+                lab_out[j] = lab
+            continue
         lab_in[ins[0]] = lab_out[outs[0]] = f"r{r}"
-        if len(ins) > 1 or len(outs) > 1:
-            divides[f"r{r}"] = math.gcd(a[ins[0]], b[outs[0]])
-            for k, j in enumerate(outs[1:]):
-                lab_out[j] = f"r{r}_{k + 1}"
-                unsplit.append(f"r{r}_{k + 1}")
+        divides[f"r{r}"] = math.gcd(a[ins[0]], b[outs[0]])
+        for k, j in enumerate(outs[1:]):
+            lab_out[j] = f"r{r}_{k + 1}"
+            unsplit.append(f"r{r}_{k + 1}")
     extra = [(None,) * len(s) for s in in_shapes[1:]]
     return space([lab_in, *extra], [lab_out], in_shapes, out_shapes, unsplittable=unsplit,
-                 split_divides=divides, flops=_out_size(out_shapes))
+                 split_divides=divides, flops=_out_size(out_shapes), sizes=sizes)
 
 
 def _whole_or_fixed(in_shapes, out_shapes, keep: Sequence[bool], *, data_operands: Sequence[int] = (0,),

@@ -50,6 +50,12 @@ ClaimDim = tuple[ClaimKey, int]
 OPAQUE = OPAQUE_KINDS
 
 
+def _majors(dims: Sequence) -> tuple[str | None, ...]:
+    """Each tensor dim's loop dim; for a dim made of several (a reshape's merged dim), the major one: a claim on a
+    merged dim passes a reshape to the dim its major part leads, as a split of it does."""
+    return tuple(d if d is None or isinstance(d, str) else d[0] for d in dims)
+
+
 class SplitMeetings:
     """For each claimed tensor dim, the ops it reaches and the other claims it meets there.
 
@@ -111,9 +117,9 @@ class SplitMeetings:
         uses: dict[int, list[tuple[int, tuple[str | None, ...], int]]] = defaultdict(list)
         for op in graph.ops:
             for k, (tid, dims) in enumerate(zip(op.inputs, op.in_dims)):
-                uses[tid].append((op.id, dims, k))
+                uses[tid].append((op.id, _majors(dims), k))
             for j, (tid, dims) in enumerate(zip(op.outputs, op.out_dims)):
-                uses[tid].append((op.id, dims, -1 - j))
+                uses[tid].append((op.id, _majors(dims), -1 - j))
         return uses
 
     def _spread(self, key: ClaimKey, dim: int, tdim: int, tids: Sequence[int], uses, stop: set[int], reach,
@@ -141,7 +147,7 @@ class SplitMeetings:
                     continue
                 else:
                     nxt = [(t2, d2) for t2, dims2 in [*zip(op.inputs, op.in_dims), *zip(op.outputs, op.out_dims)]
-                           for d2, l2 in enumerate(dims2) if l2 == loop]
+                           for d2, l2 in enumerate(_majors(dims2)) if l2 == loop]
                 here = reach[oid][loop]
                 if (key, dim) in here:
                     continue

@@ -365,7 +365,9 @@ class Assigner:
         for j, dims in enumerate(note.out_dims):
             natural = tuple(loop.get(l, ()) if l else () for l in dims)
             ost = (note.out_strategy or (None,) * len(note.out_dims))[j]
-            if ost is None:
+            if ost is None and note.as_traced:      # laid out by the traced equations (the search), not by letters
+                self.marks[(note.uid, "out", j)] = None
+            elif ost is None:
                 self.marks[(note.uid, "out", j)] = natural
                 for pos, axes in enumerate(natural):
                     self._claim([((note.uid, "out", j), pos)], axes, self.mesh.count(axes))

@@ -130,7 +130,7 @@ def _read_back(graph: Graph, op: Op, chain: list[Op], strategies, readers
         return None, {}
     want, relaid = next(iter(wants)), {}
     for c in reversed(chain):
-        s = strategy_of_layout(c, want)
+        s = strategy_of_layout(c, want, mesh=graph.mesh)
         if result_layout(c, s) != want or not is_legal(c, s, graph.mesh):
             return None, {}
         relaid[c.id] = s

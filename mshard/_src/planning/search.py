@@ -415,20 +415,21 @@ def _fix_marked_bodies(trace: TraceResult) -> None:
     for oid, note in _groups(trace).items():
         members.setdefault(id(note), (note, []))[1].append(oid)
     for note, oids in members.values():
-        if not any(note.out_strategy or ()):       # traced apart for another reason: left to the search
-            continue
+        if not (any(note.out_strategy or ()) or (note.as_traced and any(note.in_strategy))):
+            continue                               # traced apart for another reason: left to the search
         body = [graph.ops[o] for o in oids if graph.ops[o].kind != "mshard_mark"]
         marks = {t: graph.ops[o] for o in oids for t in graph.ops[o].outputs if graph.ops[o].kind == "mshard_mark"}
         if len(body) != 1 or body[0].fixed is not None:
             continue
         op, where, ok = body[0], {}, True
-        for tid, labels in zip(op.inputs, op.in_dims, strict=True):
+        for k, tid in enumerate(op.inputs):
             mark = marks.get(tid)
             if mark is None or mark.fixed is None:
                 ok = False
                 break
-            for label, axes in zip(labels, result_layout(mark, mark.fixed, 0), strict=True):
-                if label is not None and where.setdefault(label, tuple(axes)) != tuple(axes):
+            given = strategy_of_layout(op, result_layout(mark, mark.fixed, 0), k, graph.mesh)
+            for label, axes in zip(op.dims, given, strict=True):
+                if axes and where.setdefault(label, tuple(axes)) != tuple(axes):
                     ok = False
         fixed = tuple(where.get(d, ()) for d in op.dims)
         if ok and where and is_legal(op, fixed, graph.mesh):

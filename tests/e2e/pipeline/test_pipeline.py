@@ -59,6 +59,13 @@ def train_both(net, S, M, *, sched="1f1b", interleave=False, mode="semi_auto_par
     return mine, losses, ref_out[0], ref_losses, rep
 
 
+def _crossings(rep):
+    """The collective-permutes of float32 values: the activations (and cotangents) the stages pass on. The int32 token
+    batch may be permuted too, where the reshape that cuts it into micro-batches meets the stages' layout."""
+    return [c for c in rep.collectives
+            if c.kind == "collective-permute" and c.text.split("= ", 1)[1].startswith("f32[")]
+
+
 def assert_equal_training(mine, losses, ref, ref_losses):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     for a, b in zip(jax.tree.leaves(nnx.state(mine, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param)), strict=True):
@@ -97,8 +104,12 @@ def test_gpt_trains_as_on_one_device(layers, S, M, sched, request):
     # f32 [16 / M / min(16 / M, 8 / S), 32, 64]
     rows = 16 // M
     share = rows // min(rows, 8 // S)
-    permutes = [c for c in rep.collectives if c.kind == "collective-permute"]
+    permutes = _crossings(rep)
     assert len(permutes) == 2 and all(c.nbytes == share * 32 * 64 * 4 for c in permutes), permutes
+    # the int32 token batch, split 8 ways by rows, is cut into micro-batches by a reshape and moved to the stages'
+    # layout: at most what gathering it whole on every device moves (the input and the labels, [16, 32] each)
+    tokens = [c for c in rep.collectives if c.text.split("= ", 1)[1].startswith("s32[")]
+    assert sum(c.nbytes for c in tokens) <= 2 * 16 * 32 * 4, tokens
     # parameter memory drops S-fold: every parameter of this GPT is used by one stage and its dim 0 divides by S,
     # so it is stored split over the S stages (mshard._src.training.pipeline.storage) and one device holds 1/S of each
     leaves = jax.tree.leaves(nnx.state(mine, nnx.Param))
@@ -124,7 +135,8 @@ def test_megatron_inside_the_stages_dp_mp_pp_2x2x2():
     reduces = [c for c in rep.collectives if c.kind == "all-reduce"]
     assert reduces and all(c.group_size in (2, 4, 8) for c in reduces)
     weight_bytes = {int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(nnx.state(mine.blocks[0], nnx.Param))}
-    assert not [c for c in rep.collectives if c.kind == "all-gather" and c.nbytes in weight_bytes]
+    assert not [c for c in rep.collectives if c.kind == "all-gather" and c.nbytes in weight_bytes
+                and c.text.split("= ", 1)[1].startswith("f32[")]          # the weights are float32 (tokens: int32)
 
 
 @pytest.mark.slow
@@ -411,7 +423,7 @@ def test_the_plan_shows_every_stage_and_what_crosses_between_them(two_stages):
     # says one device sends is what the compiled program's collective-permute moves
     assert len(b.layouts) == 1 and b.layouts[0].count("x") == 1 and b.layouts[0].endswith(", -, -)")
     assert b.device_nbytes == b.nbytes // 4 and "data parallel" in rep.in_stage
-    permutes = [c for c in comm.collectives if c.kind == "collective-permute"]
+    permutes = _crossings(comm)
     assert permutes and all(c.nbytes == b.device_nbytes for c in permutes)
     # every op of the forward has a stage; the head's matmul is on the last one
     assert all(st in (-1, 0, 1) for st in rep.op_stage.values())

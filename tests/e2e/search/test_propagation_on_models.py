@@ -112,13 +112,17 @@ def test_matmul_transpose_b_then_add_takes_its_split():
 
 
 def test_reshape_after_keeps_what_the_new_shape_allows():
-    """[64,8] split (8,1) reshaped to (4,128) can keep only a 4-way split of dim 0 (MindSpore's reshape rule)."""
+    """[64,8] split (8,1) reshaped to (4,128): each device's 8 rows are 64 contiguous elements, half of a new row, so
+    the reshape takes its input as it arrives, (8, 1), and the product after it is split (4, 2) with nothing moved
+    (MindSpore's propagation gives the same: its out-strategy test 4). Before, a merged run kept a split of the
+    leading dim only: the reshape took (4, 1), a gather."""
     ms.set_auto_parallel_context(**PROP)
     x, w, _ = _bias_model()
     mm = ops.MatMul(transpose_b=True).shard(((8, 1), (1, 1)))
     f = ms.jit(lambda x, w: jnp.reshape(mm(x, w[...]), (4, 128)) * 2.0)
     plan = f.plan(x, w)
-    assert plan.strategy_of("reshape") == ((4, 1),)
+    assert plan.strategy_of("reshape") == ((8, 1),) and plan.strategy_of("mul") == ((4, 2), ())
+    assert ms.comm_report(f, x, w).by_kind == {}
     y = f(x, w)
     assert_close(y, (x @ w[...].T).reshape(4, 128) * 2.0)
 

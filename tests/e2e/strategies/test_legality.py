@@ -16,6 +16,7 @@ from mshard._src.jaxpr import marks
 from mshard._src.jaxpr.op_graph import jaxpr_to_graph
 from mshard.errors import StrategyError
 from searchers import DeviceMesh
+from searchers.graph import operand_layout
 from searchers.strategies import enumerate_strategies
 
 MESH = DeviceMesh.prime(8)
@@ -52,7 +53,13 @@ def _searchable(make, shapes, attrs) -> set:
         closed = jax.make_jaxpr(lambda *t: prim(*t, *attrs))(*tensors)
     tr = jaxpr_to_graph(closed, MESH, ["data"] * len(tensors), [f"x{i}" for i in range(len(tensors))],
                         primitives=True)
-    (te,) = [te for te in tr.eqns if te.group]
+    groups = [te for te in tr.eqns if te.group]
+    if not groups:         # an object planned as the JAX it computes (Reshape): that one equation's strategies
+        (te,) = [te for te in tr.eqns if te.primitive != "mshard_mark"]
+        op = tr.graph.ops[te.op]
+        return {tuple(tuple(MESH.count(axes) for axes in operand_layout(op, s, i)) for i in range(len(op.inputs)))
+                for s in enumerate_strategies(op, MESH)}
+    (te,) = groups
     op, note = tr.graph.ops[te.op], te.eqn.params["note"]
     out = set()
     for s in enumerate_strategies(op, MESH):

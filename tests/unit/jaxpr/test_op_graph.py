@@ -23,6 +23,8 @@ from mshard._src.jaxpr import rules
 from mshard._src.jaxpr.op_graph import TraceResult, jaxpr_to_graph
 from mshard.errors import PlanError
 from searchers import DeviceMesh
+from searchers.graph import strategy_of_layout
+from searchers.strategies import is_legal
 
 MESH8 = DeviceMesh.prime(8)
 RNG = np.random.default_rng(0)
@@ -78,6 +80,9 @@ def check_trace(r: TraceResult, kinds, names):
         assert [g.tensors[i].shape for i in op.outputs] == [tuple(v.aval.shape) for v in t.eqn.outvars]
         for tid, dims in [*zip(op.inputs, op.in_dims, strict=True), *zip(op.outputs, op.out_dims, strict=True)]:
             for size, d in zip(g.tensors[tid].shape, dims, strict=True):
+                if isinstance(d, tuple):     # a dim made of several loop dims (a reshape's merged run): their product
+                    assert math.prod(op.dims[x] for x in d) == size, (op.name, d, size)
+                    continue
                 if d is None or d in op.unsplittable:
                     continue
                 legal = op.split_sizes()[list(op.dims).index(d)]     # a split must divide this
@@ -189,13 +194,16 @@ def test_transformer_block():
                    "attn/dot_general_3"]                                                     # scope; wo
     (qk,) = [g.ops[t.op] for t in r.eqns if t.name == "attn/bqhd,bkhd->bhqk/dot_general"]
     assert qk.reduction_dims == ("k0",) and set(qk.dims) == {"b0", "b1", "m0", "n0", "k0"}
-    # [b, s, 8] -> [b, s, 2 heads, 4]: a split of the 8 must divide the 2 heads (split_limit), so only
-    # the 2-way head split is legal; the merge back [.., 2, 4] -> [.., 8] stays free
+    # [b, s, 8] -> [b, s, 2 heads, 4]: the 8 is made of the heads (2) and the head dim (4), a loop dim each; a
+    # device's block of the 8 is contiguous, so the head dim is split only once the heads are split whole (2)
     split_heads = next(g.ops[t.op] for t in r.eqns if t.name == "attn/reshape")
-    assert split_heads.out_dims == [("r0", "r1", "r2", "r2_1")] and split_heads.split_limit == {"r2": 2}
-    assert split_heads.split_sizes()[2] == 2 and "r2" not in split_heads.unsplittable
+    assert split_heads.in_dims == [("r0", "r1", ("r2_0", "r2_1"))]
+    assert split_heads.out_dims == [("r0", "r1", "r2_0", "r2_1")] and not split_heads.split_limit
+    assert split_heads.nested() == ((3, ((2, 2),)),) and not split_heads.unsplittable
+    # the merge back [.., 2, 4] -> [.., 8]: the same loop dims, the other way round
     merge_heads = next(g.ops[t.op] for t in r.eqns if t.name == "attn/reshape_3")
-    assert merge_heads.in_dims == [("r0", "r1", "r2", None)] and not merge_heads.unsplittable
+    assert merge_heads.in_dims == [("r0", "r1", "r2_0", "r2_1")] and not merge_heads.unsplittable
+    assert merge_heads.out_dims == [("r0", "r1", ("r2_0", "r2_1"))]
 
 
 def test_transformer_block_grad():
@@ -373,14 +381,30 @@ def test_literals_consts_and_outputs():
 
 
 def test_reshape_split_divides_follows_mesh():
-    fn = lambda x: x.reshape(2, 8, 8)
-    r8 = trace(fn, (f32(16, 8),), ["data"], ["x"])
-    r2 = trace(fn, (f32(16, 8),), ["data"], ["x"], mesh=DeviceMesh((2,)))
+    """A run with no common factors ([12, 8] -> [8, 12]: 12 is no multiple of 8) keeps the leading dims' shared
+    loop dim, whose split must also divide the new leading dim."""
+    fn = lambda x: x.reshape(8, 12)
+    r8 = trace(fn, (f32(12, 8),), ["data"], ["x"])
+    r2 = trace(fn, (f32(12, 8),), ["data"], ["x"], mesh=DeviceMesh((2,)))
     op8, op2 = r8.graph.ops[-1], r2.graph.ops[-1]
-    assert op8.in_dims == [("r0", "r1")] and op8.out_dims == [("r0", "r0_1", "r1")]
-    # r0 (16 -> 2 x 8) may be split only by a count that also divides the new leading dim 2
-    assert op8.split_limit == {"r0": 2} and op8.split_sizes()[0] == 2 and op2.split_sizes()[0] == 2
-    assert "r0" not in op8.unsplittable and "r1" not in op8.unsplittable and op8.split_sizes()[-1] == 8
+    assert op8.in_dims == [("r0", None)] and op8.out_dims == [("r0", "r0_1")]
+    # r0 (12 rows, 8 new rows) may be split only by a count that divides both: gcd(12, 8) = 4
+    assert op8.split_limit == {"r0": 4} and op8.split_sizes()[0] == 4 and op2.split_sizes()[0] == 4
+    assert "r0" not in op8.unsplittable and "r0_1" in op8.unsplittable
+
+
+def test_reshape_of_a_merged_run_follows_its_common_factors():
+    """[16, 8] -> [2, 8, 8]: the 16 rows are 2 x 8, so the run's loop dims are (2, 8, 8); the rows are the first two,
+    the new dims one each. Rows split 8 ways are the result split (2, 4, 1): the minor factor (8) splits only after
+    the 2 is split whole."""
+    r = trace(lambda x: x.reshape(2, 8, 8), (f32(16, 8),), ["data"], ["x"])
+    op = r.graph.ops[-1]
+    assert op.in_dims == [(("r0_0", "r0_1"), "r1")] and op.out_dims == [("r0_0", "r0_1", "r1")]
+    assert op.dims == {"r0_0": 2, "r0_1": 8, "r1": 8} and op.nested() == ((1, ((0, 2),)),)
+    mesh = r.graph.mesh
+    rows8 = strategy_of_layout(op, (tuple(range(len(mesh.shape))), ()), 0, mesh)
+    assert [mesh.count(a) for a in rows8] == [2, 4, 1] and is_legal(op, rows8, mesh)
+    assert not is_legal(op, ((), rows8[1], ()), mesh)          # the minor factor alone: rows not contiguous
 
 
 def test_itemsizes_and_bad_arguments():

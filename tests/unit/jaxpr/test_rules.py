@@ -352,12 +352,18 @@ def _np(x):
 
 
 def _splittable(s: rules.IterSpace) -> list[str]:
+    """The loop dims a split over 2 devices may take alone: not unsplittable, even, and not a minor part of a dim
+    made of several loop dims (split only after the parts before it are split whole)."""
+    minor = {d for labels in (*s.in_dims, *s.out_dims) for lab in labels if isinstance(lab, tuple) for d in lab[1:]}
     return [d for d, n in s.dims.items()
-            if d not in s.unsplittable and n % 2 == 0 and s.split_divides.get(d, 2) % 2 == 0]
+            if d not in s.unsplittable and d not in minor and n % 2 == 0 and s.split_divides.get(d, 2) % 2 == 0]
 
 
 def _spec(labels, d):
-    return NamedSharding(MESH, P(*["d0" if lab == d else None for lab in labels]))
+    """The layout of a tensor with loop dims ``labels`` when loop dim ``d`` is split over ``d0`` (a dim made of
+    several loop dims is split when its major one is)."""
+    major = lambda lab: lab[0] if isinstance(lab, tuple) else lab
+    return NamedSharding(MESH, P(*["d0" if major(lab) == d else None for lab in labels]))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -441,13 +447,20 @@ def test_embedding_space():
 
 def test_reshape_runs_and_split_divides():
     assert rules.reshape_runs((2, 4, 16), (2, 4, 4, 4)) == [([0], [0]), ([1], [1]), ([2], [2, 3])]
+    # 16 -> (4, 4): the 16 is made of the two new dims (a tuple of loop dims, major first)
     s = rules.iteration_space("reshape", [(2, 4, 16)], [(2, 4, 4, 4)], {"new_sizes": (2, 4, 4, 4),
                                                                         "dimensions": None})
-    assert s.in_dims == (("r0", "r1", "r2"),) and s.out_dims == (("r0", "r1", "r2", "r2_1"),)
-    assert s.split_divides == {"r2": 4} and s.unsplittable == {"r2_1"}
+    assert s.in_dims == (("r0", "r1", ("r2_0", "r2_1")),) and s.out_dims == (("r0", "r1", "r2_0", "r2_1"),)
+    assert not s.split_divides and not s.unsplittable and s.dims["r2_0"] == s.dims["r2_1"] == 4
+    # (4, 6) -> 24: the merge, the other way round
     s = rules.iteration_space("reshape", [(4, 6, 8)], [(24, 8)], {"new_sizes": (24, 8), "dimensions": None})
-    assert s.in_dims == (("r0", None, "r1"),) and s.out_dims == (("r0", "r1"),)
-    assert s.split_divides == {"r0": 4}
+    assert s.in_dims == (("r0_0", "r0_1", "r1"),) and s.out_dims == ((("r0_0", "r0_1"), "r1"),)
+    # (6, 4) -> (4, 6): no common factors (6 is no multiple of 4): the leading dims share a loop dim whose split
+    # must divide both, gcd(6, 4) = 2; the rest is replicated / unsplittable
+    s = rules.iteration_space("reshape", [(6, 4)], [(4, 6)], {"new_sizes": (4, 6), "dimensions": None})
+    assert s.in_dims == (("r0", None),) and s.out_dims == (("r0", "r0_1"),)
+    assert s.split_divides == {"r0": 2} and s.unsplittable == {"r0_1"}
+    assert rules.common_factors((64, 8), (4, 128)) == [4, 16, 8] and rules.common_factors((6, 4), (4, 6)) is None
 
 
 def test_conv_spaces():
