@@ -289,7 +289,39 @@ def _fit(free: tuple[int, ...], counts) -> bool:
 def _valid(step: dict[str, Any], rnd: random.Random, mesh: tuple[int, ...] = (2, 2, 2)):
     """A strategy drawn from the primitive's iteration space: one split count per loop letter (fixed letters 1),
     dividing every tensor dim it splits, the letters taking disjoint axes of the mesh (axis sizes ``mesh``; of
-    (2, 2, 2), any counts whose product divides 8)."""
+    (2, 2, 2), any counts whose product divides 8). A reshape's split must also be a block split of the new shape
+    (:func:`_blocks_stay_blocks`): drawn again until it is (all ones at worst)."""
+    if step["kind"] in ("Reshape", "Flatten"):
+        new = _out_shapes(make_prim(step), step)[0]
+        for _ in range(64):
+            st = _drawn(step, rnd, mesh)
+            if _blocks_stay_blocks(step["shapes"][0], new, st[0]):
+                return st
+        return tuple((1,) * len(shape) for shape in step["shapes"])
+    return _drawn(step, rnd, mesh)
+
+
+def _blocks_stay_blocks(shape: Shape, new: Shape, counts: tuple[int, ...]) -> bool:
+    """Whether an array of ``shape`` split ``counts`` (a block per device) is, reshaped to ``new``, split into blocks
+    too: every device's elements, placed in the new shape, fill a box of contiguous ranges (numpy on the flat
+    indices; independent of mshard's reshape rule)."""
+    idx = np.arange(math.prod(shape)).reshape(shape)
+    step_of = [n // c for n, c in zip(shape, counts, strict=True)]
+    boxes = set()
+    for corner in itertools.product(*[range(0, n, b) for n, b in zip(shape, step_of, strict=True)]):
+        flat = idx[tuple(slice(c, c + b) for c, b in zip(corner, step_of, strict=True))].ravel()
+        where = np.unravel_index(flat, new)
+        lengths = tuple(int(w.max() - w.min() + 1) for w in where)
+        starts = [int(w.min()) for w in where]
+        if math.prod(lengths) != flat.size or any(len(np.unique(w)) != n for w, n in zip(where, lengths, strict=True)):
+            return False
+        if any(a % n for a, n in zip(starts, lengths, strict=True)):      # on the grid of equal blocks
+            return False
+        boxes.add(lengths)
+    return len(boxes) == 1
+
+
+def _drawn(step: dict[str, Any], rnd: random.Random, mesh: tuple[int, ...]):
     prim = make_prim(step)
     in_dims, out_dims, fixed = prim.spec(step["shapes"], step["attrs"])
     sizes: dict[str, int] = {}

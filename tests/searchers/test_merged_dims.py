@@ -57,7 +57,7 @@ def test_candidates_split_a_minor_loop_dim_only_after_the_major_ones_whole():
     for owner in itertools.product([None, 0, 1, 2], repeat=3):
         s = tuple(tuple(ax for ax in range(3) if owner[ax] == d) for d in range(3))
         n = [math.prod(MESH.shape[a] for a in axes) for axes in s]
-        if any(size % k for size, k in zip((4, 16, 8), n)):
+        if any(size % k for size, k in zip((4, 16, 8), n, strict=True)):
             continue
         if (n[1] > 1 and n[0] != 4) or (n[2] > 1 and n[1] != 16):
             continue

@@ -250,3 +250,26 @@ def test_semi_auto_plan_is_the_program_it_runs(train):
     # atol=1e-3 failed at 0.006 on a machine whose XLA:CPU sums in another order)
     for a, b in zip(jax.tree.leaves(f(net, x)), jax.tree.leaves(fn(ThreeOps(nnx.Rngs(0)), x)), strict=True):
         assert jnp.allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+
+
+RESHAPES = [((64, 8), (4, 128)), ((8, 6), (48,)), ((2, 64), (128,)), ((8, 16), (8, 4, 4)), ((4, 6, 8), (24, 8)),
+            ((6, 4), (4, 6)), ((12, 8), (8, 12)), ((4, 2, 8), (4, 16)), ((16, 4), (2, 8, 4)), ((4, 6), (2, 12))]
+
+
+@pytest.mark.parametrize("shape, new", RESHAPES, ids=[f"{a}->{b}" for a, b in RESHAPES])
+def test_reshape_accepts_exactly_the_splits_whose_blocks_stay_blocks(shape, new):
+    """ops.Reshape's .shard accepts a split exactly where each device's block, placed in the new shape, is a block
+    of the new shape too (numpy on the flat indices, tests/fuzz_programs.py ``_blocks_stay_blocks``); every split
+    count a power of two up to 8 that divides its dim."""
+    from fuzz_programs import _blocks_stay_blocks
+    options = [[c for c in (1, 2, 4, 8) if n % c == 0] for n in shape]
+    for counts in itertools.product(*options):
+        if math.prod(counts) > 8:
+            continue
+        try:
+            ops.Reshape().shard((counts,)).spec([shape], [new])
+            accepted = True
+        except StrategyError:
+            accepted = False
+        assert accepted == _blocks_stay_blocks(shape, new, counts), (shape, new, counts)
+
