@@ -236,7 +236,11 @@ def test_interleaved_layouts_save_and_load(tmp_path):
     # Computed whole, each is reduce-scattered into its out_strategy's rows, which extend its own by the reduced
     # axis (mshard/_src/planning/scattered_sums.py): half, 768 B. Computed in copies, each copy's partial sums are
     # read by the put-back, not by the out_strategy, and are all-reduced: the copies move what the MatMuls
-    # computed whole moved before reduce-scatters (a documented gap, issue 40)
+    # computed whole moved before reduce-scatters (a documented gap, issue 40). MindSpore keeps the result in the
+    # interleaved tensor map (dp, interleaved_parallel, mp) for the next op, whose strategy uses it too: a device
+    # holds 8 rows of each copy, no contiguous block. mshard puts the copies back into a block layout between ops,
+    # and the rows (dp, mp) of the whole are not the rows (dp, mp) of each copy, so a reduce-scatter of each copy
+    # into its own rows would still need a permute to reach the block layout
     assert runs["saved"][1] == runs["loaded"][1] == {"all-reduce": (2, 1536)}
     assert runs["whole"][1] == runs["no_shard"][1] == {"reduce-scatter": (2, 768)}
     assert {m: no_shard.strategy_of(m) for m in mms} == {m: saved.strategy_of(m) for m in mms}
