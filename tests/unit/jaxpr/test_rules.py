@@ -10,6 +10,7 @@ that every registered primitive has a case or a reason in ``UNTESTED``.
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from collections.abc import Callable
@@ -524,3 +525,39 @@ def test_failing_rule_falls_back(monkeypatch):
     with pytest.warns(rules.RuleFailureWarning, match="mshard_test_broken"):
         s = rules.iteration_space("mshard_test_broken", [(4,)], [(4,)], {})
     assert s.in_dims == (("f0_0",),)
+
+
+RESHAPE_PAIRS = [((64, 8), (4, 128)), ((2, 64), (128,)), ((8, 16), (8, 4, 4)), ((4, 6, 8), (24, 8)),
+                 ((16, 4), (2, 8, 4)), ((4, 2, 8), (4, 16)), ((8, 4, 4), (8, 16)), ((12, 8), (8, 12))]
+
+
+@pytest.mark.parametrize("shape, new", RESHAPE_PAIRS, ids=[f"{a}->{b}" for a, b in RESHAPE_PAIRS])
+def test_every_reshape_candidate_moves_nothing_in_xla(shape, new):
+    """Every candidate strategy of a reshape on 8 devices (2, 2, 2), its operand and result constrained to the layouts
+    it gives (a merged dim: its loop dims' axes, major first), compiles with no collective at all and computes the
+    reshape: XLA's partitioner, not mshard, says that each of these layout pairs is the same data."""
+    from searchers import DeviceMesh, Graph
+    from searchers.graph import operand_layout, result_layout
+    from searchers.strategies import enumerate_strategies
+    s = rules.reshape_rule([shape], [new])
+    g = Graph(DeviceMesh((2, 2, 2), ("d0", "d1", "d2")))
+    x = g.source("x", shape)
+    g.add_op("r", "reshape", s.dims, [x], s.in_dims, s.out_dims, out_shapes=[new],
+             unsplittable=s.unsplittable, split_limit=dict(s.split_divides) or None)
+    op = g.ops[1]
+    names = ("d0", "d1", "d2")
+    spec = lambda lay: P(*[tuple(names[a] for a in axes) or None for axes in lay])
+    val = jnp.arange(math.prod(shape), dtype=jnp.float32).reshape(shape)
+    cands = enumerate_strategies(op, g.mesh)
+    # some candidate splits 4 ways at least (8 where the run has common factors; (12, 8) -> (8, 12) has none, and
+    # its leading dims share a split dividing both, gcd(12, 8) = 4)
+    assert max(len([a for axes in c for a in axes]) for c in cands) == (2 if shape == (12, 8) else 3)
+    for c in cands:
+        lin, lout = operand_layout(op, c, 0), result_layout(op, c)
+        f = jax.jit(lambda v, lin=lin, lout=lout: lax.with_sharding_constraint(
+            lax.with_sharding_constraint(v, NamedSharding(MESH, spec(lin))).reshape(new),
+            NamedSharding(MESH, spec(lout))))
+        compiled = f.lower(val).compile()
+        kinds = set(COLLECTIVE.findall(compiled.as_text()))
+        assert not kinds, (shape, new, c, lin, lout, kinds)
+        np.testing.assert_array_equal(np.asarray(compiled(val)), np.asarray(val).reshape(new))
