@@ -616,6 +616,11 @@ class Reshape(Primitive):
         dst = tuple(size // math.prod(d for d in want if d != -1) if d == -1 else d for d in want)
         space = rules.reshape_rule([src], [dst])
         if self.in_strategy is not None and self.in_strategy[0] is not None:
+            if self.in_strategy[0].copies is not None and any(k > 1 for k in self.in_strategy[0].copies):
+                raise StrategyError(f"{self._where()}: interleaved_parallel asks the reshape to {dst} in copies, "
+                                    f"but a Reshape is computed whole on each device's block (a copy would need the "
+                                    f"new shape cut alike); lay its input out without 'interleaved_parallel' (the "
+                                    f"reshape moves no data where each device's block stays a block).")
             _check_reshape_split(self._where(), space, src, dst, self.in_strategy[0].counts)
         ins = tuple(lab if lab is None or isinstance(lab, str) else "*".join(lab) for lab in space.in_dims[0])
         return (ins,), ((None,) * len(dst),), _NONE

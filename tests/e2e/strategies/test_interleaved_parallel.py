@@ -129,6 +129,15 @@ def test_copies_of_two_loop_dims_are_refused():
         ms.jit(lambda x, w: mm(x, w))(_arr(64, 32), _arr(32, 16))
 
 
+def test_a_reshape_in_copies_is_refused():
+    """A Reshape is planned as the JAX reshape it computes, whole on each device's block: asked in copies, it says so
+    (it said the rows were reduced, which they are not)."""
+    lay = Layout((2, 2, 2, 2), ("dp", "mp", "sp", IP))
+    r = ops.Reshape().shard((lay(("dp", IP), "None"),))
+    with ms.parallel_context(**SEMI), pytest.raises(ms.errors.StrategyError, match="Reshape is computed whole"):
+        ms.jit(lambda x: r(x, (4, -1)))(_arr(64, 8))
+
+
 def test_data_parallel_mode_computes_the_op_whole():
     """data_parallel ignores strategies (MindSpore's too): the op is one dot, its batch split 8 ways."""
     lay = Layout((2, 2, 2, 2), ("dp", "mp", "sp", IP))
