@@ -133,6 +133,12 @@ BUGS = [
         "    return tuple(a for d in label for a in where[d])\n",
         "    return tuple(a for d in reversed(label) for a in where[d])\n",
         ("tests/searchers/test_merged_dims.py", "tests/e2e/search/test_reshape_layouts.py")),
+    Bug("joined_copies_swapped", "interleaved copies' partial sums are put back in the wrong order before their "
+        "one reduce-scatter", "mshard/_src/runtime/partial_sums.py",
+        "    v = jnp.concatenate([p.value for p in parts], axis=eqn.params[\"dimension\"] + 1)\n",
+        "    v = jnp.concatenate([p.value for p in parts[::-1]], axis=eqn.params[\"dimension\"] + 1)\n",
+        ("tests/e2e/strategies/test_interleaved_parallel.py",
+         "tests/e2e/search/test_mindspore_out_strategy_propagation.py")),
     Bug("dataset_off_by_one", "each device's rows of a host batch are the next device's (the last keeps its own)",
         "mshard/_src/runtime/dataset.py",
         "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])\n",

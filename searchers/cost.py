@@ -221,7 +221,23 @@ def _scattered_cost(spec: OpSpec, strategy: Strategy, target: TensorLayout, mesh
                     params: CostParams) -> Cost:
     have = layout_of(spec.out_maps[0], strategy)
     partial = {a for d in spec.reduction for a in strategy[d]}
-    block = spec.out_bytes[0] / split_count(have, mesh.shape)
+    return reduction_cost(have, target, partial, spec.out_bytes[0], mesh, params)
+
+
+def reduction_cost(have: TensorLayout, target: TensorLayout, partial, nbytes: float, mesh: DeviceMesh,
+                   params: CostParams) -> Cost:
+    """The collectives that sum a partial result of ``nbytes`` (whole), held in ``have`` and partial over the mesh
+    axes ``partial``, into ``target`` (``have`` with some of those axes appended to its dims' stacks): one
+    reduce-scatter per dim that gains axes (``S_local * (q-1)/q`` each, on the block left by the one before), then
+    an all-reduce over the axes left (``2 S_local (k-1)/k``). The executor's order
+    (``mshard._src.runtime.partial_sums.materialize``).
+
+    >>> m = DeviceMesh((2, 2))
+    >>> c = reduction_cost(((),), ((0,),), {0, 1}, 64.0, m, CostParams())
+    >>> c.comm_bytes["reduce-scatter"], c.comm_bytes["all-reduce"]      # 32 B over axis 0, then 2 * 32 * 1/2
+    (32.0, 32.0)
+    """
+    block = nbytes / split_count(have, mesh.shape)
     by = {"reduce-scatter": 0.0, "all-reduce": 0.0}
     seconds = 0.0
     steps = [("reduce-scatter", tuple(t)[len(h):]) for h, t in zip(have, target)]   # one per dim, as emitted

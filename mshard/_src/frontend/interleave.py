@@ -4,7 +4,10 @@ A ``Layout`` axis named ``"interleaved_parallel"`` is not devices (:data:`mshard
 A dim laid out over it is split over its device axes as usual, and each device's block of it is cut into that many
 copies; the op runs once per copy and the results are put back where the copies came from. The copies are
 independent programs, so XLA's scheduler can overlap one copy's collectives with the next one's compute (what
-MindSpore's micro-interleaving is for); their values are the op's.
+MindSpore's micro-interleaving is for); their values are the op's. One exception: copies of a dot whose partial sums
+are read split further over the reduced axes are put back first and reduce-scattered once
+(:mod:`mshard._src.planning.joined_sums`): MindSpore's bytes in one collective, where MindSpore runs one per copy
+into its interleaved tensor map and overlaps them.
 
 Each cut is local: a dim of size ``N`` split ``n`` ways over devices is seen as ``[n, k, N / (n k)]`` (a reshape
 that keeps the devices' blocks), copy ``i`` is ``[:, i]``, and the results are stacked back the same way.

@@ -43,6 +43,7 @@ from mshard._src.jaxpr.op_graph import REPLICA, TraceResult, jaxpr_to_graph
 from mshard._src.jaxpr.walk import REMAT
 from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts, assign_layouts, exact_mark_key, mark_key
 from mshard._src.planning.fused_sums import fused_reductions, sum_roles, unpriced_reduction
+from mshard._src.planning.joined_sums import Joined, joined_sums
 from mshard._src.planning.scattered_sums import Scattered, mark_scatter, scattered_reductions
 from mshard._src.values import context as ctxmod
 from mshard._src.values.errors import ContextError, PlanError, StrategyError, StrategyIgnoredWarning
@@ -69,6 +70,7 @@ from searchers.cost import (
 )
 from searchers.direct_reshard import cheaper_than_xla
 from searchers.graph import (
+    TensorLayout,
     constant_tensors,
     dead_ops,
     mark_merged_reductions,
@@ -102,6 +104,7 @@ class Planned:
     eqn_out: dict[EqnKey, tuple[DimAxes | None, ...]] = field(default_factory=dict)
     eqn_in: dict[EqnKey, tuple[DimAxes | None, ...]] = field(default_factory=dict)
     eqn_scatter: dict[EqnKey, DimAxes] = field(default_factory=dict)   # partial results reduce-scattered there
+    eqn_joined: dict[EqnKey, str] = field(default_factory=dict)  # roles in partial sums joined (joined_sums)
 
 
 def _strategy_from_layout(op, layout: DimAxes, mesh: DeviceMesh, operand: int | None = None):
@@ -340,12 +343,18 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     scattered, strategies = scattered_reductions(trace, result.strategies, params)
     if strategies != result.strategies:
         result = dataclasses.replace(result, strategies=strategies)
+    joined = [j for j in joined_sums(trace, strategies, params) if not set(j.roots) & set(scattered)]
     layouts, eqn_out, eqn_in = _emit_layouts(trace, strategies, base, scattered)
-    plan = build_plan(trace, strategies, result, params, mesh, inputs, base, notes, algorithm, scattered, roles)
+    plan = build_plan(trace, strategies, result, params, mesh, inputs, base, notes, algorithm, scattered, roles,
+                      joined)
     if saved is not None and (lost := _copies_not_given(load, saved, plan)):
         plan = dataclasses.replace(plan, notes=plan.notes + (lost,))
     eqn_scatter = {item.key: axes_by_name(item.target, mesh) for item in scattered.values()}
-    return Planned(plan, layouts, eqn_out, eqn_in, eqn_scatter)
+    eqn_joined = {}
+    for j in joined:
+        eqn_joined.update(j.roles)
+        eqn_scatter.update((k, axes_by_name(j.target, mesh)) for k, role in j.roles.items() if role == "concat")
+    return Planned(plan, layouts, eqn_out, eqn_in, eqn_scatter, eqn_joined)
 
 
 def _mark_recomputed(trace: TraceResult) -> None:
@@ -634,7 +643,8 @@ def _emit_layouts(trace: TraceResult, strategies, base: RegionLayouts, scattered
 
 def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh: DeviceMesh,
                inputs: Sequence[InputInfo], base: RegionLayouts, notes: list[str], algorithm: str,
-               scattered: dict[int, Scattered] | None = None, roles: dict[tuple, tuple] | None = None) -> Plan:
+               scattered: dict[int, Scattered] | None = None, roles: dict[tuple, tuple] | None = None,
+               joined: Sequence[Joined] = ()) -> Plan:
     graph = trace.graph
     scattered = scattered or {}
     groups = _groups(trace)
@@ -687,6 +697,15 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
             twins.add(twin)          # mean, and jnp.var's own)
             rescaled[oid] = rescaled[oid] + scattered_reduction_cost(op, strategies[oid], item.target, graph, params)
         costs[oid] = costs[oid] + rescaled[oid]
+    left: dict[int, TensorLayout] = {}     # op id -> the layout a reduce-scatter leaves its result in
+    for j in joined:                       # copies' partial sums put back, then reduce-scattered once (joined_sums)
+        for oid in j.roots:
+            rescaled[oid] = unpriced_reduction(costs[oid], params)
+            costs[oid] = costs[oid] + rescaled[oid]
+        rescaled[j.concat] = j.cost
+        costs[j.concat] = costs[j.concat] + j.cost
+        left[j.last] = j.target
+    left.update((oid, item.target) for oid, item in scattered.items())
     redistributions = []
     done: set = set()
     free = constant_tensors(graph)
@@ -697,8 +716,7 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
         for i, tid in enumerate(op.inputs):
             prod, t = graph.producer(tid), graph.tensors[tid]
             have = result_layout(prod, strategies[prod.id], prod.outputs.index(tid))
-            if prod.id in scattered:
-                have = scattered[prod.id].target
+            have = left.get(prod.id, have)
             want = operand_layout(op, strategies[op.id], i)
             key = (tid, op.share_scope)
             if (key, want) in done or tid in free:

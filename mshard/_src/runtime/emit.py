@@ -47,7 +47,7 @@ class _null:
 
 class Emitter:
     def __init__(self, layouts: RegionLayouts, eqn_out: dict | None = None, eqn_in: dict | None = None,
-                 eqn_scatter: dict | None = None):
+                 eqn_scatter: dict | None = None, eqn_joined: dict | None = None):
         self.layouts = layouts
         self.mesh = jax_mesh(layouts.mesh)
         self.eqn_out = eqn_out or {}
@@ -60,6 +60,8 @@ class Emitter:
         self._deferred: dict[int, tuple] = {}
         self._undeferred: dict[int, tuple] = {}     # id(value) -> (value, it moved): one move however many read it
         self._partial_roles: dict[int, tuple] = {}  # id(eqn) -> (eqn, its role in a sum of partial sums: partial_sums)
+        # key -> role of the equations whose partial sums a concatenate joins (mshard._src.planning.joined_sums)
+        self.eqn_joined = eqn_joined or {}
 
     def wsc(self, x, lay):
         if lay is None or not hasattr(x, "shape") or len(lay) != len(x.shape):
@@ -128,6 +130,9 @@ class Emitter:
         if self.planned:
             roles = partial_sums.partial_sum_pairs(jaxpr)
             self._partial_roles.update((id(e), (e, roles[id(e)])) for e in jaxpr.eqns if id(e) in roles)
+            if self.eqn_joined:
+                self._partial_roles.update((id(e), (e, self.eqn_joined[(path, id(e))])) for e in jaxpr.eqns
+                                           if (path, id(e)) in self.eqn_joined)
         outs = eval_jaxpr(jaxpr, consts, args, lambda eqn, invals: self.eqn(eqn, invals, path))
         return [self._materialize(x) for x in outs]
 
@@ -161,7 +166,10 @@ class Emitter:
                 return None
             return partial_sums.local_partial(eqn, invals, lays, self.layouts.mesh)
         if role == "chain" and stacked == [True]:
-            return partial_sums.chain_op(eqn, invals[0])
+            return partial_sums.chain_op(eqn, invals[0], (self.eqn_out.get(key) or [None])[0])
+        if role == "concat" and all(stacked):     # the put-back of copies' partial sums (joined_sums)
+            return partial_sums.concatenate(eqn, invals, (self.eqn_out.get(key) or [None])[0],
+                                            self.eqn_scatter.get(key))
         if role == "sum" and all(stacked) and len(invals) == 2:
             out = partial_sums.add(*invals)
             sum_lay = (self.eqn_out.get(key) or [None])[0]
@@ -283,9 +291,10 @@ def _stacked_results_free(outs_lay, num_carry: int) -> list:
 
 
 def emit(closed: jcore.ClosedJaxpr, layouts: RegionLayouts, eqn_out: dict | None = None,
-         eqn_in: dict | None = None, eqn_scatter: dict | None = None) -> Callable[..., list]:
+         eqn_in: dict | None = None, eqn_scatter: dict | None = None, eqn_joined: dict | None = None
+         ) -> Callable[..., list]:
     """A function of the region's flat inputs that evaluates ``closed`` with planned constraints."""
-    em = Emitter(layouts, eqn_out, eqn_in, eqn_scatter)
+    em = Emitter(layouts, eqn_out, eqn_in, eqn_scatter, eqn_joined)
 
     def run(*args):
         em._laid.clear()

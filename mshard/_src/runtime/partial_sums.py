@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec
 from mshard._src.jaxpr.sum_pairs import partial_sum_pairs
 from mshard._src.values.layout import DimAxes, jax_mesh, spec_of
 
-__all__ = ["Stacked", "add", "chain_op", "local_partial", "materialize", "partial_sum_pairs", "scattered_dims"]
+__all__ = ["Stacked", "add", "chain_op", "concatenate", "local_partial", "materialize", "partial_sum_pairs", "scattered_dims"]
 
 
 
@@ -56,7 +56,8 @@ class Stacked:
 def local_partial(eqn, invals, layouts, mesh) -> Stacked | None:
     """``eqn`` (a root) computed per device on operands laid out as ``layouts`` (``DimAxes`` each), as a
     :class:`Stacked` partial sum; None where its split is not a partial sum over some mesh axes."""
-    found = _RULES[eqn.primitive.name](eqn, layouts)
+    rule = _RULES.get(eqn.primitive.name)
+    found = None if rule is None else rule(eqn, layouts)
     if found is None:
         return None
     axes, out_layout, local = found
@@ -136,13 +137,33 @@ def _reduce_sum(eqn, layouts):
 _RULES = {"dot_general": _dot, "scatter-add": _scatter_add, "reduce_sum": _reduce_sum}
 
 
-def chain_op(eqn, x: Stacked) -> Stacked:
-    """A transpose or a cast applied to every device's part."""
+def chain_op(eqn, x: Stacked, layout: DimAxes | None = None) -> Stacked | None:
+    """A transpose, a cast, a mark (the value as it is: the parts are not the marked value) or a reshape applied to
+    every device's part. A reshape's result is held in ``layout`` (the plan's, which keeps each device's block);
+    None where it is not known. The target stays the final value's (``joined_sums``: no transpose after a join)."""
+    if eqn.primitive.name == "mshard_mark":
+        return x
+    if eqn.primitive.name == "reshape":
+        if layout is None or eqn.params.get("dimensions") is not None:
+            return None
+        v = x.value.reshape((x.value.shape[0], *eqn.params["new_sizes"]))
+        return Stacked(v, x.axes, tuple(tuple(d) for d in layout), x.target)
     if eqn.primitive.name == "transpose":
         perm = eqn.params["permutation"]
         return Stacked(jnp.transpose(x.value, (0, *[p + 1 for p in perm])), x.axes,
                        tuple(x.layout[p] for p in perm), None if x.target is None else tuple(x.target[p] for p in perm))
     return Stacked(eqn.primitive.bind(x.value, **eqn.params), x.axes, x.layout, x.target)
+
+
+def concatenate(eqn, parts, layout: DimAxes | None, target: DimAxes | None) -> Stacked | None:
+    """Parts held alike, concatenated per device (the put-back of ``interleaved_parallel`` copies), to be summed
+    into ``target``; None where their axes or layouts differ or the result's layout is not known."""
+    first = parts[0]
+    if layout is None or any(p.axes != first.axes or p.layout != first.layout for p in parts):
+        return None
+    v = jnp.concatenate([p.value for p in parts], axis=eqn.params["dimension"] + 1)
+    return Stacked(v, first.axes, tuple(tuple(d) for d in layout),
+                   None if target is None else tuple(tuple(d) for d in target))
 
 
 def add(a: Stacked, b: Stacked) -> Stacked | None:

@@ -232,17 +232,19 @@ def test_interleaved_layouts_save_and_load(tmp_path):
     assert [saved.op(m).copies for m in mms] == [loaded.op(m).copies for m in mms] == [((2, 1), (1, 1))] * 2
     assert {m: saved.strategy_of(m) for m in mms} == {m: whole.strategy_of(m) for m in mms}
     assert all(f"matmul{i}/copy{c}/MatMul" in saved.strategies for i in (1, 2) for c in (0, 1))
-    # Each MatMul's partial sums: matmul1's [32, 4] f32 per device over mp, matmul2's [16, 16] over sp, 1,536 B.
-    # Computed whole, each is reduce-scattered into its out_strategy's rows, which extend its own by the reduced
-    # axis (mshard/_src/planning/scattered_sums.py): half, 768 B. Computed in copies, each copy's partial sums are
-    # read by the put-back, not by the out_strategy, and are all-reduced: the copies move what the MatMuls
-    # computed whole moved before reduce-scatters (a documented gap, issue 40). MindSpore keeps the result in the
-    # interleaved tensor map (dp, interleaved_parallel, mp) for the next op, whose strategy uses it too: a device
-    # holds 8 rows of each copy, no contiguous block. mshard puts the copies back into a block layout between ops,
-    # and the rows (dp, mp) of the whole are not the rows (dp, mp) of each copy, so a reduce-scatter of each copy
-    # into its own rows would still need a permute to reach the block layout
-    assert runs["saved"][1] == runs["loaded"][1] == {"all-reduce": (2, 1536)}
-    assert runs["whole"][1] == runs["no_shard"][1] == {"reduce-scatter": (2, 768)}
+    # Each MatMul's partial sums: matmul1's [32, 4] f32 per device (512 B) over mp, matmul2's [16, 16] (1,024 B) over
+    # sp; all-reduced, 2 * S * (2-1)/2 each: 1,536 B. Computed whole, each is reduce-scattered into its out_strategy's
+    # rows, which extend its own by the reduced axis (mshard/_src/planning/scattered_sums.py): S/2 each, 768 B.
+    # Computed in copies, device (dp, mp) reads copy mp of its dp rows whole: the copies' partial sums are put back
+    # first and the put-back is reduce-scattered once over the reduced axis (mshard/_src/planning/joined_sums.py),
+    # the same 768 B, as MindSpore (its program keeps the interleaved tensor map (dp, interleaved_parallel, mp),
+    # which reduce-scatters each copy's sums into it). Before joined_sums, the copies were all-reduced: 1,536 B
+    for run in ("saved", "loaded", "whole", "no_shard"):
+        assert runs[run][1] == {"reduce-scatter": (2, 768)}, (run, runs[run][1])
+    for plan in (saved, loaded):        # the plan prices the program it runs: one reduce-scatter per MatMul
+        assert plan.cost.communication == {"reduce-scatter": 768.0}
+        assert [plan.op(m).cost.communication for m in mms] == [{"reduce-scatter": 256.0}, {"reduce-scatter": 512.0}]
+        assert all(not plan.op(f"matmul{i}/copy{c}/MatMul").cost.communication for i in (1, 2) for c in (0, 1))
     assert {m: no_shard.strategy_of(m) for m in mms} == {m: saved.strategy_of(m) for m in mms}
     assert any("computed in interleaved_parallel copies when saved" in n for n in no_shard.notes), no_shard.notes
     x, b1, b2, b3, w1, w2 = args

@@ -60,8 +60,8 @@ def test_copies_are_slices_of_each_devices_block(n, k):
     np.testing.assert_array_equal(np.asarray(put(parts, 0, n, k)), x)
 
 
-def _run(x_layout, w_layout, x, w):
-    mm = ops.MatMul().shard((x_layout, w_layout))
+def _run(x_layout, w_layout, x, w, out_layout=None):
+    mm = ops.MatMul().shard((x_layout, w_layout), out_strategy=None if out_layout is None else (out_layout,))
     c = _arr(x.shape[0], w.shape[1])
 
     def loss(x, w):
@@ -89,6 +89,27 @@ def test_an_interleaved_matmul_computes_in_copies_as_the_whole_op_does():
     assert comm == comm0 and sum(b for _, b in comm.values()) == 32 * 8 * 4
     # the plan is the program: it predicts the ring bytes of that all-reduce over mp's 2 devices, 2 S (k - 1) / k
     assert plan.cost.communication == {"all-reduce": 2 * 32 * 8 * 4 * (2 - 1) / 2}
+    # float32: 8-term partial sums over mp added in another order (<= 32 * 2**-24 relative each)
+    assert_close(y, x @ w)
+    assert_close(g, jax.grad(lambda x, w: jnp.sum((x @ w) * c), argnums=(0, 1))(x, w))
+
+
+def test_copies_read_split_over_their_reduced_axis_are_put_back_and_reduce_scattered_once():
+    """MindSpore's save/load test 4 in one op: rows ``("dp", IP)``, contraction over mp, out_strategy rows
+    ``("dp", IP, "mp")``. Device (dp, mp) reads copy mp of its dp rows whole, which no layout of a copy says; the
+    copies' partial sums are put back and the put-back is reduce-scattered over mp (joined_sums). The program moves
+    what the op computed whole moves (a reduce-scatter straight into the out_strategy, scattered_sums), and the
+    plan prices it; outputs and gradients equal plain JAX on one device."""
+    x, w = _arr(64, 32), _arr(32, 16)
+    ip = Layout((2, 2, 2, 2), ("dp", "mp", "sp", IP))
+    whole = Layout((2, 2, 2), ("dp", "mp", "sp"))
+    plan, comm, y, g, c, jaxpr = _run(ip(("dp", IP), "mp"), ip("mp", "sp"), x, w, ip(("dp", IP, "mp"), "sp"))
+    plan0, comm0, *_ = _run(whole("dp", "mp"), whole("mp", "sp"), x, w, whole(("dp", "mp"), "sp"))
+    assert plan.op("MatMul").copies == ((2, 1), (1, 1)) and jaxpr.count("dot_general") == 2
+    # each device's partial sums are [32, 8] f32, 1,024 B, over mp's 2 devices: a reduce-scatter moves S (k-1)/k,
+    # half an all-reduce's 2 S (k-1)/k; the copies all-reduced each [16, 8] before joined_sums, 1,024 B in all
+    assert comm == comm0 == {"reduce-scatter": (1, 32 * 8 * 4 // 2)}
+    assert plan.cost.communication == plan0.cost.communication == {"reduce-scatter": 32 * 8 * 4 / 2}
     # float32: 8-term partial sums over mp added in another order (<= 32 * 2**-24 relative each)
     assert_close(y, x @ w)
     assert_close(g, jax.grad(lambda x, w: jnp.sum((x @ w) * c), argnums=(0, 1))(x, w))
