@@ -150,3 +150,37 @@ def test_a_sum_over_the_split_batch_read_split_is_reduce_scattered(primitive):
     assert plan.cost.communication == want
     # float32: 64-term sums reordered by the split (<= 64 * 2**-24 relative each)
     assert_close(y, ref(xs))
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_two_matmuls_concatenated_and_read_split_are_reduce_scattered_once(axis):
+    """Two MatMuls with the contraction split 8 ways, their results concatenated (rows or columns) and read by a
+    ReLU split by rows: neither result alone is read in a layout of its own, so neither is scattered on its own
+    (scattered_sums). Their partial sums are concatenated per device and the join reduce-scattered once
+    (mshard/_src/planning/joined_sums.py): S (k-1)/k of the joined [128, 128] or [64, 256], where XLA's partitioner
+    all-reduced both, 2 S (k-1)/k. Output and all three gradients equal plain JAX on one device."""
+    w2 = jnp.asarray(R.normal(size=(32, 128)), jnp.float32)
+    mm1, mm2 = (ops.MatMul().shard(((1, 8), (8, 1))) for _ in range(2))
+    relu = ops.ReLU().shard(((8, 1),))
+
+    def f(x, w1, w2):
+        return relu(jnp.concatenate([mm1(x, w1[...]), mm2(x, w2[...])], axis=axis))
+
+    def ref(x, w1, w2):
+        return jnp.sum(jax.nn.relu(jnp.concatenate([x @ w1, x @ w2], axis=axis)) * c)
+    c = jnp.asarray(R.normal(size=(128, 128) if axis == 0 else (64, 256)), jnp.float32)
+    args = (X, nnx.Param(W), nnx.Param(w2))
+    with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8):
+        g = ms.jit(f)
+        plan = g.plan(*args)
+        rep = ms.comm_report(g, *args)
+        y = g(*args)
+        grads = ms.jit(lambda x, w1, w2: jax.grad(lambda *a: jnp.sum(f(*a) * c), argnums=(0, 1, 2))(x, w1, w2))(
+            X, W, w2)
+    joined = 2 * S                           # both partial results on each device, bytes
+    assert rep.by_kind.keys() == {"reduce-scatter"} and rep.moved("reduce-scatter") == joined * 7 / 8, rep.by_kind
+    assert plan.cost.communication == {"reduce-scatter": joined * 7 / 8}    # before: all-reduce 2 * joined * 7/8
+    # float32: 32-term dot products reordered by the 8-way split (<= 32 * 2**-24 relative each)
+    assert_close(y, jax.nn.relu(jnp.concatenate([X @ W, X @ w2], axis=axis)))
+    # the gradients sum 64 or 128 such products per entry, weighed by c
+    assert_close(grads, jax.grad(ref, argnums=(0, 1, 2))(X, W, w2))
