@@ -343,7 +343,9 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     scattered, strategies = scattered_reductions(trace, result.strategies, params)
     if strategies != result.strategies:
         result = dataclasses.replace(result, strategies=strategies)
-    joined = [j for j in joined_sums(trace, strategies, params) if not set(j.roots) & set(scattered)]
+    summed = {(where, eid) for where, (_, found) in roles.items() for eid in found}     # in a sum of partial sums
+    joined = [j for j in joined_sums(trace, strategies, params)
+              if not set(j.roots) & set(scattered) and not set(j.roles) & summed]
     layouts, eqn_out, eqn_in = _emit_layouts(trace, strategies, base, scattered)
     plan = build_plan(trace, strategies, result, params, mesh, inputs, base, notes, algorithm, scattered, roles,
                       joined)

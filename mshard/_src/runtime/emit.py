@@ -129,10 +129,12 @@ class Emitter:
     def eval(self, jaxpr: jcore.Jaxpr, consts, *args, path: tuple = ()):
         if self.planned:
             roles = partial_sums.partial_sum_pairs(jaxpr)
-            self._partial_roles.update((id(e), (e, roles[id(e)])) for e in jaxpr.eqns if id(e) in roles)
-            if self.eqn_joined:
-                self._partial_roles.update((id(e), (e, self.eqn_joined[(path, id(e))])) for e in jaxpr.eqns
-                                           if (path, id(e)) in self.eqn_joined)
+            for e in jaxpr.eqns:      # a jaxpr inlined at several places: the joined roles are this place's
+                role = self.eqn_joined.get((path, id(e))) or roles.get(id(e))
+                if role is None:
+                    self._partial_roles.pop(id(e), None)
+                else:
+                    self._partial_roles[id(e)] = (e, role)
         outs = eval_jaxpr(jaxpr, consts, args, lambda eqn, invals: self.eqn(eqn, invals, path))
         return [self._materialize(x) for x in outs]
 

@@ -100,3 +100,34 @@ def test_two_parts_added_compile_to_one_all_reduce():
     assert reports["ours"] == [("all-reduce", 32 * 8 * 4)]
     assert sorted(k for k, _ in reports["xla"]) == ["all-reduce"] * len(reports["xla"])
     assert sum(b for _, b in reports["xla"]) == 2 * 32 * 8 * 4
+
+
+def test_parts_put_back_and_reduce_scattered_are_each_devices_block_of_the_join():
+    """Two dots' parts (rows split over d0, contraction over d1), each reshaped to [2, 1, 8, 8], concatenated on the
+    copy dim and reshaped back to [32, 8] rows over d0 (the put-back of interleaved copies), then reduce-scattered
+    over d1 into rows (d0, d1): one reduce-scatter of the join, and the value is numpy's put-back of the products."""
+    x1, x2 = (R.normal(size=(16, 32)).astype(np.float32) for _ in range(2))
+    w = R.normal(size=(32, 8)).astype(np.float32)
+    eqn = _eqn(jnp.dot, x1, w)
+    ll, rl, held = (("d0",), ("d1",)), (("d1",), ()), (("d0",), ())
+    back = jax.make_jaxpr(lambda a, b: jnp.concatenate([a, b], 1))(np.ones((2, 1, 8, 8)), np.ones((2, 1, 8, 8)))
+    (cat,) = back.jaxpr.eqns
+    shape = jax.make_jaxpr(lambda a: a.reshape(2, 1, 8, 8))(x1[:, :8]).jaxpr.eqns[0]
+    flat = jax.make_jaxpr(lambda a: a.reshape(32, 8))(np.ones((2, 2, 8, 8))).jaxpr.eqns[0]
+
+    def ours(x1, x2, w):
+        parts = [ps.chain_op(shape, ps.local_partial(eqn, [x, w], [ll, rl], MESH), (("d0",), (), (), ()))
+                 for x in (x1, x2)]
+        joined = ps.concatenate(cat, parts, (("d0",), (), (), ()), (("d0", "d1"), ()))
+        return ps.materialize(ps.chain_op(flat, joined, held), MESH)
+    args = [_put(x1, ll), _put(x2, ll), _put(w, rl)]
+    compiled = jax.jit(ours).lower(*args).compile()
+    kinds = [(c.kind, c.nbytes) for c in CommReport.from_hlo(compiled.as_text()).collectives]
+    assert kinds == [("reduce-scatter", 32 * 8 * 4 // 4)]          # each device's [8, 8] of the [32, 8] join
+    want = np.concatenate([(x @ w.astype(np.float64)).reshape(2, 1, 8, 8) for x in (x1, x2)], 1).reshape(32, 8)
+    # float32: 32-term dot products, two parts added in another order
+    np.testing.assert_allclose(np.asarray(compiled(*args)), want, rtol=1e-5, atol=1e-5)
+    assert ps.concatenate(cat, [parts_like := ps.Stacked(jnp.ones((2, 2, 1, 8, 8)), ("d1",), held + ((), ())),
+                                ps.Stacked(jnp.ones((2, 2, 1, 8, 8)), ("d2",), held + ((), ()))],
+                          held + ((), ()), None) is None               # parts over other axes are not joined
+    assert ps.chain_op(flat, parts_like, None) is None                 # a reshape whose result layout is not known
