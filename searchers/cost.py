@@ -54,6 +54,7 @@ from .graph import (
     constant_tensors,
     dead_ops,
     operand_layout,
+    share_key,
     split_count,
 )
 from .spec import OpSpec, layout_of, op_spec
@@ -559,9 +560,9 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
     for op, spec, s in zip(graph.ops, specs, chosen):
         if op.id in dead:
             continue
-        for tid, maps, nbytes in zip(op.inputs, spec.in_maps, spec.in_bytes):
+        for i, (tid, maps, nbytes) in enumerate(zip(op.inputs, spec.in_maps, spec.in_bytes)):
             want, have = layout_of(maps, s), out_lay[tid]
-            key = (tid, op.share_scope)
+            key = share_key(op, i, tid, have, want)
             if have != want and tid not in free and not (shared and (key, want) in seen):
                 seen.add((key, want))
                 red_count[have, want, nbytes] += 1

@@ -203,6 +203,9 @@ class Op:
     share_scope: int = 0                        # reads of one value in one layout share one redistribution only
                                                 # within a scope: a recomputed layer's reads run again (XLA does not
                                                 # share values across a jax.checkpoint boundary)
+    scanned_from: int | None = None             # a loop's first scanned operand: one moved to a layout that keeps
+                                                # the scanned dim whole is moved slice by slice inside the loop, by
+                                                # each loop that reads it (share_key)
 
     def split_sizes(self) -> tuple[int, ...]:
         """Per loop dim, the number a split count must divide (its size, or gcd with its split_limit)."""
@@ -528,6 +531,23 @@ def dead_ops(graph: Graph) -> frozenset[int]:
         else:
             dead.add(op.id)
     return frozenset(dead)
+
+
+def share_key(op: Op, index: int, tid: int, have: TensorLayout, want: TensorLayout) -> tuple:
+    """The key under which readers of tensor ``tid`` share one redistribution from ``have`` to ``want``: the reader's
+    scope (``Op.share_scope``), or, for a scanned operand a loop moves slice by slice inside itself
+    (``Op.scanned_from``), that loop alone.
+
+    >>> g = Graph(DeviceMesh((2,)))
+    >>> w = g.source("w", (3, 4))
+    >>> _ = g.add_op("loop", "scan", {"l": 3, "i": 4}, [w], [("l", "i")], [("l", "i")], scanned_from=0)
+    >>> share_key(g.ops[1], 0, w, ((), (0,)), ((), ())), share_key(g.ops[1], 0, w, ((0,), ()), ((), ()))
+    ((0, ('loop', 1)), (0, 0))
+    """
+    if (op.scanned_from is not None and index >= op.scanned_from and have != want and have and want
+            and not have[0] and not want[0]):
+        return (tid, ("loop", op.id))
+    return (tid, op.share_scope)
 
 
 def partial_axes(op: Op, strategy: Strategy) -> Axes:

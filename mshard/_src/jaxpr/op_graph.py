@@ -470,3 +470,45 @@ def jaxpr_to_graph(closed_jaxpr, mesh: DeviceMesh, input_kinds: Sequence[str],
     return TraceResult(t.graph, closed_jaxpr, t.var_tensor, t.eqns, input_ops, const_ops, t.by_eqn)
 
 
+
+
+def scan_body_graph(eqn, path: tuple, mesh: DeviceMesh, in_fixed: Sequence, out_fixed: Sequence) -> TraceResult:
+    """The graph of one step of a ``scan``'s body, to plan it as a region of its own: each body input is a source
+    fixed to the layout the body reads it in (``in_fixed``, a strategy per input: the constants' and the carry's
+    layouts, a scanned input's without its scanned dim), and each result is read by a ``writeback`` op fixed to the
+    layout the loop keeps it in (``out_fixed``: the carry's; a stacked result's readers' without the scanned dim;
+    None: where the body makes it).
+    The body's equations carry ``path + (eqn,)``, the emitter's keys inside the body.
+
+    >>> import jax, jax.numpy as jnp
+    >>> cj = jax.make_jaxpr(lambda h, w: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, w))(
+    ...     jnp.ones((8, 4)), jnp.ones((3, 4, 4)))
+    >>> (scan,) = cj.jaxpr.eqns
+    >>> r = scan_body_graph(scan, (), DeviceMesh.prime(8), [((0,), ()), ((), ())], [((0,), ())])
+    >>> [(op.name, op.fixed) for op in r.graph.ops]      # doctest: +NORMALIZE_WHITESPACE
+    [('scan_in0', ((0,), ())), ('scan_in1', ((), ())), ('dot_general', None), ('tanh', None),
+     ('scan_out0', ((0,), ()))]
+    """
+    body = eqn.params["jaxpr"]
+    t = _GraphBuilder(mesh, primitives=True)
+    env: dict = {}
+    input_ops = []
+    for k, (v, fixed) in enumerate(zip(body.jaxpr.invars, in_fixed, strict=True)):
+        env[v] = t.graph.source(t.names(f"scan_in{k}"), _shape(v.aval), kind="data", itemsize=_itemsize(v.aval),
+                                fixed=tuple(tuple(a) for a in fixed))
+        input_ops.append(t.graph.tensors[env[v]].producer)
+    const_ops = []
+    for v in body.jaxpr.constvars:
+        env[v] = t.source("const", v.aval, "const")
+        const_ops.append(t.graph.tensors[env[v]].producer)
+    t.var_tensor.update(env)
+    t.walk(body.jaxpr, env, "", (*path, eqn))
+    outs = []
+    for j, (v, fixed) in enumerate(zip(body.jaxpr.outvars, out_fixed, strict=True)):
+        tid = t.read(v, env, "scan_out", j)
+        if not t.graph.tensors[tid].shape:
+            continue
+        t.identity(f"scan_out{j}", "writeback", [tid], fixed=None if fixed is None else tuple(tuple(a) for a in fixed))
+        outs.append(t.graph.ops[-1].outputs[0])
+    t.graph.outputs = outs
+    return TraceResult(t.graph, body, t.var_tensor, t.eqns, input_ops, const_ops, t.by_eqn)

@@ -65,8 +65,11 @@ def fused_reductions(trace: TraceResult, strategies, roles_at: dict[tuple, tuple
 
 
 def _jaxpr_at(trace: TraceResult, path: tuple):
-    """The jaxpr whose equations carry ``path`` (the inlined calls enclosing them)."""
-    return call_jaxpr(path[-1]) if path else trace.closed_jaxpr.jaxpr
+    """The jaxpr whose equations carry ``path`` (the inlined calls enclosing them; a scan's body planned as a
+    region of its own, ``search._plan_scan_bodies``)."""
+    if not path:
+        return trace.closed_jaxpr.jaxpr
+    return path[-1].params["jaxpr"].jaxpr if path[-1].primitive.name == "scan" else call_jaxpr(path[-1])
 
 
 def _side(v, producer, roles, tes, trace: TraceResult, strategies, held):

@@ -39,8 +39,8 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
 
 from mshard._src.jaxpr.marks import OpNote, mark_p
-from mshard._src.jaxpr.op_graph import REPLICA, TraceResult, jaxpr_to_graph
-from mshard._src.jaxpr.walk import REMAT
+from mshard._src.jaxpr.op_graph import REPLICA, TraceResult, jaxpr_to_graph, scan_body_graph
+from mshard._src.jaxpr.walk import REMAT, has_marks
 from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts, assign_layouts, exact_mark_key, mark_key
 from mshard._src.planning.fused_sums import fused_reductions, sum_roles, unpriced_reduction
 from mshard._src.planning.joined_sums import Joined, joined_sums
@@ -77,6 +77,7 @@ from searchers.graph import (
     operand_layout,
     operand_tied_strategy,
     result_layout,
+    share_key,
     split_counts,
     strategy_of_layout,
 )
@@ -105,6 +106,8 @@ class Planned:
     eqn_in: dict[EqnKey, tuple[DimAxes | None, ...]] = field(default_factory=dict)
     eqn_scatter: dict[EqnKey, DimAxes] = field(default_factory=dict)   # partial results reduce-scattered there
     eqn_joined: dict[EqnKey, str] = field(default_factory=dict)  # roles in partial sums joined (joined_sums)
+    # the emitter's path inside a planned scan body -> the layouts the body leaves its results in
+    body_outs: dict[tuple, list] = field(default_factory=dict)
 
 
 def _strategy_from_layout(op, layout: DimAxes, mesh: DeviceMesh, operand: int | None = None):
@@ -346,9 +349,12 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     summed = {(where, eid) for where, (_, found) in roles.items() for eid in found}     # in a sum of partial sums
     joined = [j for j in joined_sums(trace, strategies, params)
               if not set(j.roots) & set(scattered) and not set(j.roles) & summed]
+    bodies = _plan_scan_bodies(trace, strategies, params, mesh)
+    notes.extend(f"{te.name}: its body is planned as a region of its own, priced per step times "
+                 f"{te.eqn.params['length']} steps" for te in trace.eqns if te.op in bodies)
     layouts, eqn_out, eqn_in = _emit_layouts(trace, strategies, base, scattered)
     plan = build_plan(trace, strategies, result, params, mesh, inputs, base, notes, algorithm, scattered, roles,
-                      joined)
+                      joined, bodies)
     if saved is not None and (lost := _copies_not_given(load, saved, plan)):
         plan = dataclasses.replace(plan, notes=plan.notes + (lost,))
     eqn_scatter = {item.key: axes_by_name(item.target, mesh) for item in scattered.values()}
@@ -356,20 +362,108 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     for j in joined:
         eqn_joined.update(j.roles)
         eqn_scatter.update((k, axes_by_name(j.target, mesh)) for k, role in j.roles.items() if role == "concat")
-    return Planned(plan, layouts, eqn_out, eqn_in, eqn_scatter, eqn_joined)
+    body_outs = {}
+    for te in trace.eqns:          # each planned body's layouts, under its scan's path
+        if (body := bodies.get(te.op)) is not None:
+            eqn_out.update(body.eqn_out)
+            eqn_in.update(body.eqn_in)
+            eqn_scatter.update(body.eqn_scatter)
+            body_outs[(*eqn_key(te)[0], id(te.eqn))] = body.outputs
+    return Planned(plan, layouts, eqn_out, eqn_in, eqn_scatter, eqn_joined, body_outs)
+
+
+@dataclass
+class ScanBody:
+    """A scan's body planned as a region of its own (:func:`_plan_scan_bodies`): the emitter's layouts inside it
+    (keyed by the body's equations under the scan's path), the layouts its results leave the body in, and the
+    price of every step."""
+
+    eqn_out: dict
+    eqn_in: dict
+    eqn_scatter: dict
+    eqn_joined: dict
+    outputs: list
+    cost: Cost
+
+
+def _plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, mesh: DeviceMesh
+                      ) -> dict[int, ScanBody]:
+    """Scan op id -> its body planned: one step of the body, its inputs in the layouts the body reads them in (the
+    scan's operands; a scanned input without its scanned dim) and its results in the layouts the loop keeps them
+    in (the carry's; a stacked result's one reader's layout without the scanned dim), every other op computed
+    where its operands arrive (semi_auto's follow, ``searchers.follow``), partial sums reduce-scattered where they
+    are read split (``scattered_sums``), priced per step and times the scan's length. A body with marks (an op
+    object's strategy inside the loop) is left to XLA, as before: only its carry is planned."""
+    graph = trace.graph
+    readers: dict[int, list] = {}
+    for _, consumer, tid, i in graph.edges():
+        readers.setdefault(tid, []).append((graph.ops[consumer], i))
+    out: dict[int, ScanBody] = {}
+    stacked: dict[int, TensorLayout] = {}     # a stacked result left where its body made it -> that layout
+    for te in trace.eqns:
+        if te.group or te.eqn.primitive.name != "scan" or has_marks(te.eqn.params["jaxpr"].jaxpr):
+            continue
+        op, p = graph.ops[te.op], te.eqn.params
+        s = strategies[op.id]
+        lead = p["num_consts"] + p["num_carry"]
+        in_fixed = [operand_layout(op, s, i) if i < lead else stacked.get(tid, operand_layout(op, s, i))[1:]
+                    for i, tid in enumerate(op.inputs)]
+        out_fixed: list = []
+        for j, tid in enumerate(op.outputs):
+            lay = result_layout(op, s, j)
+            if j >= p["num_carry"]:
+                # a stacked result read by another scan (a forward's residuals, read by the backward's loop) stays
+                # where the body makes it: the emitter leaves it free (emit._stacked_results_free)
+                got = readers.get(tid, [])
+                wants = {operand_layout(c, strategies[c.id], i) for c, i in got}
+                lay = (None if any(c.kind == "scan" for c, _ in got) or not got
+                       else (next(iter(wants)) if len(wants) == 1 else lay)[1:])
+            out_fixed.append(lay)
+        body = scan_body_graph(te.eqn, te.path, graph.mesh, in_fixed, out_fixed)
+        _mark_recomputed(body)
+        roles = sum_roles(body)
+        mark_scatter(body, roles)
+        found = SEARCHERS["follow_operands"].search(body.graph, params, {})
+        scattered, strats = scattered_reductions(body, found.strategies, params)
+        base = RegionLayouts(mesh, [()] * len(body.input_ops))
+        _, eqn_out, eqn_in = _emit_layouts(body, strats, base, scattered)
+        names = [body.graph.ops[i].name for i in body.input_ops]
+        plan = build_plan(body, strats, found, params, mesh,
+                          [InputInfo("data", body.graph.tensors[body.graph.ops[i].outputs[0]].shape, n)
+                           for i, n in zip(body.input_ops, names)], base, [], "follow_operands", scattered, roles)
+        c = plan.cost
+        step = Cost(c.compute, dict(c.communication), c.comm_time, c.memory, c.total)
+        length = p["length"]
+        cost = Cost(step.compute * length, {k: v * length for k, v in step.comm_bytes.items()},
+                    step.comm_time * length, step.memory, step.total * length)
+        sinks = {body.graph.ops[o].inputs[0]: o for o in (body.graph.tensors[t].producer for t in body.graph.outputs)}
+        left = []
+        for j, v in enumerate(te.eqn.params["jaxpr"].jaxpr.outvars):
+            tid = body.var_tensor.get(v) if not isinstance(v, jcore.Literal) else None
+            sink = body.graph.ops[sinks[tid]] if tid in sinks else None
+            lay = None if sink is None else operand_layout(sink, strats[sink.id], 0)
+            if j >= p["num_carry"] and out_fixed[j] is None and lay is not None:
+                stacked[op.outputs[j]] = ((), *lay)
+            left.append(None if lay is None or out_fixed[j] is None else axes_by_name(lay, mesh))
+        out[op.id] = ScanBody(eqn_out, eqn_in, {item.key: axes_by_name(item.target, mesh) for item in
+                                                 scattered.values()}, {}, left, cost)
+    return out
 
 
 def _mark_recomputed(trace: TraceResult) -> None:
     """``Op.share_scope``: the innermost ``jax.checkpoint`` (``prevent_cse``) an op sits in, numbered from 1. A
     recomputed layer's backward reads the values the forward read, and XLA runs their redistributions again there
     (a level3 weight gathered for the forward and again for its recomputation): the program's cost shares a
-    redistribution only between readers in one scope."""
+    redistribution only between readers in one scope. ``Op.scanned_from``: a scan's first scanned operand (each loop
+    moves its own slices, ``searchers.graph.share_key``)."""
     scopes: dict[int, int] = {}
     for te in trace.eqns:
         inner = next((e for e in reversed(te.path) if e.primitive.name in REMAT
                       and e.params.get("prevent_cse", True)), None)
         if inner is not None:
             trace.graph.ops[te.op].share_scope = scopes.setdefault(id(inner), len(scopes) + 1)
+        if not te.group and te.eqn.primitive.name == "scan":
+            trace.graph.ops[te.op].scanned_from = te.eqn.params["num_consts"] + te.eqn.params["num_carry"]
 
 
 def _copies_not_given(load: str, saved: Plan, plan: Plan) -> str | None:
@@ -646,7 +740,7 @@ def _emit_layouts(trace: TraceResult, strategies, base: RegionLayouts, scattered
 def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh: DeviceMesh,
                inputs: Sequence[InputInfo], base: RegionLayouts, notes: list[str], algorithm: str,
                scattered: dict[int, Scattered] | None = None, roles: dict[tuple, tuple] | None = None,
-               joined: Sequence[Joined] = ()) -> Plan:
+               joined: Sequence[Joined] = (), bodies: dict[int, ScanBody] | None = None) -> Plan:
     graph = trace.graph
     scattered = scattered or {}
     groups = _groups(trace)
@@ -708,6 +802,9 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
         costs[j.concat] = costs[j.concat] + j.cost
         left[j.last] = j.target
     left.update((oid, item.target) for oid, item in scattered.items())
+    for oid, body in (bodies or {}).items():     # each step of a planned scan body
+        rescaled[oid] = body.cost
+        costs[oid] = costs[oid] + body.cost
     redistributions = []
     done: set = set()
     free = constant_tensors(graph)
@@ -720,7 +817,7 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
             have = result_layout(prod, strategies[prod.id], prod.outputs.index(tid))
             have = left.get(prod.id, have)
             want = operand_layout(op, strategies[op.id], i)
-            key = (tid, op.share_scope)
+            key = share_key(op, i, tid, have, want)      # a loop's slices are moved inside it (emit._scan_slices)
             if (key, want) in done or tid in free:
                 continue           # XLA reshards a value once per layout (the first reader is charged; a recomputed
                                    # layer's readers again), and re-broadcasts a tensor computed from constants

@@ -321,7 +321,8 @@ class Region:
         if self.memory_kind_hook is not None:
             kinds = list(self.memory_kind_hook(infos, statics=statics))
         in_sh = [NamedSharding(mesh, spec_of(lay), memory_kind=k) for lay, k in zip(layouts.inputs, kinds, strict=True)]
-        run = emit(closed, layouts, planned.eqn_out, planned.eqn_in, planned.eqn_scatter, planned.eqn_joined)
+        run = emit(closed, layouts, planned.eqn_out, planned.eqn_in, planned.eqn_scatter, planned.eqn_joined,
+                   planned.body_outs)
         n_out = len(jax.tree.leaves(out_shape))
         n_user = n_out - n_state
         outvars, invars = closed.jaxpr.outvars, closed.jaxpr.invars

@@ -91,7 +91,7 @@ def _collectives(hlo: str) -> list[tuple[str, str, str]]:
         head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
         if head:
             comp = head.group(1)
-        m = re.search(r"= (\w+\[[\d,]*\])\{[^}]*\} (all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\(",
+        m = re.search(r"= (\w+\[[\d,]*\])(?:\{[^}]*\})? (all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\(",
                       line)
         if m:
             out.append((comp, m.group(2), m.group(1)))
@@ -109,7 +109,7 @@ def test_level3_over_a_scan_of_layers_holds_one_layer_whole_at_a_time(remat):
     # stored: an eighth of the stack (plus the batch and two scalars)
     assert mem.argument_size_in_bytes <= L * W // 8 + 2 * B * D * 4 + 64, mem
     # at most three layers' weights whole at once: the layer gathered for the step, its gradient's partial sum, and
-    # that sum reduced (XLA:CPU reduces with an all-reduce of the whole slice, then slices its shard), plus the
+    # that sum reduced (now reduce-scattered straight into its shard: an eighth), plus the
     # batch's activations saved per layer and their cotangents (2 L B D floats); data parallel holds the whole
     # stack's gradient (L layers) besides its stored weights
     acts = 2 * L * B * D * 4
@@ -123,6 +123,32 @@ def test_level3_over_a_scan_of_layers_holds_one_layer_whole_at_a_time(remat):
     gathers = [c for c in coll if c[1] == "all-gather"]
     assert gathers and all(shape == f"f32[{D},{D}]" and comp in bodies for comp, _, shape in gathers), coll
     grads = [c for c in coll if c[1] in ("all-reduce", "reduce-scatter") and c[2] != "f32[]"]
-    assert grads and all(comp in bodies and shape in (f"f32[{D},{D}]", f"f32[{D // 8},{D}]")
+    assert grads and all(comp in bodies and shape in (f"f32[{D // 8},{D}]", f"f32[{D},{D // 8}]")
                          for comp, _, shape in grads), coll
     assert not any(shape.startswith(f"f32[{L},") for _, _, shape in coll), coll
+
+
+_RING = {"all-gather": lambda b: b * 7 / 8, "reduce-scatter": lambda b: b * 7, "all-reduce": lambda b: 2 * b * 7 / 8}
+
+
+@pytest.mark.parametrize("mode", ["data_parallel", "semi_auto_parallel"])
+@pytest.mark.parametrize("remat", [True, False], ids=["remat", "no_remat"])
+def test_level3_over_a_scan_reduce_scatters_each_layers_gradient_and_the_plan_prices_the_loop(mode, remat):
+    """The scan's body is planned as a region of its own (mshard/_src/planning/search.py ``_plan_scan_bodies``):
+    each layer's gradient, a partial sum over the 8 batch devices, is reduce-scattered inside the backward loop into
+    the eighth its layer is stored in (it was all-reduced whole there, f32[256, 256], and sliced), and the plan
+    prices every step of every loop: its bytes equal the compiled program's, kind by kind, each collective in a
+    loop body counted once per layer. The reference is the HLO itself: each collective's result shape, the ring
+    formula for 8 devices (tests/e2e/search/test_plan_program.py's), times L inside a loop (both loops run L steps)."""
+    (x, y), = batches(1, [(B, D), (B, D)], seed=12)
+    _, step = _step(mode, "level3", optax.sgd(1e-1), remat)
+    hlo = step.lower(x, y).compile().as_text()
+    bodies = _bodies(hlo)
+    moved: dict[str, float] = {}
+    for comp, kind, shape in _collectives(hlo):
+        dims = [int(d) for d in re.findall(r"\d+", shape.split("[")[1])]
+        moved[kind] = moved.get(kind, 0.0) + _RING[kind](4 * int(np.prod(dims))) * (L if comp in bodies else 1)
+    assert [k for _, k, sh in _collectives(hlo) if sh == f"f32[{D},{D}]" and k == "all-reduce"] == []
+    assert moved["reduce-scatter"] == L * W * 7 / 8          # each layer's gradient once, into its eighth
+    predicted = step.plan(x, y).cost.communication
+    assert predicted == pytest.approx(moved, abs=0.5), (predicted, moved)
