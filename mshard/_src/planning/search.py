@@ -436,11 +436,11 @@ def _plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, mesh: 
         length = p["length"]
         cost = Cost(step.compute * length, {k: v * length for k, v in step.comm_bytes.items()},
                     step.comm_time * length, step.memory, step.total * length)
-        sinks = {body.graph.ops[o].inputs[0]: o for o in (body.graph.tensors[t].producer for t in body.graph.outputs)}
+        sinks = {body.graph.ops[o].name: body.graph.ops[o] for o in (body.graph.tensors[t].producer
+                                                                     for t in body.graph.outputs)}
         left = []
-        for j, v in enumerate(te.eqn.params["jaxpr"].jaxpr.outvars):
-            tid = body.var_tensor.get(v) if not isinstance(v, jcore.Literal) else None
-            sink = body.graph.ops[sinks[tid]] if tid in sinks else None
+        for j in range(len(out_fixed)):
+            sink = sinks.get(f"scan_out{j}")
             lay = None if sink is None else operand_layout(sink, strats[sink.id], 0)
             if j >= p["num_carry"] and out_fixed[j] is None and lay is not None:
                 stacked[op.outputs[j]] = ((), *lay)
