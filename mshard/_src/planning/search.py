@@ -106,8 +106,8 @@ class Planned:
     eqn_in: dict[EqnKey, tuple[DimAxes | None, ...]] = field(default_factory=dict)
     eqn_scatter: dict[EqnKey, DimAxes] = field(default_factory=dict)   # partial results reduce-scattered there
     eqn_joined: dict[EqnKey, str] = field(default_factory=dict)  # roles in partial sums joined (joined_sums)
-    # the emitter's path inside a planned scan body -> the layouts the body leaves its results in
-    body_outs: dict[tuple, list] = field(default_factory=dict)
+    # the emitter's path inside a planned scan body -> (the layouts the body reads its inputs in, leaves its results in)
+    bodies: dict[tuple, tuple] = field(default_factory=dict)
 
 
 def _strategy_from_layout(op, layout: DimAxes, mesh: DeviceMesh, operand: int | None = None):
@@ -362,14 +362,14 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     for j in joined:
         eqn_joined.update(j.roles)
         eqn_scatter.update((k, axes_by_name(j.target, mesh)) for k, role in j.roles.items() if role == "concat")
-    body_outs = {}
+    body_layouts = {}
     for te in trace.eqns:          # each planned body's layouts, under its scan's path
         if (body := bodies.get(te.op)) is not None:
             eqn_out.update(body.eqn_out)
             eqn_in.update(body.eqn_in)
             eqn_scatter.update(body.eqn_scatter)
-            body_outs[(*eqn_key(te)[0], id(te.eqn))] = body.outputs
-    return Planned(plan, layouts, eqn_out, eqn_in, eqn_scatter, eqn_joined, body_outs)
+            body_layouts[(*eqn_key(te)[0], id(te.eqn))] = (body.inputs, body.outputs)
+    return Planned(plan, layouts, eqn_out, eqn_in, eqn_scatter, eqn_joined, body_layouts)
 
 
 @dataclass
@@ -382,6 +382,7 @@ class ScanBody:
     eqn_in: dict
     eqn_scatter: dict
     eqn_joined: dict
+    inputs: list
     outputs: list
     cost: Cost
 
@@ -446,7 +447,8 @@ def _plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, mesh: 
                 stacked[op.outputs[j]] = ((), *lay)
             left.append(None if lay is None or out_fixed[j] is None else axes_by_name(lay, mesh))
         out[op.id] = ScanBody(eqn_out, eqn_in, {item.key: axes_by_name(item.target, mesh) for item in
-                                                 scattered.values()}, {}, left, cost)
+                                                 scattered.values()}, {}, [axes_by_name(x, mesh) for x in in_fixed],
+                              left, cost)
     return out
 
 

@@ -47,7 +47,7 @@ class _null:
 
 class Emitter:
     def __init__(self, layouts: RegionLayouts, eqn_out: dict | None = None, eqn_in: dict | None = None,
-                 eqn_scatter: dict | None = None, eqn_joined: dict | None = None, body_outs: dict | None = None):
+                 eqn_scatter: dict | None = None, eqn_joined: dict | None = None, bodies: dict | None = None):
         self.layouts = layouts
         self.mesh = jax_mesh(layouts.mesh)
         self.eqn_out = eqn_out or {}
@@ -62,8 +62,8 @@ class Emitter:
         self._partial_roles: dict[int, tuple] = {}  # id(eqn) -> (eqn, its role in a sum of partial sums: partial_sums)
         # key -> role of the equations whose partial sums a concatenate joins (mshard._src.planning.joined_sums)
         self.eqn_joined = eqn_joined or {}
-        # the path inside a scan body the plan laid out -> the layouts its results leave the body in
-        self.body_outs = body_outs or {}
+        # the path inside a scan body the plan laid out -> (the layouts it reads its inputs in, leaves its results in)
+        self.bodies = bodies or {}
 
     def wsc(self, x, lay):
         if lay is None or not hasattr(x, "shape") or len(lay) != len(x.shape):
@@ -124,8 +124,8 @@ class Emitter:
             if src != dst and not src[0] and not dst[0]:
                 slices[i] = (src[1:], dst[1:])
                 ins[i] = None
-        if slices or path in self.body_outs:     # a planned body: re-emitted with its own layouts
-            params = dict(params, jaxpr=self.rewrite(params["jaxpr"], path, slices, self.body_outs.get(path)))
+        if slices or path in self.bodies:     # a planned body: re-emitted with its own layouts
+            params = dict(params, jaxpr=self.rewrite(params["jaxpr"], path, slices, self.bodies.get(path)))
         return params, ins
 
     def eval(self, jaxpr: jcore.Jaxpr, consts, *args, path: tuple = ()):
@@ -246,7 +246,7 @@ class Emitter:
                 params = {k: self.rewrite(v, inner) for k, v in params.items()}
         key = (path, id(eqn))
         ins = self.eqn_in.get(key)
-        if prim.name == "scan" and (ins is not None or inner in self.body_outs):
+        if prim.name == "scan" and (ins is not None or inner in self.bodies):
             params, ins = self._scan_slices(params, invals, list(ins or [None] * len(invals)), inner)
         if ins is not None:
             invals = [self.move(x, lay) for x, lay in zip(invals, ins)]
@@ -263,18 +263,19 @@ class Emitter:
                 out = self.wsc(out, outs_lay[0])
         return out
 
-    def rewrite(self, v, path: tuple, defer: dict | None = None, outs: list | None = None):
+    def rewrite(self, v, path: tuple, defer: dict | None = None, body: tuple | None = None):
         """A jaxpr param -> the same jaxpr with marks/planned ops re-emitted with constraints; ``defer``: invar
-        index -> (its layout, the layout its readers take), a move made where the body reads it; ``outs``: the
-        layouts its results are left in (a planned scan body's)."""
+        index -> (its layout, the layout its readers take), a move made where the body reads it; ``body``: (the
+        layouts its inputs arrive in, the layouts its results are left in), a planned scan body's."""
         if isinstance(v, (tuple, list)):
-            return type(v)(self.rewrite(x, path, defer, outs) for x in v)
+            return type(v)(self.rewrite(x, path, defer, body) for x in v)
 
         def fn(jaxpr, consts):
             def run(*a):
-                a = [self.defer(x, *defer[i]) if defer and i in defer else x for i, x in enumerate(a)]
+                a = [self.defer(x, *defer[i]) if defer and i in defer
+                     else self.wsc(x, body[0][i]) if body is not None else x for i, x in enumerate(a)]
                 res = self.eval(jaxpr, consts, *a, path=path)
-                return res if outs is None else [self.move(x, lay) for x, lay in zip(res, outs, strict=True)]
+                return res if body is None else [self.move(x, lay) for x, lay in zip(res, body[1], strict=True)]
             return run
         if isinstance(v, jcore.ClosedJaxpr):
             avals = [x.aval for x in v.jaxpr.invars]
@@ -291,16 +292,16 @@ class Emitter:
 def _stacked_results_free(outs_lay, num_carry: int) -> list:
     """A scan's stacked results that the plan has whole are left to XLA, which lays them out as their readers
     ask (the scan's rule, :func:`mshard._src.jaxpr.rules.scan_carry_rule`, keeps them whole): a planned body leaves
-    each step's slice where its readers read it (``body_outs``), and a gradient stack of a scan over layers is then
+    each step's slice where its readers read it (``bodies``), and a gradient stack of a scan over layers is then
     reduced one layer at a time inside the loop, instead of stacked whole first."""
     return [None if j >= num_carry and lay is not None and not any(lay) else lay for j, lay in enumerate(outs_lay)]
 
 
 def emit(closed: jcore.ClosedJaxpr, layouts: RegionLayouts, eqn_out: dict | None = None,
          eqn_in: dict | None = None, eqn_scatter: dict | None = None, eqn_joined: dict | None = None,
-         body_outs: dict | None = None) -> Callable[..., list]:
+         bodies: dict | None = None) -> Callable[..., list]:
     """A function of the region's flat inputs that evaluates ``closed`` with planned constraints."""
-    em = Emitter(layouts, eqn_out, eqn_in, eqn_scatter, eqn_joined, body_outs)
+    em = Emitter(layouts, eqn_out, eqn_in, eqn_scatter, eqn_joined, bodies)
 
     def run(*args):
         em._laid.clear()

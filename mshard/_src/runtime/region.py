@@ -322,7 +322,7 @@ class Region:
             kinds = list(self.memory_kind_hook(infos, statics=statics))
         in_sh = [NamedSharding(mesh, spec_of(lay), memory_kind=k) for lay, k in zip(layouts.inputs, kinds, strict=True)]
         run = emit(closed, layouts, planned.eqn_out, planned.eqn_in, planned.eqn_scatter, planned.eqn_joined,
-                   planned.body_outs)
+                   planned.bodies)
         n_out = len(jax.tree.leaves(out_shape))
         n_user = n_out - n_state
         outvars, invars = closed.jaxpr.outvars, closed.jaxpr.invars
