@@ -349,9 +349,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     summed = {(where, eid) for where, (_, found) in roles.items() for eid in found}     # in a sum of partial sums
     joined = [j for j in joined_sums(trace, strategies, params)
               if not set(j.roots) & set(scattered) and not set(j.roles) & summed]
-    bodies = _plan_scan_bodies(trace, strategies, params, mesh)
-    notes.extend(f"{te.name}: its body is planned as a region of its own, priced per step times "
-                 f"{te.eqn.params['length']} steps" for te in trace.eqns if te.op in bodies)
+    bodies = _plan_scan_bodies(trace, strategies, params, mesh, notes)
     layouts, eqn_out, eqn_in = _emit_layouts(trace, strategies, base, scattered)
     plan = build_plan(trace, strategies, result, params, mesh, inputs, base, notes, algorithm, scattered, roles,
                       joined, bodies)
@@ -375,26 +373,25 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
 @dataclass
 class ScanBody:
     """A scan's body planned as a region of its own (:func:`_plan_scan_bodies`): the emitter's layouts inside it
-    (keyed by the body's equations under the scan's path), the layouts its results leave the body in, and the
-    price of every step."""
+    (keyed by the body's equations under the scan's path), the layouts it reads its inputs in and leaves its results
+    in (None: where it makes them), and the price of every step."""
 
     eqn_out: dict
     eqn_in: dict
     eqn_scatter: dict
-    eqn_joined: dict
     inputs: list
     outputs: list
     cost: Cost
 
 
-def _plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, mesh: DeviceMesh
+def _plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, mesh: DeviceMesh, notes: list[str]
                       ) -> dict[int, ScanBody]:
-    """Scan op id -> its body planned: one step of the body, its inputs in the layouts the body reads them in (the
-    scan's operands; a scanned input without its scanned dim) and its results in the layouts the loop keeps them
-    in (the carry's; a stacked result's one reader's layout without the scanned dim), every other op computed
-    where its operands arrive (semi_auto's follow, ``searchers.follow``), partial sums reduce-scattered where they
-    are read split (``scattered_sums``), priced per step and times the scan's length. A body with marks (an op
-    object's strategy inside the loop) is left to XLA, as before: only its carry is planned."""
+    """Scan op id -> its body planned (:func:`_plan_body`), in program order: its inputs in the layouts the body
+    reads them in (the scan's operands; a scanned input without its scanned dim, or, a stacked result of an earlier
+    loop, where that loop's body left it) and its results in the layouts the loop keeps them in (the carry's; a
+    stacked result's one layout its readers read it in, without the scanned dim; where the body makes it, for one
+    another loop reads). A body with marks (an op object's strategy inside the loop) is left to XLA, as before: only
+    its carry is planned."""
     graph = trace.graph
     readers: dict[int, list] = {}
     for _, consumer, tid, i in graph.edges():
@@ -420,36 +417,47 @@ def _plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, mesh: 
                 lay = (None if any(c.kind == "scan" for c, _ in got) or not got
                        else (next(iter(wants)) if len(wants) == 1 else lay)[1:])
             out_fixed.append(lay)
-        body = scan_body_graph(te.eqn, te.path, graph.mesh, in_fixed, out_fixed)
-        _mark_recomputed(body)
-        roles = sum_roles(body)
-        mark_scatter(body, roles)
-        found = SEARCHERS["follow_operands"].search(body.graph, params, {})
-        scattered, strats = scattered_reductions(body, found.strategies, params)
-        base = RegionLayouts(mesh, [()] * len(body.input_ops))
-        _, eqn_out, eqn_in = _emit_layouts(body, strats, base, scattered)
-        names = [body.graph.ops[i].name for i in body.input_ops]
-        plan = build_plan(body, strats, found, params, mesh,
-                          [InputInfo("data", body.graph.tensors[body.graph.ops[i].outputs[0]].shape, n)
-                           for i, n in zip(body.input_ops, names)], base, [], "follow_operands", scattered, roles)
-        c = plan.cost
-        step = Cost(c.compute, dict(c.communication), c.comm_time, c.memory, c.total)
-        length = p["length"]
-        cost = Cost(step.compute * length, {k: v * length for k, v in step.comm_bytes.items()},
-                    step.comm_time * length, step.memory, step.total * length)
-        sinks = {body.graph.ops[o].name: body.graph.ops[o] for o in (body.graph.tensors[t].producer
-                                                                     for t in body.graph.outputs)}
-        left = []
-        for j in range(len(out_fixed)):
-            sink = sinks.get(f"scan_out{j}")
-            lay = None if sink is None else operand_layout(sink, strats[sink.id], 0)
+        try:
+            body, made = _plan_body(te, in_fixed, out_fixed, params, graph.mesh, mesh)
+        except Exception as e:    # a body the planner cannot lay out stays XLA's, as before (the note says so)
+            notes.append(f"{te.name}: its body is left to XLA's partitioner, unpriced ({type(e).__name__}: {e})")
+            continue
+        for j, lay in enumerate(made):
             if j >= p["num_carry"] and out_fixed[j] is None and lay is not None:
                 stacked[op.outputs[j]] = ((), *lay)
-            left.append(None if lay is None or out_fixed[j] is None else axes_by_name(lay, mesh))
-        out[op.id] = ScanBody(eqn_out, eqn_in, {item.key: axes_by_name(item.target, mesh) for item in
-                                                 scattered.values()}, {}, [axes_by_name(x, mesh) for x in in_fixed],
-                              left, cost)
+        out[op.id] = body
+        notes.append(f"{te.name}: its body is planned as a region of its own, priced per step times "
+                     f"{p['length']} steps")
     return out
+
+
+def _plan_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph_mesh: DeviceMesh, mesh
+               ) -> tuple[ScanBody, list]:
+    """One step of a scan's body (``op_graph.scan_body_graph``, its boundary fixed as given), every op computed
+    where its operands arrive (semi_auto's follow, ``searchers.follow``), partial sums reduce-scattered where they
+    are read split (``scattered_sums``), priced as :func:`build_plan` prices a region, times the scan's length.
+    -> (the body, the layout each result is left in)."""
+    body = scan_body_graph(te.eqn, te.path, graph_mesh, in_fixed, out_fixed)
+    _mark_recomputed(body)
+    roles = sum_roles(body)
+    mark_scatter(body, roles)
+    found = SEARCHERS["follow_operands"].search(body.graph, params, {})
+    scattered, strats = scattered_reductions(body, found.strategies, params)
+    base = RegionLayouts(mesh, [()] * len(body.input_ops))
+    _, eqn_out, eqn_in = _emit_layouts(body, strats, base, scattered)
+    infos = [InputInfo("data", body.graph.tensors[body.graph.ops[i].outputs[0]].shape, body.graph.ops[i].name)
+             for i in body.input_ops]
+    c = build_plan(body, strats, found, params, mesh, infos, base, [], "follow_operands", scattered, roles).cost
+    n = te.eqn.params["length"]
+    cost = Cost(c.compute * n, {k: v * n for k, v in c.communication.items()}, c.comm_time * n, c.memory,
+                c.total * n)
+    sinks = {body.graph.ops[o].name: body.graph.ops[o]
+             for o in (body.graph.tensors[t].producer for t in body.graph.outputs)}
+    made = [None if (k := sinks.get(f"scan_out{j}")) is None else operand_layout(k, strats[k.id], 0)
+            for j in range(len(out_fixed))]
+    left = [None if lay is None or want is None else axes_by_name(lay, mesh) for lay, want in zip(made, out_fixed)]
+    return ScanBody(eqn_out, eqn_in, {item.key: axes_by_name(item.target, mesh) for item in scattered.values()},
+                    [axes_by_name(x, mesh) for x in in_fixed], left, cost), made
 
 
 def _mark_recomputed(trace: TraceResult) -> None:
