@@ -124,9 +124,9 @@ BUGS = [
         "            pass\n",
         ("tests/e2e/strategies/test_storage_layouts.py",)),
     Bug("recompute_reads_shared", "the program's price shares a recomputed layer's redistributions with the "
-        "forward's, which XLA runs again", "searchers/cost.py",
-        "            key = (tid, op.share_scope)\n",
-        "            key = (tid, 0)\n",
+        "forward's, which XLA runs again", "searchers/graph.py",
+        "    return (tid, op.share_scope)\n",
+        "    return (tid, 0)\n",
         ("tests/e2e/training/test_fsdp_layer_loop.py",)),
     Bug("merged_dim_minor_first", "a dim made of several loop dims (a reshape's merged run) is laid out over its "
         "minor loop dim's axes first", "searchers/graph.py",

@@ -807,7 +807,7 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
     for j in joined:                       # copies' partial sums put back, then reduce-scattered once (joined_sums)
         for oid in j.roots:
             rescaled[oid] = unpriced_reduction(costs[oid], params)
-            costs[oid] = costs[oid] + rescaled[oid]
+            costs[oid] += rescaled[oid]
         rescaled[j.concat] = j.cost
         costs[j.concat] = costs[j.concat] + j.cost
         left[j.last] = j.target
