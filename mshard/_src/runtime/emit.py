@@ -254,6 +254,11 @@ class Emitter:
         with jax.named_scope(scope) if scope else _null(), eqn.ctx.manager:
             out = prim.bind(*invals, **prim.get_bind_params(params))
         outs_lay = self.eqn_out.get(key)
+        if outs_lay is None and prim.name == "pad" and self.planned:
+            # a pad the plan leaves free (computed from constants alone: the transpose of a strided slice of a sum's
+            # ones) is held whole and its readers slice it locally: constrained split on a padded dim at once, XLA's
+            # partitioner fails its HLO verifier (docs/xla_repro/r15_pad_of_constant_split.py)
+            out = self.wsc(out, ((),) * len(out.shape))
         if outs_lay is not None and prim.name == "scan":
             outs_lay = _stacked_results_free(outs_lay, params["num_carry"])
         if outs_lay is not None:

@@ -56,10 +56,7 @@ CI_CASES = 72
 # seeds of the campaign (seeds 0-1599 under the suite's XLA flags) whose case is a finding, kept out of CI (none is
 # below CI_CASES today; the list keeps them out if it grows); each finding has its own strict xfail on a minimal
 # program below
-KNOWN_FINDINGS = {
-    744: "XLA's HLO verifier rejects the searched gradient: "
-         "test_a_searched_strided_slice_of_a_split_softmax_axis_differentiates",
-}
+KNOWN_FINDINGS: dict[int, str] = {}      # 744 and 320993 were, until the emitter held a free pad whole (r15)
 # seeds past CI_CASES, each for a feature the first CI_CASES no longer draw since a generator was added (the draws of
 # every later seed shift with the generator table): 157 wraps a step in jax.lax.cond (ops.Flatten's generator, 9f5c533)
 COVERAGE_SEEDS = (157,)
@@ -209,19 +206,20 @@ def test_a_scan_with_a_strategy_inside_differentiates():
     assert jnp.all(gw == 8.0) and jnp.all(gb == 2.0)      # d/dw: x^T @ ones = 8; d/db: 2 scan steps
 
 
-@pytest.mark.xfail(strict=True, reason="fuzzer finding (seed 320993, found at d25ea69 and already at f678c82): the "
-                   "gradient of Sigmoid((8, 1)) -> Minimum -> Transpose -> StridedSlice (stride 2) searched by "
-                   "dynamic_programming on 8 devices fails XLA's HLO verifier (INTERNAL: expected f32[16,1], actual "
-                   "f32[16,2], on the sharding constraint of the strided slice's transpose, a pad); likely the same class "
-                   "as seed 744, not yet reduced to plain JAX")
-def test_seed_320993_a_strided_slice_after_a_transpose_differentiates():
-    _check(make_case(320993), {"equal", "meeting"})
+@pytest.mark.parametrize("seed", [744, 320993])
+def test_a_searched_gradient_of_a_strided_slice_compiles_and_equals_one_device(seed):
+    """Fuzzer findings 744 (a Softmax whose out_strategy splits the softmax axis, then a stride-2 StridedSlice, on 4
+    devices) and 320993 (Sigmoid((8, 1)) -> Minimum -> Transpose -> StridedSlice, searched by dynamic_programming on
+    8 devices): the strided slice's gradient is a pad of the loss's ones, computed from constants alone, which the
+    plan leaves free and its reader constrained split on the padded dim; XLA's HLO verifier rejected that
+    (docs/xla_repro/r15_pad_of_constant_split.py, plain JAX). The emitter holds such a pad whole and its reader
+    slices it locally: the cases compile and equal the float64 reference."""
+    _check(make_case(seed), {"equal", "meeting"})
 
 
-@pytest.mark.xfail(strict=True, raises=jax.errors.JaxRuntimeError, reason="fuzzer finding (seed 744): the searched "
-                   "gradient of a strided slice of a Softmax whose out_strategy splits the softmax axis fails XLA's HLO "
-                   "verifier on 4 devices (INTERNAL: expected f32[16,3], actual f32[16,4])")
 def test_a_searched_strided_slice_of_a_split_softmax_axis_differentiates():
+    """Fuzzer finding 744 reduced: XLA's HLO verifier rejected it (INTERNAL: expected f32[16,3], actual f32[16,4])
+    until the emitter held the free pad of its gradient whole (docs/xla_repro/r15_pad_of_constant_split.py)."""
     ms.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode="recursive_programming", device_num=4)
     softmax, slice_ = ops.Softmax().shard(((4, 1),), ((1, 4),)), ops.StridedSlice()
     rng = np.random.default_rng(0)

@@ -290,3 +290,25 @@ def test_plain_xla_still_miscompiles_the_grouped_conv_weight_gradient():
     got = jax.jit(jax.grad(loss))(w, jax.device_put(x, NamedSharding(mesh, P("a"))))
     # float32: each kernel entry sums 2 * 4 * 4 = 32 products of order 1
     assert_xla_still_wrong(got, jax.grad(loss)(w, x), 1e-4, "ops.Conv2D may use XLA's own grouped weight gradient")
+
+
+def test_plain_xla_still_rejects_a_free_pad_constrained_split_on_its_padded_dim():
+    """r15: a pad with interior padding of a replicated constant (the gradient of a stride-2 slice of a sum), then
+    constrained split 8 ways on the padded dim, fails XLA's HLO verifier under plain jax.jit; the emitter holds such
+    a pad whole first (runtime/emit.py), which compiles. When a JAX upgrade compiles it, this fails: lift the guard
+    (the fuzzer's seeds 744 and 320993, tests/e2e/fuzz/test_fuzz.py, check mshard's side)."""
+    mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Auto,) * 3)
+
+    def f(x, whole_first):
+        g = jax.lax.with_sharding_constraint(jnp.ones((16, 8), jnp.float32), NamedSharding(mesh, P()))
+        p = jax.lax.pad(g, 0.0, [(0, 0, 0), (0, 1, 1)])
+        if whole_first:
+            p = jax.lax.with_sharding_constraint(p, NamedSharding(mesh, P()))
+        p = jax.lax.with_sharding_constraint(p, NamedSharding(mesh, P(None, ("a", "b", "c"))))
+        return p.T * x
+    x = jnp.ones((16, 16), jnp.float32)
+    want = np.zeros((16, 16), np.float32)
+    want[::2] = 1.0                            # the ones at every other row of the transposed pad, zeros between
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: f(x, True))(x)), want)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="hlo verifier"):
+        jax.jit(lambda x: f(x, False))(x)
