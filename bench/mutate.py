@@ -144,6 +144,11 @@ BUGS = [
         "        rescaled[oid] = body.cost\n        costs[oid] = costs[oid] + body.cost\n",
         "        pass\n",
         ("tests/e2e/training/test_fsdp_scan_layers.py",)),
+    Bug("scan_carry_kept_whole", "a scan's carry stays where the search left it though its body computes it split "
+        "and moves it back every step", "mshard/_src/planning/search.py",
+        "    return (s, other, made) if after < before else None\n",
+        "    return None\n",
+        ("tests/e2e/search/test_scan_bodies.py",)),
     Bug("dataset_off_by_one", "each device's rows of a host batch are the next device's (the last keeps its own)",
         "mshard/_src/runtime/dataset.py",
         "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])\n",

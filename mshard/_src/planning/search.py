@@ -419,9 +419,13 @@ def _plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, mesh: 
             out_fixed.append(lay)
         try:
             body, made = _plan_body(te, in_fixed, out_fixed, params, graph.mesh, mesh)
+            moved = _carry_where_made(te, op, strategies, in_fixed, out_fixed, body, params, graph, mesh)
         except Exception as e:    # a body the planner cannot lay out stays XLA's, as before (the note says so)
             notes.append(f"{te.name}: its body is left to XLA's partitioner, unpriced ({type(e).__name__}: {e})")
             continue
+        if moved is not None:
+            strategies[op.id], body, made = moved
+            notes.append(f"{te.name}: its carry is kept where its body leaves it, which moves less in all")
         for j, lay in enumerate(made):
             if j >= p["num_carry"] and out_fixed[j] is None and lay is not None:
                 stacked[op.outputs[j]] = ((), *lay)
@@ -429,6 +433,50 @@ def _plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, mesh: 
         notes.append(f"{te.name}: its body is planned as a region of its own, priced per step times "
                      f"{p['length']} steps")
     return out
+
+
+def _carry_where_made(te, op, strategies, in_fixed: list, out_fixed: list, body: ScanBody, params: CostParams,
+                      graph, mesh):
+    """The scan's carry laid out where its body leaves it, when that costs less in all: the searchers chose the
+    carry's layout without the body (a carry that starts from constants, a backward loop's cotangent, is left
+    whole), and a body that computes it split then moves it back every step. The body is planned with its carry
+    results free, the carry set where they come out, until that holds step after step (3 tries); the layout is
+    taken where the region's price (``graph_cost``, shared, with the new scan strategy) plus the body's is lower.
+    -> (the scan's strategy, the body, the layout each result is left in), or None."""
+    p = te.eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    if not nk:
+        return None
+    carry = list(in_fixed)
+    free = [None if j < nk else lay for j, lay in enumerate(out_fixed)]
+    for _ in range(3):
+        _, made = _plan_body(te, carry, free, params, graph.mesh, mesh)
+        if any(made[k] is None for k in range(nk)):
+            return None
+        if all(tuple(made[k]) == tuple(carry[nc + k]) for k in range(nk)):
+            break
+        carry = carry[:nc] + [tuple(made[k]) for k in range(nk)] + carry[nc + nk:]
+    else:
+        return None
+    if carry == list(in_fixed):
+        return None
+    where = dict(zip(op.dims, strategies[op.id]))
+    for k in range(nk):
+        for d, lab in enumerate(op.in_dims[nc + k]):
+            if lab is not None:
+                where[lab] = tuple(carry[nc + k][d])
+    s = tuple(where[d] for d in op.dims)
+    used = [a for axes in s for a in axes]
+    if len(set(used)) != len(used) or not is_legal(op, s, graph.mesh):   # a mesh axis splits one loop dim of an op
+        return None
+    fixed = list(out_fixed)
+    fixed[:nk] = [carry[nc + k] for k in range(nk)]
+    other, made = _plan_body(te, carry, fixed, params, graph.mesh, mesh)
+    tried = dict(strategies)
+    tried[op.id] = s
+    before = graph_cost(graph, strategies, params, shared=True).total + body.cost.total
+    after = graph_cost(graph, tried, params, shared=True).total + other.cost.total
+    return (s, other, made) if after < before else None
 
 
 def _plan_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph_mesh: DeviceMesh, mesh
