@@ -4,6 +4,7 @@ import contextlib
 import itertools
 import os
 import pathlib
+import re
 import socket
 
 import jax
@@ -98,3 +99,46 @@ def all_layouts(rank: int, naxes: int) -> list[tuple[tuple[int, ...], ...]]:
         for perms in itertools.product(*[list(itertools.permutations(x)) for x in dims]):
             out.add(tuple(tuple(p) for p in perms))
     return sorted(out)
+
+
+_RING = {"all-reduce": lambda s, k: 2 * s * (k - 1) / k, "all-gather": lambda s, k: s * (k - 1) / k,
+         "reduce-scatter": lambda s, k: s * (k - 1), "all-to-all": lambda s, k: s * (k - 1) / k,
+         "collective-permute": lambda s, k: s}
+_BYTES = {"f32": 4, "s32": 4, "bf16": 2, "f16": 2, "pred": 1}
+
+
+def loop_moved(hlo: str, trips: int) -> dict[str, float]:
+    """Bytes moved per device by each collective kind of a compiled module, read from its text without mshard's
+    code: each collective's result shapes (a tuple-shaped one counts every element), its replica group's size k, the
+    ring formulas (all-reduce 2 S (k-1)/k, all-gather S (k-1)/k of its result, reduce-scatter S (k-1) of its result,
+    all-to-all S (k-1)/k, a permute S), a collective in a while loop's body counted ``trips`` times."""
+    bodies = set(re.findall(r"\bbody=%([\w.\-]+)", hlo))
+    out: dict[str, float] = {}
+    comp = None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
+        if head:
+            comp = head.group(1)
+        m = re.search(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
+                      line)
+        if m is None:
+            continue
+        size = sum(_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
+                   for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)))
+        out[m.group(2)] = out.get(m.group(2), 0.0) + _RING[m.group(2)](size, _group(line)) * (
+            trips if comp in bodies else 1)
+    return out
+
+
+def _group(line: str) -> int:
+    """The replica group size of a collective: ``{{0,1},{2,3}}``, iota ``[4,2]<=[8]``, or mesh axes
+    ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`` (the named axes' sizes multiplied)."""
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line)
+    if mesh:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
+        return int(np.prod([int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh.group(2))]))
+    groups = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
+    if groups:
+        return len(groups.group(1).split(","))
+    iota = re.search(r"replica_groups=\[\d+,(\d+)\]", line)
+    return int(iota.group(1)) if iota else 2          # a permute: k unused

@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from mshard._src.jaxpr.op_graph import TraceResult
-from mshard._src.planning.scattered_sums import _dot_of
+from mshard._src.planning.scattered_sums import dot_of
 from searchers.cost import Cost, CostParams, reduction_cost
 from searchers.graph import Graph, TensorLayout, operand_layout, partial_axes, result_layout
 
@@ -86,7 +86,7 @@ def _joined(graph: Graph, concat, tes, strategies, readers, ends, params: CostPa
                 return None
             if result_layout(prod, strategies[prod.id], prod.outputs.index(tid)) != want:
                 return None
-            dot = _dot_of(te)
+            dot = dot_of(te)
             if dot is not None:
                 part = partial_axes(prod, strategies[prod.id])
                 if not part or axes not in (None, part):

@@ -45,7 +45,7 @@ def mark_scatter(trace: TraceResult, roles_at: dict[tuple, tuple] | None = None)
     roots = {k for _, roles in (sum_roles(trace) if roles_at is None else roles_at).values()
              for k, role in roles.items() if role == "root"}
     for te in trace.eqns:
-        found = _dot_of(te)
+        found = dot_of(te)
         if found is not None and id(found[0]) not in roots:
             trace.graph.ops[te.op].scatter = True
 
@@ -84,7 +84,7 @@ def scattered_reductions(trace: TraceResult, strategies, params: CostParams
             continue
         found = scatter_saving(op, strategies[op.id], want, graph, params)
         if found is not None:
-            dot, mark = _dot_of(te)
+            dot, mark = dot_of(te)
             out[op.id] = Scattered((tuple(id(e) for e in te.path), id(dot)), found[0], mark)
             strategies.update(relaid)
     return out, strategies
@@ -141,7 +141,7 @@ def _read_back(graph: Graph, op: Op, chain: list[Op], strategies, readers
 _SUMS = ("dot_general", "reduce_sum")       # the equations whose split result is a partial sum the executor scatters
 
 
-def _dot_of(te):
+def dot_of(te):
     """(the dot_general or reduce_sum equation, the out mark holding its result or None) of a traced op that is one
     such equation, or a primitive object traced as one op whose body is one such equation read by its one out mark;
     else None."""

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import split_counts
+from helpers import loop_moved, split_counts
 from train_helpers import assert_params_close, assert_trees_close, batches, mse, reference_train
 
 import mshard as ms
@@ -128,8 +128,6 @@ def test_level3_over_a_scan_of_layers_holds_one_layer_whole_at_a_time(remat):
     assert not any(shape.startswith(f"f32[{L},") for _, _, shape in coll), coll
 
 
-_RING = {"all-gather": lambda b: b * 7 / 8, "reduce-scatter": lambda b: b * 7, "all-reduce": lambda b: 2 * b * 7 / 8}
-
 
 @pytest.mark.parametrize("mode", ["data_parallel", "semi_auto_parallel"])
 @pytest.mark.parametrize("remat", [True, False], ids=["remat", "no_remat"])
@@ -138,16 +136,11 @@ def test_level3_over_a_scan_reduce_scatters_each_layers_gradient_and_the_plan_pr
     each layer's gradient, a partial sum over the 8 batch devices, is reduce-scattered inside the backward loop into
     the eighth its layer is stored in (it was all-reduced whole there, f32[256, 256], and sliced), and the plan
     prices every step of every loop: its bytes equal the compiled program's, kind by kind, each collective in a
-    loop body counted once per layer. The reference is the HLO itself: each collective's result shape, the ring
-    formula for 8 devices (tests/e2e/search/test_plan_program.py's), times L inside a loop (both loops run L steps)."""
+    loop body counted once per layer. The reference is the HLO itself, read by tests/helpers.py ``loop_moved``."""
     (x, y), = batches(1, [(B, D), (B, D)], seed=12)
     _, step = _step(mode, "level3", optax.sgd(1e-1), remat)
     hlo = step.lower(x, y).compile().as_text()
-    bodies = _bodies(hlo)
-    moved: dict[str, float] = {}
-    for comp, kind, shape in _collectives(hlo):
-        dims = [int(d) for d in re.findall(r"\d+", shape.split("[")[1])]
-        moved[kind] = moved.get(kind, 0.0) + _RING[kind](4 * int(np.prod(dims))) * (L if comp in bodies else 1)
+    moved = {k: v for k, v in loop_moved(hlo, L).items() if v}      # both loops run L steps
     assert [k for _, k, sh in _collectives(hlo) if sh == f"f32[{D},{D}]" and k == "all-reduce"] == []
     assert moved["reduce-scatter"] == L * W * 7 / 8          # each layer's gradient once, into its eighth
     predicted = step.plan(x, y).cost.communication
