@@ -55,18 +55,18 @@ def variant(tag):
     """``untied``: no write-back ties in the exact searchers, and their second search back; ``once``: no
     second search."""
     SEARCH_CACHE.clear()                     # every variant searches afresh (the cache keys on the graph only)
-    saved = planner._hold_state, dict(planner.SEARCHERS), PairwiseProblem.tie_operands
+    saved = planner.hold_state, dict(planner.SEARCHERS), PairwiseProblem.tie_operands
     if tag == "untied":
         for name, s in saved[1].items():
             if s.ties_exactly:
                 planner.SEARCHERS[name] = dataclasses.replace(s, ties_exactly=False, holds_state=True)
         PairwiseProblem.tie_operands = lambda self: 0
     if tag == "once":
-        planner._hold_state = lambda graph, strategies: False
+        planner.hold_state = lambda graph, strategies: False
     try:
         yield
     finally:
-        planner._hold_state, PairwiseProblem.tie_operands = saved[0], saved[2]
+        planner.hold_state, PairwiseProblem.tie_operands = saved[0], saved[2]
         planner.SEARCHERS.clear()
         planner.SEARCHERS.update(saved[1])
 

@@ -193,7 +193,7 @@ def _sgd_step(fixed_mm):
     for new, old, name in ((nw, w, "w"), (nm, m, "m")):
         g.add_op(f"writeback/{name}", "writeback", {"i": 32, "j": 16}, [new, old], [("i", "j")] * 2, [("i", "j")],
                  follow_operand=1)
-    for op in g.ops[5:]:                     # what no user output (the sum) depends on: mshard._src.planning.search._free_derived
+    for op in g.ops[5:]:                     # what no user output (the sum) depends on: mshard._src.planning.prepare.free_derived
         op.derived = op.free_devices = True
     return g
 

@@ -848,7 +848,7 @@ def scan_carry_rule(in_shapes, out_shapes, *, num_consts=0, num_carry=0, **_) ->
     """A scan's carry keeps its layout from step to step: carry k's input and result share free loop dims, and
     XLA partitions the body around them (a split carry is always computed right). Constants, the scanned inputs
     and the stacked results stay replicated, as in :func:`replicated_rule`. The searchers price no body; once the
-    region is searched, the plan lays the body out and prices it (``planning.search._plan_scan_bodies``).
+    region is searched, the plan lays the body out and prices it (``planning.scan_bodies.plan_scan_bodies``).
 
     >>> s = scan_carry_rule([(4, 4), (8, 4), (3, 8, 4)], [(8, 4), (3, 8, 4)], num_consts=1, num_carry=1)
     >>> s.in_dims, s.out_dims[0], sorted(s.unsplittable)[:1]

@@ -66,7 +66,7 @@ def fused_reductions(trace: TraceResult, strategies, roles_at: dict[tuple, tuple
 
 def _jaxpr_at(trace: TraceResult, path: tuple):
     """The jaxpr whose equations carry ``path`` (the inlined calls enclosing them; a scan's body planned as a
-    region of its own, ``search._plan_scan_bodies``)."""
+    region of its own, ``scan_bodies.plan_scan_bodies``)."""
     if not path:
         return trace.closed_jaxpr.jaxpr
     return path[-1].params["jaxpr"].jaxpr if path[-1].primitive.name == "scan" else call_jaxpr(path[-1])

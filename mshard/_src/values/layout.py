@@ -350,7 +350,7 @@ def check_strategy(where: str, kind: str, shapes: Sequence[tuple[int, ...]],
                    in_dims: Sequence[tuple[str | None, ...]], fixed: frozenset[str],
                    strategy: Sequence[TensorStrategy | None], device_num: int) -> None:
     """The one legality of a primitive object's strategy, for what a user asks (``.shard``) and for what a plan
-    reports (:func:`mshard._src.planning.search.build_plan`): one split tuple per input that fits its shape, broadcast dims
+    reports (:func:`mshard._src.planning.plan_build.build_plan`): one split tuple per input that fits its shape, broadcast dims
     and the dims the op cannot split whole, shared dims split alike, the op's splits dividing device_num."""
     if len(strategy) != len(shapes):
         raise StrategyError(f"{where}: strategy has {len(strategy)} entries but the op takes {len(shapes)} "

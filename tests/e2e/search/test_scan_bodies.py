@@ -1,5 +1,5 @@
 """A scan's body is planned as a region of its own, and the plan prices every step of it (issue 40: "the plan
-is the program"; mshard/_src/planning/search.py ``_plan_scan_bodies``).
+is the program"; mshard/_src/planning/scan_bodies.py ``plan_scan_bodies``).
 
 Three loops, each differentiated (so a forward loop and a backward loop, both planned): an RNN whose weight is a
 loop constant, read with a scanned input; a stack of layers read slice by slice; a ``fori_loop`` (a scan with a
@@ -89,6 +89,6 @@ def test_a_differentiated_loop_is_planned_step_by_step_and_priced_as_it_runs(nam
     assert plan.cost.communication == pytest.approx(moved, abs=0.5), (plan.cost.communication, moved)
     # the obvious baseline: the same step with its loops' bodies left to XLA's partitioner (as before they were
     # planned); the planned program moves no more (a carry is kept where its body leaves it where that moves less)
-    monkeypatch.setattr(search, "_plan_scan_bodies", lambda *a, **k: {})
+    monkeypatch.setattr(search, "plan_scan_bodies", lambda *a, **k: {})
     _, _, xlas = _compiled(name, mode)
     assert sum(moved.values()) <= sum(loop_moved(xlas, trips).values()) + 0.5, (moved, loop_moved(xlas, trips))

@@ -141,7 +141,7 @@ def test_the_backward_and_update_of_a_step_are_exempt_from_fully_use_devices():
     MindSpore derives rather than searches) are marked free_devices; the forward, which the loss depends on,
     is not."""
     from mshard._src.jaxpr.op_graph import jaxpr_to_graph
-    from mshard._src.planning.search import _free_derived
+    from mshard._src.planning.prepare import free_derived
     from searchers import DeviceMesh
 
     def step(w, x):
@@ -150,7 +150,7 @@ def test_the_backward_and_update_of_a_step_are_exempt_from_fully_use_devices():
     w, x = jnp.ones((4, 6)), jnp.ones((8, 4))
     r = jaxpr_to_graph(jax.make_jaxpr(step)(w, x), DeviceMesh.prime(8), ["param", "data"], ["w", "x"],
                        state_outputs=[(1, 0)])
-    _free_derived(r.graph, 1)
+    free_derived(r.graph, 1)
     free = {op.name for op in r.graph.ops if op.free_devices}
     forward = {op.name for op in r.graph.ops if op.name.startswith("jvp()/") and not op.is_source}
     backward = {op.name for op in r.graph.ops if op.name.startswith("transpose(") and not op.is_source}
@@ -170,7 +170,7 @@ def test_recursive_programming_levels_at_once_on_a_traced_gpt_step(monkeypatch, 
     import searchers.recursive_programming as rp
     import searchers.rp_levels as rpl
     from mshard._src.jaxpr.op_graph import jaxpr_to_graph
-    from mshard._src.planning.search import _free_derived
+    from mshard._src.planning.prepare import free_derived
     from searchers import DeviceMesh
     from searchers.cost import CostParams
 
@@ -190,7 +190,7 @@ def test_recursive_programming_levels_at_once_on_a_traced_gpt_step(monkeypatch, 
     n = len(leaves)
     r = jaxpr_to_graph(cj, DeviceMesh.prime(8), ["param"] * n + ["data", "data"],
                        [f"p{i}" for i in range(n)] + ["ids", "labels"], state_outputs=[(1 + i, i) for i in range(n)])
-    _free_derived(r.graph, 1)
+    free_derived(r.graph, 1)
     ran = []
     real = rpl.LevelBatch.sweep
     monkeypatch.setattr(rpl.LevelBatch, "sweep", lambda self, *a: ran.append(self.n_levels) or real(self, *a))

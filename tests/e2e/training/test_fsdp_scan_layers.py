@@ -132,7 +132,7 @@ def test_level3_over_a_scan_of_layers_holds_one_layer_whole_at_a_time(remat):
 @pytest.mark.parametrize("mode", ["data_parallel", "semi_auto_parallel"])
 @pytest.mark.parametrize("remat", [True, False], ids=["remat", "no_remat"])
 def test_level3_over_a_scan_reduce_scatters_each_layers_gradient_and_the_plan_prices_the_loop(mode, remat):
-    """The scan's body is planned as a region of its own (mshard/_src/planning/search.py ``_plan_scan_bodies``):
+    """The scan's body is planned as a region of its own (mshard/_src/planning/scan_bodies.py ``plan_scan_bodies``):
     each layer's gradient, a partial sum over the 8 batch devices, is reduce-scattered inside the backward loop into
     the eighth its layer is stored in (it was all-reduced whole there, f32[256, 256], and sliced), and the plan
     prices every step of every loop: its bytes equal the compiled program's, kind by kind, each collective in a
