@@ -144,11 +144,21 @@ BUGS = [
         "        rescaled[oid] = body\n        costs[oid] = costs[oid] + body\n",
         "        pass\n",
         ("tests/e2e/training/test_fsdp_scan_layers.py",)),
-    Bug("scan_carry_kept_whole", "a scan's carry stays where the search left it though its body computes it split "
-        "and moves it back every step", "mshard/_src/planning/scan_bodies.py",
-        "    return (s, other, made) if after < before else None\n",
+    Bug("scan_carry_kept_whole", "a scan's boundary stays where the search left it though its body computes its "
+        "carry split and moves it back every step, and reads its constants split", "mshard/_src/planning/scan_bodies.py",
+        "    return best\n",
         "    return None\n",
-        ("tests/e2e/search/test_scan_bodies.py",)),
+        ("tests/e2e/search/test_scan_bodies.py", "tests/e2e/training/test_accumulation_plans.py")),
+    Bug("zero_buckets_sum_model_parallel_copies", "a fused step's optimizer-parallel buckets sum a gradient over "
+        "the model-parallel devices that hold the same copy of it", "mshard/_src/runtime/fusion.py",
+        "        red = jax.lax.psum_scatter(x, keep, scatter_dimension=0, tiled=True) if keep else x\n",
+        "        red = jax.lax.psum_scatter(f, tuple(shard_axes), scatter_dimension=0, tiled=True)\n",
+        ("tests/e2e/training/test_fsdp_compositions.py",)),
+    Bug("accumulation_reduced_per_micro_batch", "a GradAccumulationCell's model-parallel step leaves its gradient "
+        "reductions to XLA, which reduces every micro-batch's gradient inside the loop", "mshard/_src/training/grads.py",
+        "    if fusion.is_default(ctx) and not plan.tied and not plan.accumulated:\n",
+        "    if fusion.is_default(ctx) and not plan.tied:\n",
+        ("tests/e2e/training/test_accumulation_plans.py",)),
     Bug("dataset_off_by_one", "each device's rows of a host batch are the next device's (the last keeps its own)",
         "mshard/_src/runtime/dataset.py",
         "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])\n",

@@ -203,6 +203,8 @@ class Op:
     share_scope: int = 0                        # reads of one value in one layout share one redistribution only
                                                 # within a scope: a recomputed layer's reads run again (XLA does not
                                                 # share values across a jax.checkpoint boundary)
+    read_only: frozenset[str] = frozenset()     # operand loop dims no result uses that are not reduced either: a
+                                                # scan's constants and scanned inputs, which its body reads
     scanned_from: int | None = None             # a loop's first scanned operand: one moved to a layout that keeps
                                                 # the scanned dim whole is moved slice by slice inside the loop, by
                                                 # each loop that reads it (share_key)
@@ -250,7 +252,7 @@ class Op:
 
     @property
     def reduction_dims(self) -> tuple[str, ...]:
-        used = {d for od in self.out_dims for lab in od for d in parts(lab)}
+        used = {d for od in self.out_dims for lab in od for d in parts(lab)} | self.read_only
         return tuple(d for d in self.dims if d not in used)
 
     @property
@@ -489,6 +491,25 @@ def pinned_strategy(graph: Graph, op: Op, strategies: Sequence[Strategy | None])
     if op.id in graph.operand_ties:
         return operand_tied_strategy(graph, op, strategies) or replicated(op)
     return None
+
+
+def stored_tensors(graph: Graph) -> frozenset[int]:
+    """Tensors computed from stored state alone: a parameter, its casts and transposes, a constant times it (the
+    rule :func:`searchers.follow.follow_operands` takes such operands' axes after the others' by). A loop's body
+    reads them as parameters (``mshard._src.planning.scan_bodies``).
+
+    >>> g = Graph(DeviceMesh.prime(8))
+    >>> w = g.source("w", (16, 32), kind="param"); x = g.source("x", (8, 16))
+    >>> wt = g.add_op("t", "transpose", {"a": 16, "b": 32}, [w], [("a", "b")], [("b", "a")])[0]
+    >>> sorted(stored_tensors(g)) == [w, wt]
+    True
+    """
+    stored: set[int] = set()
+    for op in graph.ops:
+        if (op.kind == "param" if op.is_source else op.inputs and any(t in stored for t in op.inputs) and all(
+                t in stored or graph.producer(t).kind == "const" for t in op.inputs)):
+            stored.update(op.outputs)
+    return frozenset(stored)
 
 
 def constant_tensors(graph: Graph) -> frozenset[int]:

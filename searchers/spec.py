@@ -150,7 +150,8 @@ def _structure(op: Op) -> tuple:
         return -1 if d is None else idx[d] if isinstance(d, str) else tuple(idx[x] for x in d)
     in_maps = tuple(tuple(index(d) for d in dd) for dd in op.in_dims)
     out_maps = tuple(tuple(index(d) for d in dd) for dd in op.out_dims)
-    used = {i for m in out_maps for e in m for i in ((e,) if isinstance(e, int) else e)}
+    used = {i for m in out_maps for e in m for i in ((e,) if isinstance(e, int) else e)} | {
+        idx[d] for d in op.read_only}
     uns = op.unsplittable
     halo = tuple(op.halo.get(d, 0) for d in op.dims) if op.halo else ()
     return (op.split_sizes(), tuple(d in uns for d in op.dims), in_maps, out_maps,

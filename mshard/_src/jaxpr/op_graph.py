@@ -398,7 +398,7 @@ class _GraphBuilder:
         outs = self.graph.add_op(name, prim, s.dims, inputs, s.in_dims, s.out_dims, out_shapes,
                                  itemsize=itemsizes[0] if itemsizes else 4, reduce=s.reduce,
                                  unsplittable=frozenset(unsplit), flops=s.flops, split_limit=limit,
-                                 halo=s.halo or None, halo_apart=s.halo_apart)
+                                 halo=s.halo or None, halo_apart=s.halo_apart, read_only=s.read_only)
         for tid, size in zip(outs, itemsizes):
             self.graph.tensors[tid].itemsize = size
         if prim == "sharding_constraint":
@@ -472,12 +472,13 @@ def jaxpr_to_graph(closed_jaxpr, mesh: DeviceMesh, input_kinds: Sequence[str],
 
 
 
-def scan_body_graph(eqn, path: tuple, mesh: DeviceMesh, in_fixed: Sequence, out_fixed: Sequence) -> TraceResult:
+def scan_body_graph(eqn, path: tuple, mesh: DeviceMesh, in_fixed: Sequence, out_fixed: Sequence,
+                    stored: Sequence[bool] = ()) -> TraceResult:
     """The graph of one step of a ``scan``'s body, to plan it as a region of its own: each body input is a source
     fixed to the layout the body reads it in (``in_fixed``, a strategy per input: the constants' and the carry's
     layouts, a scanned input's without its scanned dim), and each result is read by a ``writeback`` op fixed to the
     layout the loop keeps it in (``out_fixed``: the carry's; a stacked result's readers' without the scanned dim;
-    None: where the body makes it).
+    None: where the body makes it). ``stored[k]``: body input k is stored state (a weight), a ``param`` source.
     The body's equations carry ``path + (eqn,)``, the emitter's keys inside the body.
 
     >>> import jax, jax.numpy as jnp
@@ -494,7 +495,8 @@ def scan_body_graph(eqn, path: tuple, mesh: DeviceMesh, in_fixed: Sequence, out_
     env: dict = {}
     input_ops = []
     for k, (v, fixed) in enumerate(zip(body.jaxpr.invars, in_fixed, strict=True)):
-        env[v] = t.graph.source(t.names(f"scan_in{k}"), _shape(v.aval), kind="data", itemsize=_itemsize(v.aval),
+        kind = "param" if k < len(stored) and stored[k] else "data"
+        env[v] = t.graph.source(t.names(f"scan_in{k}"), _shape(v.aval), kind=kind, itemsize=_itemsize(v.aval),
                                 fixed=tuple(tuple(a) for a in fixed))
         input_ops.append(t.graph.tensors[env[v]].producer)
     const_ops = []

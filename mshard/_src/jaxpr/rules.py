@@ -102,10 +102,12 @@ class IterSpace:
     split_divides: dict[str, int] = field(default_factory=dict)
     halo: dict[str, int] = field(default_factory=dict)
     halo_apart: frozenset[str] = frozenset()
+    read_only: frozenset[str] = frozenset()   # operand loop dims no result uses that are not reduced either (a
+                                              # scan's constants and scanned inputs: the body reads them)
 
     @property
     def reduction_dims(self) -> tuple[str, ...]:
-        used = {d for od in self.out_dims for lab in od for d in parts(lab)}
+        used = {d for od in self.out_dims for lab in od for d in parts(lab)} | self.read_only
         return tuple(d for d in self.dims if d not in used)
 
     def check(self, in_shapes: Sequence[Sequence[int]], out_shapes: Sequence[Sequence[int]]) -> None:
@@ -159,7 +161,8 @@ def space(ins: Sequence[Sequence[str | None]], outs: Sequence[Sequence[str | Non
           in_shapes: Sequence[Sequence[int]], out_shapes: Sequence[Sequence[int]], *,
           reduce: str = "sum", unsplittable: Iterable[str] = (), flops: float | None = None,
           split_divides: Mapping[str, int] | None = None, halo: Mapping[str, int] | None = None,
-          halo_apart: Iterable[str] = (), sizes: Mapping[str, int] | None = None) -> IterSpace:
+          halo_apart: Iterable[str] = (), sizes: Mapping[str, int] | None = None,
+          read_only: Iterable[str] = ()) -> IterSpace:
     """An :class:`IterSpace` from per-tensor label tuples. Loop dims are ordered by first
     appearance in the results, then in the operands (free dims first, reductions last, as einsum).
 
@@ -181,7 +184,7 @@ def space(ins: Sequence[Sequence[str | None]], outs: Sequence[Sequence[str | Non
     canon = lambda labels: tuple(lab if lab is None or isinstance(lab, str) else tuple(lab) for lab in labels)
     s = IterSpace(dims, tuple(canon(x) for x in ins), tuple(canon(x) for x in outs), reduce,
                   frozenset(d for d in unsplittable if d in dims), flops, dict(split_divides or {}),
-                  dict(halo or {}), frozenset(halo_apart))
+                  dict(halo or {}), frozenset(halo_apart), frozenset(d for d in read_only if d in dims))
     s.check(in_shapes, out_shapes)
     return s
 
@@ -846,15 +849,20 @@ register(*INLINE)(replicated_rule)
 @register("scan")
 def scan_carry_rule(in_shapes, out_shapes, *, num_consts=0, num_carry=0, **_) -> IterSpace:
     """A scan's carry keeps its layout from step to step: carry k's input and result share free loop dims, and
-    XLA partitions the body around them (a split carry is always computed right). Constants, the scanned inputs
-    and the stacked results stay replicated, as in :func:`replicated_rule`. The searchers price no body; once the
-    region is searched, the plan lays the body out and prices it (``planning.scan_bodies.plan_scan_bodies``).
+    XLA partitions the body around them (a split carry is always computed right). Each constant is read in a
+    layout of its own (``read_only`` loop dims: read by the body, neither returned nor reduced); the scanned
+    inputs and the stacked results stay whole (a scanned input moved to a layout is moved step by step inside the
+    loop). The searchers price no body; once the region is searched, the plan lays the body out, reads the
+    constants where they arrive where that costs less, and prices it (``planning.scan_bodies.plan_scan_bodies``).
 
     >>> s = scan_carry_rule([(4, 4), (8, 4), (3, 8, 4)], [(8, 4), (3, 8, 4)], num_consts=1, num_carry=1)
-    >>> s.in_dims, s.out_dims[0], sorted(s.unsplittable)[:1]
-    (((None, None), ('c0_0', 'c0_1'), (None, None, None)), ('c0_0', 'c0_1'), ['y1_0'])
+    >>> s.in_dims
+    (('k0_0', 'k0_1'), ('c0_0', 'c0_1'), (None, None, None))
+    >>> s.out_dims[0], sorted(s.unsplittable), s.reduction_dims
+    (('c0_0', 'c0_1'), ['y1_0', 'y1_1', 'y1_2'], ())
     """
-    ins: list[tuple[str | None, ...]] = [(None,) * len(s) for s in in_shapes]
+    ins: list[tuple[str | None, ...]] = [tuple(f"k{i}_{d}" for d in range(len(s))) if i < num_consts
+                                         else (None,) * len(s) for i, s in enumerate(in_shapes)]
     outs = [tuple(f"y{j}_{d}" for d in range(len(s))) for j, s in enumerate(out_shapes)]
     carried = set()
     for k in range(min(num_carry, len(out_shapes))):
@@ -864,4 +872,5 @@ def scan_carry_rule(in_shapes, out_shapes, *, num_consts=0, num_carry=0, **_) ->
             ins[i], outs[k] = lab, lab
             carried.add(k)
     unsplit = [d for j, o in enumerate(outs) if j not in carried for d in o]
-    return space(ins, outs, in_shapes, out_shapes, unsplittable=unsplit, flops=_out_size(out_shapes))
+    read = [d for lab in ins[:num_consts] for d in lab]
+    return space(ins, outs, in_shapes, out_shapes, unsplittable=unsplit, flops=_out_size(out_shapes), read_only=read)

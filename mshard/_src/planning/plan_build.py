@@ -307,9 +307,12 @@ def _check_reported(trace: TraceResult, plan_ops, mesh: DeviceMesh) -> None:
             shapes, dims, fixed = [graph.tensors[t].shape for t in op.inputs], op.in_dims, op.unsplittable
         if len(entry.strategy) != len(shapes):
             continue                  # a primitive object traced op by op whose marks were not all searched
+        # a scan's operands are independent tensors (scan_bodies._per_tensor): each is checked on its own
+        parts = [[i] for i in range(len(shapes))] if op.kind == "scan" else [list(range(len(shapes)))]
         try:
-            check_strategy(entry.name, entry.kind, shapes, dims, frozenset(fixed),
-                           [TensorStrategy(tuple(c)) for c in entry.strategy], mesh.size)
+            for part in parts:
+                check_strategy(entry.name, entry.kind, [shapes[i] for i in part], [dims[i] for i in part],
+                               frozenset(fixed), [TensorStrategy(tuple(entry.strategy[i])) for i in part], mesh.size)
         except StrategyError as e:
             raise PlanError(f"mshard planner: the plan would report {entry.name} with {entry.strategy}, which is "
                             f"not a valid strategy ({e}); please report this.") from e

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mshard._src.jaxpr.op_graph import TraceResult, scan_body_graph
-from mshard._src.jaxpr.walk import has_marks
 from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts
 from mshard._src.planning.fused_sums import sum_roles
 from mshard._src.planning.plan_build import build_plan, emit_layouts
@@ -17,7 +16,7 @@ from mshard._src.planning.scattered_sums import mark_scatter, scattered_reductio
 from mshard._src.values.layout import axes_by_name
 from searchers import DeviceMesh
 from searchers.cost import Cost, CostParams, graph_cost
-from searchers.graph import TensorLayout, operand_layout, result_layout
+from searchers.graph import TensorLayout, operand_layout, result_layout, stored_tensors
 from searchers.protocol import SEARCHERS
 from searchers.strategies import is_legal
 
@@ -35,6 +34,7 @@ class ScanBody:
     outputs: list
     cost: Cost
     marks: dict          # the layout of each mark inside the body (the user's where fixed, else where planned)
+    moved: bool = False  # its loop's boundary set where the body reads and leaves it (_boundary_where_made)
 
 
 def plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, base: RegionLayouts, notes: list[str]
@@ -43,16 +43,18 @@ def plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, base: R
     reads them in (the scan's operands; a scanned input without its scanned dim, or, a stacked result of an earlier
     loop, where that loop's body left it) and its results in the layouts the loop keeps them in (the carry's; a
     stacked result's one layout its readers read it in, without the scanned dim; where the body makes it, for one
-    another loop reads). A body with marks (an op object's strategy inside the loop) is left to XLA, as before: only
-    its carry is planned."""
+    another loop reads). A mark inside the body (an op object's strategy, a shard-wrapped function: a gradient
+    accumulation's whole step, a layer of a scan over layers) is fixed where the user's strategy lays it out
+    (``base.marks``), as on the region's graph."""
     graph = trace.graph
     readers: dict[int, list] = {}
     for _, consumer, tid, i in graph.edges():
         readers.setdefault(tid, []).append((graph.ops[consumer], i))
     out: dict[int, ScanBody] = {}
+    stored = stored_tensors(graph)
     stacked: dict[int, TensorLayout] = {}     # a stacked result left where its body made it -> that layout
     for te in trace.eqns:
-        if te.group or te.eqn.primitive.name != "scan" or has_marks(te.eqn.params["jaxpr"].jaxpr):
+        if te.group or te.eqn.primitive.name != "scan":
             continue
         op, p = graph.ops[te.op], te.eqn.params
         s = strategies[op.id]
@@ -71,14 +73,17 @@ def plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, base: R
                        else (next(iter(wants)) if len(wants) == 1 else lay)[1:])
             out_fixed.append(lay)
         try:
-            body, made = _plan_body(te, in_fixed, out_fixed, params, graph.mesh, base)
-            moved = _carry_where_made(te, op, strategies, in_fixed, out_fixed, body, params, graph, base)
+            kept = [tid in stored for tid in op.inputs]      # weights: the body reads them as parameters
+            body, made = _plan_body(te, in_fixed, out_fixed, params, graph.mesh, base, kept)
+            moved = _boundary_where_made(te, op, strategies, in_fixed, out_fixed, body, params, graph, base, kept)
         except Exception as e:    # a body the planner cannot lay out stays XLA's, as before (the note says so)
             notes.append(f"{te.name}: its body is left to XLA's partitioner, unpriced ({type(e).__name__}: {e})")
             continue
         if moved is not None:
             strategies[op.id], body, made = moved
-            notes.append(f"{te.name}: its carry is kept where its body leaves it, which moves less in all")
+            body.moved = True
+            notes.append(f"{te.name}: its constants are read where they arrive and its carry kept where its body "
+                         f"leaves it, which moves less in all")
         for j, lay in enumerate(made):
             if j >= p["num_carry"] and out_fixed[j] is None and lay is not None:
                 stacked[op.outputs[j]] = ((), *lay)
@@ -88,58 +93,105 @@ def plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, base: R
     return out
 
 
-def _carry_where_made(te, op, strategies, in_fixed: list, out_fixed: list, body: ScanBody, params: CostParams,
-                      graph, base: RegionLayouts):
-    """The scan's carry laid out where its body leaves it, when that costs less in all: the searchers chose the
-    carry's layout without the body (a carry that starts from constants, a backward loop's cotangent, is left
-    whole), and a body that computes it split then moves it back every step. The body is planned with its carry
-    results free, the carry set where they come out, until that holds step after step (3 tries); the layout is
-    taken where the region's price (``graph_cost``, shared, with the new scan strategy) plus the body's is lower.
-    -> (the scan's strategy, the body, the layout each result is left in), or None."""
+def _boundary_where_made(te, op, strategies, in_fixed: list, out_fixed: list, body: ScanBody, params: CostParams,
+                         graph, base: RegionLayouts, kept: list[bool]):
+    """The scan's boundary where its body reads and leaves it, when that costs less in all. The searchers chose
+    the scan's strategy without its body and with one mesh axis per loop dim of the scan op: a Megatron layer's
+    weights, passed to a gradient accumulation's loop as constants, split over one model-parallel axis on
+    different dims, were gathered whole before the loop; a carry that starts from constants (a backward loop's
+    cotangent, an accumulated gradient) was left whole, and a body that computes it split moved it back every
+    step. The constants are tried where they arrive and whole, the carry starting where its first value arrives
+    and where the search put it; for each, the body is planned with its carry results free and the carry set where
+    they come out, until that holds step after step (3 tries). The scanned inputs stay as the search read them.
+    The cheapest is taken where the region's price (``graph_cost``, shared, with the new scan strategy) plus the
+    body's is lower than the search's. -> (the scan's strategy, the body, the layout each result is left in), or
+    None."""
+    best, seen = None, set()
+    cost = graph_cost(graph, strategies, params, shared=True).total + body.cost.total
+    for whole in (False, True):
+        for searched in (False, True):
+            start = _boundary_start(te, op, strategies, in_fixed, graph, whole, searched)
+            if start in seen:
+                continue
+            seen.add(start)
+            tried = _boundary_tried(te, op, strategies, in_fixed, out_fixed, params, graph, base, kept, list(start))
+            if tried is None:
+                continue
+            alt = dict(strategies)
+            alt[op.id] = tried[0]
+            total = graph_cost(graph, alt, params, shared=True).total + tried[1].cost.total
+            if total < cost:
+                best, cost = tried, total
+    return best
+
+
+def _boundary_start(te, op, strategies, in_fixed: list, graph, whole: bool, searched: bool) -> tuple:
+    """The body inputs' layouts a boundary is tried from: the constants whole or where they arrive, the carry where
+    the search put it or where its first value arrives, the scanned inputs as the search read them."""
+    nc, nk = te.eqn.params["num_consts"], te.eqn.params["num_carry"]
+    start = [tuple(tuple(a) for a in x) for x in in_fixed]
+    for i, tid in enumerate(op.inputs[:nc + nk]):
+        prod = graph.producer(tid)
+        have = tuple(tuple(a) for a in result_layout(prod, strategies[prod.id], prod.outputs.index(tid)))
+        if i < nc:
+            start[i] = ((),) * len(have) if whole else have
+        elif not searched:
+            start[i] = have
+    return tuple(start)
+
+
+def _boundary_tried(te, op, strategies, in_fixed: list, out_fixed: list, params: CostParams, graph,
+                    base: RegionLayouts, kept: list[bool], carry: list):
+    """One boundary for :func:`_boundary_where_made`, from the body inputs' layouts ``carry``. -> (the scan's
+    strategy, the body, the layout each result is left in), or None where it is the search's, does not settle or
+    is no strategy."""
     p = te.eqn.params
     nc, nk = p["num_consts"], p["num_carry"]
-    if not nk:
-        return None
-    carry = list(in_fixed)
     free = [None if j < nk else lay for j, lay in enumerate(out_fixed)]
-    for _ in range(3):
-        _, made = _plan_body(te, carry, free, params, graph.mesh, base)
+    for _ in range(3 if nk else 0):
+        _, made = _plan_body(te, carry, free, params, graph.mesh, base, kept)
         if any(made[k] is None for k in range(nk)):
             return None
         if all(tuple(made[k]) == tuple(carry[nc + k]) for k in range(nk)):
             break
         carry = carry[:nc] + [tuple(made[k]) for k in range(nk)] + carry[nc + nk:]
     else:
-        return None
-    if carry == list(in_fixed):
+        if nk:
+            return None
+    if [tuple(map(tuple, x)) for x in carry] == [tuple(map(tuple, x)) for x in in_fixed]:
         return None
     where = dict(zip(op.dims, strategies[op.id]))
-    for k in range(nk):
-        for d, lab in enumerate(op.in_dims[nc + k]):
+    for i in range(nc + nk):
+        for d, lab in enumerate(op.in_dims[i]):
             if lab is not None:
-                where[lab] = tuple(carry[nc + k][d])
+                where[lab] = tuple(carry[i][d])
     s = tuple(where[d] for d in op.dims)
-    used = [a for axes in s for a in axes]
-    if len(set(used)) != len(used) or not is_legal(op, s, graph.mesh):   # a mesh axis splits one loop dim of an op
+    if not _per_tensor(op, s) or not is_legal(op, s, graph.mesh):
         return None
     fixed = list(out_fixed)
     fixed[:nk] = [carry[nc + k] for k in range(nk)]
-    other, made = _plan_body(te, carry, fixed, params, graph.mesh, base)
-    tried = dict(strategies)
-    tried[op.id] = s
-    before = graph_cost(graph, strategies, params, shared=True).total + body.cost.total
-    after = graph_cost(graph, tried, params, shared=True).total + other.cost.total
-    return (s, other, made) if after < before else None
+    other, made = _plan_body(te, carry, fixed, params, graph.mesh, base, kept)
+    return s, other, made
+
+
+def _per_tensor(op, s) -> bool:
+    """Whether each of a scan's operands and results is a layout (a mesh axis splits one of its dims at most). A
+    scan's operands are independent tensors, so one mesh axis may split a dim of each: the gradients of a
+    column-parallel and a row-parallel weight accumulated in one carry are split over the same model-parallel axis,
+    on different dims."""
+    lays = [operand_layout(op, s, i) for i in range(len(op.inputs))] + [
+        result_layout(op, s, j) for j in range(len(op.outputs))]
+    return all(len(used := [a for axes in lay for a in axes]) == len(set(used)) for lay in lays)
 
 
 def _plan_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph_mesh: DeviceMesh,
-               region: RegionLayouts) -> tuple[ScanBody, list]:
+               region: RegionLayouts, kept: list[bool]) -> tuple[ScanBody, list]:
     """One step of a scan's body (``op_graph.scan_body_graph``, its boundary fixed as given), every op computed
     where its operands arrive (semi_auto's follow, ``searchers.follow``), partial sums reduce-scattered where they
     are read split (``scattered_sums``), priced as :func:`build_plan` prices a region, times the scan's length.
     -> (the body, the layout each result is left in)."""
     mesh = region.mesh
-    body = scan_body_graph(te.eqn, te.path, graph_mesh, in_fixed, out_fixed)
+    body = scan_body_graph(te.eqn, te.path, graph_mesh, in_fixed, out_fixed, kept)
     mark_recomputed(body)
     base = RegionLayouts(mesh, [()] * len(body.input_ops), dict(region.marks), region.op_names)
     fix_marks(body, base)            # the user's strategies inside the loop
@@ -156,8 +208,10 @@ def _plan_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph_me
                 c.total * n)
     sinks = {body.graph.ops[o].name: body.graph.ops[o]
              for o in (body.graph.tensors[t].producer for t in body.graph.outputs)}
-    made = [None if (k := sinks.get(f"scan_out{j}")) is None else operand_layout(k, strats[k.id], 0)
-            for j in range(len(out_fixed))]
+    outvars = te.eqn.params["jaxpr"].jaxpr.outvars
+    # a scalar result (a loss summed over the steps) has no sink (scan_body_graph) and one layout
+    made = [() if not outvars[j].aval.shape else None if (k := sinks.get(f"scan_out{j}")) is None
+            else operand_layout(k, strats[k.id], 0) for j in range(len(out_fixed))]
     left = [None if lay is None or want is None else axes_by_name(lay, mesh) for lay, want in zip(made, out_fixed)]
     return ScanBody(eqn_out, eqn_in, {item.key: axes_by_name(item.target, mesh) for item in scattered.values()},
                     [axes_by_name(x, mesh) for x in in_fixed], left, cost, laid.marks), made

@@ -150,15 +150,8 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
     opts = {"fully_use_devices": algo.fully_use_devices,
             "elementwise_op_strategy_follow": algo.elementwise_op_strategy_follow}
     hold = input_layout_hook if not hooked_before else None
-    result = _search(searcher, trace, params, opts, inputs, base, hold, notes)
-    # partial results reduce-scattered; the ops that only pass them on laid out as their readers read them
-    scattered, strategies = scattered_reductions(trace, result.strategies, params)
-    if strategies != result.strategies:
-        result = dataclasses.replace(result, strategies=strategies)
-    summed = {(where, eid) for where, (_, found) in roles.items() for eid in found}     # in a sum of partial sums
-    joined = [j for j in joined_sums(trace, strategies, params)
-              if not set(j.roots) & set(scattered) and not set(j.roles) & summed]
-    bodies = plan_scan_bodies(trace, strategies, params, base, notes)
+    result, scattered, strategies, joined, bodies = _searched(searcher, trace, params, opts, inputs, base, hold,
+                                                              roles, notes)
     layouts, eqn_out, eqn_in = emit_layouts(trace, strategies, base, scattered)
     plan = build_plan(trace, strategies, result, params, mesh, inputs, base, notes, algorithm, scattered, roles,
                       joined, {oid: b.cost for oid, b in bodies.items()})
@@ -277,6 +270,41 @@ def _saved_group_axes(te, op, loaded) -> list[list[str]] | None:
             if letter is not None:
                 where.setdefault(letter, list(axes))
     return [where.get(d, []) for d in op.dims]
+
+
+def _searched(searcher, trace: TraceResult, params: CostParams, opts: dict, inputs: Sequence[InputInfo],
+              base: RegionLayouts, hold: Callable | None, roles: dict, notes: list[str]):
+    """The search (:func:`_search`), the partial results it reduce-scatters or joins, and each loop's body planned
+    (:func:`mshard._src.planning.scan_bodies.plan_scan_bodies`). Where a body's plan moved its loop's boundary
+    (constants read where they arrive, a carry kept where the body leaves it), the searcher ran without knowing
+    it: the region is searched once more with those loops fixed there, so the ops after a loop read its results
+    where it leaves them. -> (result, scattered, strategies, joined, bodies)."""
+    graph = trace.graph
+    first = 0.0
+    for again in (False, True):
+        result = _search(searcher, trace, params, opts, inputs, base, hold, notes if not again else [])
+        result = dataclasses.replace(result, seconds=result.seconds + first)
+        # partial results reduce-scattered; the ops that only pass them on laid out as their readers read them
+        scattered, strategies = scattered_reductions(trace, result.strategies, params)
+        if strategies != result.strategies:
+            result = dataclasses.replace(result, strategies=strategies)
+        summed = {(where, eid) for where, (_, found) in roles.items() for eid in found}  # in a sum of partial sums
+        joined = [j for j in joined_sums(trace, strategies, params)
+                  if not set(j.roots) & set(scattered) and not set(j.roles) & summed]
+        strategies = dict(strategies)
+        said: list[str] = []
+        bodies = plan_scan_bodies(trace, strategies, params, base, said)
+        moved = {oid: strategies[oid] for oid, b in bodies.items() if b.moved and graph.ops[oid].fixed is None}
+        if again or not moved:
+            notes.extend(n for n in said if n not in notes)     # a body planned again says so once
+            break
+        notes.extend(said)
+        for oid, s in moved.items():
+            graph.ops[oid].fixed = s
+        first = result.seconds
+        notes.append(f"searched again with {len(moved)} loop(s) fixed where their bodies read and leave their "
+                     f"boundary")
+    return dataclasses.replace(result, strategies=strategies), scattered, strategies, joined, bodies
 
 
 def _search(searcher, trace: TraceResult, params: CostParams, opts: dict, inputs: Sequence[InputInfo],

@@ -209,13 +209,25 @@ def reduce_scatter_sharded_buckets(stacked: Sequence[jax.Array], specs: Sequence
     """:func:`reduce_scatter_buckets` for gradients also split over model-parallel axes: ``stacked[i]`` is
     ``[dp, *shape]`` (dim 0 over ``dp_axes``, the rest as ``specs[i]``); each device reduce-scatters its own
     slices over ``shard_axes`` on their dim 0 (one collective per bucket, plus a ``psum`` over data-parallel
-    axes not sharded over), giving each gradient in its optimizer-parallel layout ``zero_specs[i]``."""
+    axes not sharded over), giving each gradient in its optimizer-parallel layout ``zero_specs[i]``.
+
+    Only the replicas' gradients differ: over a shard axis that is not a data-parallel one (a parameter no
+    strategy splits, stored over the model-parallel devices too) every device holds the same gradient, so each
+    takes its own chunk of it and the sum runs over the data-parallel shard axes alone. Summed over every shard
+    axis, such a gradient came out times the model-parallel count (4 on dp 2 x mp 4)."""
     dp = _axes(dp_axes)
     rest = tuple(a for a in dp_axes if a not in shard_axes)
-    s = int(np.prod([mesh.shape[a] for a in shard_axes]))
+    keep = tuple(a for a in shard_axes if a in dp_axes)
+    sizes = [mesh.shape[a] for a in shard_axes]
+    s = int(np.prod(sizes))
 
     def collective(f):
-        red = jax.lax.psum_scatter(f, tuple(shard_axes), scatter_dimension=0, tiled=True)
+        x = f.reshape(*sizes, f.shape[1])                  # row r of f: the chunk of shard index r, major first
+        for k in reversed(range(len(shard_axes))):
+            if shard_axes[k] not in dp_axes:               # the same gradient on each: this device's own chunk
+                x = jax.lax.dynamic_index_in_dim(x, jax.lax.axis_index(shard_axes[k]), axis=k, keepdims=False)
+        x = x.reshape(-1, f.shape[1])
+        red = jax.lax.psum_scatter(x, keep, scatter_dimension=0, tiled=True) if keep else x
         return jax.lax.psum(red, rest) if rest else red
     return _local_buckets(stacked, buckets, mesh, [P(dp, *sp) for sp in specs], zero_specs, s, collective,
                           lambda x: (x.shape[1] // s, *x.shape[2:]), token)

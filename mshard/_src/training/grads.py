@@ -81,11 +81,12 @@ def _no_fusion_reason(plan: _StepPlan, ctx) -> str | None:
     buckets (a step cut into data-parallel replicas, with a fusion setting beyond the default, which leaves the
     grouping to XLA's combiner, or with a tied parameter: XLA's partitioner reduces each contribution to a tied
     parameter's gradient by itself, and XLA:CPU does not reassociate them, where a replica adds them first and
-    the sum is reduced once); else why not."""
+    the sum is reduced once; or a GradAccumulationCell's: XLA reduces each micro-batch's gradient inside the loop,
+    where a replica accumulates its own and the sum is reduced once after it); else why not."""
     if _zero_past_dim0(plan):
         return ("a scanned parameter's optimizer shard is on its dim 1 (each layer's slice), where the buckets "
                 "reduce-scatter dim 0")
-    if fusion.is_default(ctx) and not plan.tied:
+    if fusion.is_default(ctx) and not plan.tied and not plan.accumulated:
         return "the default setting"
     if not _replica_axes(plan, ctx):
         return f"every data-parallel mesh axis {plan.dp_axes} also splits a parameter (no replica group)"

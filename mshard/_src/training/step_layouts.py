@@ -42,6 +42,9 @@ class _StepPlan:
     # parameters a scan reads as stacks of per-step slices (the weights of a scan over layers): their optimizer
     # shard is on dim 1, each step's slice's dim 0 (mshard._src.training.zero)
     scanned: tuple[str, ...] = ()
+    # a GradAccumulationCell's step: each replica accumulates its gradient over the micro-batches and the sum is
+    # reduced once, after the loop (MindSpore's accumulation; mshard._src.training.grads._no_fusion_reason)
+    accumulated: bool = False
 
     @property
     def dp(self) -> int:

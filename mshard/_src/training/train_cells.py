@@ -135,7 +135,8 @@ class _Runtime:
     def _plan(self, net, names, params, data, ctx) -> _StepPlan:
         check_pipeline(ctx, net)
         plan = _plan_step(self.probe, data, net, ctx)
-        if search_algorithm(ctx) is not None and (not fusion.is_default(ctx) or plan.tied):
+        plan.accumulated = isinstance(net, GradAccumulationCell)
+        if search_algorithm(ctx) is not None and (not fusion.is_default(ctx) or plan.tied or plan.accumulated):
             # a searched step with a fusion setting or a tied parameter runs its data-parallel replicas side by
             # side (see _replica_axes): every parameter is whole over the replicas, in its layout on the other axes
             rax = _replica_axes(plan, ctx)
@@ -173,6 +174,9 @@ class _Runtime:
             if plan.tied and fusion.is_default(ctx):
                 plan.notes.append(f"tied parameters {', '.join(plan.tied)}: each data-parallel replica (over "
                                   f"{plan.replicas}) adds its gradient contributions, and the sum is reduced once")
+            if plan.accumulated and fusion.is_default(ctx):
+                plan.notes.append(f"GradAccumulationCell: each data-parallel replica (over {plan.replicas}) "
+                                  f"accumulates its gradient over the micro-batches, and the sum is reduced once")
         return plan
 
     # traced once per (shapes, context): fn(*data, cell, plan)

@@ -21,12 +21,17 @@ def _per_device_fraction(net):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["recompute", "accumulation", "pipeline"])
+@pytest.mark.parametrize("case", ["recompute", "accumulation", "pipeline", "fused"])
 def test_fsdp_x_tp_composes_and_trains_like_one_device(case):
+    """``fused``: a comm_fusion setting runs the data-parallel replicas side by side and reduce-scatters their
+    gradients in buckets (as ``accumulation`` now does by default). A parameter no strategy splits (a LayerNorm's,
+    the embeddings) is stored over the model-parallel devices too, where every device holds the same gradient;
+    the buckets summed it over them, and its update came out 4 times too large (mp = 4)."""
+    fusion = {"comm_fusion": {"reducescatter": {"mode": "size", "config": 32}}} if case == "fused" else {}
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True,
                                  enable_parallel_optimizer=True, pipeline_stages=2 if case == "pipeline" else 1,
                                  parallel_optimizer_config={"optimizer_level": "level3",
-                                                            "parallel_optimizer_threshold": 0})
+                                                            "parallel_optimizer_threshold": 0}, **fusion)
     net, ref_net = TinyGPT(nnx.Rngs(0)), TinyGPT(nnx.Rngs(0))
     for block in net.blocks:
         block.shard_megatron(2, 2 if case == "pipeline" else 4)
