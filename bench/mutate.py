@@ -153,7 +153,7 @@ BUGS = [
         "the model-parallel devices that hold the same copy of it", "mshard/_src/runtime/fusion.py",
         "        red = jax.lax.psum_scatter(x, keep, scatter_dimension=0, tiled=True) if keep else x\n",
         "        red = jax.lax.psum_scatter(f, tuple(shard_axes), scatter_dimension=0, tiled=True)\n",
-        ("tests/e2e/training/test_fsdp_compositions.py",)),
+        ("tests/e2e/training/test_accumulation_plans.py", "tests/e2e/training/test_fsdp_compositions.py")),
     Bug("accumulation_reduced_per_micro_batch", "a GradAccumulationCell's model-parallel step leaves its gradient "
         "reductions to XLA, which reduces every micro-batch's gradient inside the loop", "mshard/_src/training/grads.py",
         "    if fusion.is_default(ctx) and not plan.tied and not plan.accumulated:\n",

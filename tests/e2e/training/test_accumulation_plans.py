@@ -83,10 +83,17 @@ def test_accumulated_megatron_step_reduces_each_gradient_once_after_the_loop(sem
 OPTIMIZERS = {"sgd": lambda: optax.sgd(1e-2), "adam": lambda: optax.adam(1e-2, eps=1e-3)}
 
 
+@pytest.mark.parametrize("zero", [False, True], ids=["", "optimizer_parallel"])
 @pytest.mark.parametrize("tx", list(OPTIMIZERS))
-def test_accumulated_megatron_step_trains_like_one_device(semi_auto, tx):
+def test_accumulated_megatron_step_trains_like_one_device(semi_auto, tx, zero):
     """Every parameter and optimizer-state leaf equals one device's training on the whole batch; under plain SGD
-    a gradient summed instead of averaged over the micro-batches or the replicas shows in the parameters."""
+    a gradient summed instead of averaged over the micro-batches or the replicas shows in the parameters. With
+    optimizer parallel, the parameters no strategy splits (fc3, the biases) are stored over the model-parallel
+    devices too, and their gradient is each device's own chunk, summed over the replicas only (it was summed over
+    the model-parallel copies as well: 4x)."""
+    if zero:
+        ms.set_auto_parallel_context(enable_parallel_optimizer=True,
+                                     parallel_optimizer_config={"parallel_optimizer_threshold": 0})
     net, step = _step(MICRO, OPTIMIZERS[tx]())
     ref_net = MLP(nnx.Rngs(21), din=DIN, hidden=HID, dout=DOUT)
     ref, ref_opt, ref_losses = reference_train(ref_net, OPTIMIZERS[tx](), DATA, mse)
