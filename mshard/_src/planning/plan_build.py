@@ -8,8 +8,10 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from mshard._src.jaxpr.manual_collectives import region_manual_moves
 from mshard._src.jaxpr.marks import OpNote, mark_p
 from mshard._src.jaxpr.op_graph import TraceResult
+from mshard._src.jaxpr.walk import as_jaxpr
 from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts, exact_mark_key, mark_key
 from mshard._src.planning.fused_sums import fused_reductions, unpriced_reduction
 from mshard._src.planning.joined_sums import Joined
@@ -159,11 +161,13 @@ def emit_layouts(trace: TraceResult, strategies, base: RegionLayouts, scattered:
 def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh: DeviceMesh,
                inputs: Sequence[InputInfo], base: RegionLayouts, notes: list[str], algorithm: str,
                scattered: dict[int, Scattered] | None = None, roles: dict[tuple, tuple] | None = None,
-               joined: Sequence[Joined] = (), bodies: dict[int, Cost] | None = None) -> Plan:
+               joined: Sequence[Joined] = (), bodies: dict[int, Cost] | None = None, manual: bool = True) -> Plan:
     """The Plan of a searched region: one entry per op (a primitive object's ops as one), each priced with the
     redistributions into it; the program's price adds the partial sums the emitter reduces itself (``fused``,
     ``scattered``, ``joined``) and every step of each planned scan body (``bodies``: the scan op id -> the body's
-    price, :func:`mshard._src.planning.scan_bodies.plan_scan_bodies`)."""
+    price, :func:`mshard._src.planning.scan_bodies.plan_scan_bodies`), and the collectives each ``shard_map`` on the
+    region mesh runs in its body (``manual``: :mod:`mshard._src.jaxpr.manual_collectives`; a loop body's plan leaves
+    them to its region's, which counts them times the trip count)."""
     graph = trace.graph
     scattered = scattered or {}
     groups = primitive_groups(trace)
@@ -270,12 +274,23 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
             param_specs[info.name] = spec_of(axes_by_name(result_layout(op, strategies[op.id], 0), mesh))
     graph_axes = {op.name: [list(ax) for ax in axes_by_name(strategies[op.id], mesh)] for op in graph.ops
                   if not op.is_source or op.kind == "data"}
+    moves = region_manual_moves(as_jaxpr(trace.closed_jaxpr), graph.mesh.names, graph.mesh.shape) if manual else []
     program = Cost.sum([graph_cost(graph, strategies, params, shared=True, scatter=False)]  # what the program runs
+                       + [_manual_cost(m, graph.mesh, params) for m in moves]
                        + [unpriced_reduction(op_cost(graph.ops[i], strategies[i], graph, params), params)
                           for i in fused] + list(rescaled.values()))
     return Plan(mesh, plan_ops, param_specs, PlanCost.of(program), algorithm, result.seconds, tuple(notes),
                 graph_axes, tuple(redistributions), _Explainer(graph, strategies, params, mesh),
                 peak_bytes=peak_memory(graph, strategies, fused=True)[0])
+
+
+def _manual_cost(move, mesh: DeviceMesh, params: CostParams) -> Cost:
+    """A collective a ``shard_map`` body runs (kind, bytes per device, mesh axes), priced as the cost model prices
+    one: the slowest axis's latency plus the bytes over the narrowest axis's bandwidth."""
+    kind, nbytes, axes = move
+    idx = [mesh.names.index(a) for a in axes]
+    seconds = max(mesh.latency[i] for i in idx) + nbytes / min(mesh.bandwidth[i] for i in idx)
+    return Cost(0.0, {kind: nbytes}, seconds, 0.0, params.weigh(0.0, seconds, 0.0))
 
 
 def _copies_of(note: OpNote) -> tuple[tuple[int, ...], ...]:

@@ -202,7 +202,8 @@ def _plan_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph_me
     laid, eqn_out, eqn_in = emit_layouts(body, strats, base, scattered)
     infos = [InputInfo("data", body.graph.tensors[body.graph.ops[i].outputs[0]].shape, body.graph.ops[i].name)
              for i in body.input_ops]
-    c = build_plan(body, strats, found, params, mesh, infos, base, [], "follow_operands", scattered, roles).cost
+    c = build_plan(body, strats, found, params, mesh, infos, base, [], "follow_operands", scattered, roles,
+                   manual=False).cost
     n = te.eqn.params["length"]
     cost = Cost(c.compute * n, {k: v * n for k, v in c.communication.items()}, c.comm_time * n, c.memory,
                 c.total * n)

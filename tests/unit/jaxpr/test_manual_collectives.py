@@ -1,0 +1,48 @@
+"""The bytes a ``shard_map`` body's own collectives move, read from the jaxpr (mshard/_src/jaxpr/manual_collectives.py),
+equal the compiled program's, read from its HLO without mshard's code (tests/helpers.py ``loop_moved``): every kind,
+axis groups of 2, 4 and 8 devices, and a scan around them (its trip count)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import loop_moved
+from jax.sharding import PartitionSpec as P
+
+from mshard._src.jaxpr.manual_collectives import region_manual_moves
+
+MESH = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _body(x):
+    y = jax.lax.psum(x, "a")
+    z = jax.lax.psum_scatter(x, ("a", "b"), scatter_dimension=0, tiled=True)
+    w = jax.lax.all_gather(z, "b", axis=0, tiled=True)
+    v = jax.lax.ppermute(x, "a", [(0, 1), (1, 0)])
+    u = jax.lax.all_to_all(x, "b", 0, 0, tiled=True)
+    return jnp.sin(y) + jnp.cos(v) * u, w
+
+
+def _looped(x):
+    def step(c, _):
+        a, w = _body(c)
+        return a + jnp.sum(w), None
+    return jax.lax.scan(step, x, None, length=3)[0]
+
+
+@pytest.mark.parametrize("fn, trips", [(_body, 1), (_looped, 3)], ids=["straight", "in_a_scan"])
+def test_a_shard_map_bodys_collectives_are_priced_as_compiled(fn, trips):
+    out_specs = (P("a"), P("a")) if fn is _body else P("a")
+    f = jax.jit(jax.shard_map(fn, mesh=MESH, in_specs=P("a"), out_specs=out_specs, check_vma=False))
+    x = jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 8)
+    got: dict[str, float] = {}
+    for kind, nbytes, _ in region_manual_moves(jax.make_jaxpr(f)(x).jaxpr, ("a", "b"), (2, 4)):
+        got[kind] = got.get(kind, 0.0) + nbytes
+    want = {k: v for k, v in loop_moved(f.lower(x).compile().as_text(), trips).items() if v}
+    assert got == pytest.approx(want), (got, want)
+    assert set(got) == {"all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all"}
+
+
+def test_a_shard_map_on_another_mesh_is_not_counted():
+    other = jax.make_mesh((8,), ("c",), axis_types=(jax.sharding.AxisType.Auto,))
+    f = jax.shard_map(lambda x: jax.lax.psum(x, "c"), mesh=other, in_specs=P("c"), out_specs=P(), check_vma=False)
+    assert region_manual_moves(jax.make_jaxpr(f)(jnp.ones((16, 8))).jaxpr, ("a", "b"), (2, 4)) == []
