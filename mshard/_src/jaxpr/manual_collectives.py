@@ -6,7 +6,9 @@ does not lay out its body. Its collectives are explicit in the body (``psum``, `
 ring formulas the cost model uses for the collectives XLA inserts (all-reduce ``2 S (k-1)/k`` of its result,
 reduce-scatter ``S (k-1)`` of its result, all-gather ``S (k-1)/k`` of its result, all-to-all ``S (k-1)/k``, a
 permute ``S``), times the trip count of each ``scan`` around them. A ``while`` body is counted once (its trip count
-is not known) and a ``cond`` by its costliest branch.
+is not known) and a ``cond`` by its costliest branch. Only a ``shard_map`` manual over every mesh axis is priced (the
+bucketed reductions): in one manual over some axes only (a pipeline's stages), the body's shapes are still whole
+over the others, and XLA splits them further as it partitions the body.
 
 >>> import jax, jax.numpy as jnp
 >>> from jax.sharding import PartitionSpec as P
@@ -74,7 +76,8 @@ def region_manual_moves(jaxpr, names: Sequence[str], shape: Sequence[int], times
                 sizes = dict(eqn.params["mesh"].shape)
             except (AttributeError, TypeError, KeyError):
                 continue
-            if tuple(sizes) == tuple(names) and tuple(sizes.values()) == tuple(shape):
+            manual = set(eqn.params.get("newly_manual_axes") or ())
+            if tuple(sizes) == tuple(names) and tuple(sizes.values()) == tuple(shape) and manual >= set(names):
                 out += manual_moves(as_jaxpr(eqn.params["jaxpr"]), sizes, times)
         elif name == "scan":
             out += region_manual_moves(eqn.params["jaxpr"].jaxpr, names, shape, times * eqn.params["length"])
