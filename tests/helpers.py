@@ -6,6 +6,7 @@ import os
 import pathlib
 import re
 import socket
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -107,26 +108,44 @@ _RING = {"all-reduce": lambda s, k: 2 * s * (k - 1) / k, "all-gather": lambda s,
 _BYTES = {"f32": 4, "s32": 4, "bf16": 2, "f16": 2, "pred": 1}
 
 
-def loop_moved(hlo: str, trips: int) -> dict[str, float]:
-    """Bytes moved per device by each collective kind of a compiled module, read from its text without mshard's
-    code: each collective's result shapes (a tuple-shaped one counts every element), its replica group's size k, the
-    ring formulas (all-reduce 2 S (k-1)/k, all-gather S (k-1)/k of its result, reduce-scatter S (k-1) of its result,
-    all-to-all S (k-1)/k, a permute S), a collective in a while loop's body counted ``trips`` times."""
-    bodies = set(re.findall(r"\bbody=%([\w.\-]+)", hlo))
-    out: dict[str, float] = {}
-    comp = None
+class Collective(NamedTuple):
+    computation: str          # the HLO computation it sits in
+    kind: str                 # all-reduce | all-gather | reduce-scatter | all-to-all | collective-permute
+    result: str               # its result type, layouts dropped: ``f32[256,32]``, or a tuple ``(f32[], f32[8])``
+    line: str
+
+
+def loop_bodies(hlo: str) -> set[str]:
+    """The names of the computations that are some while loop's body."""
+    return set(re.findall(r"\bbody=%([\w.\-]+)", hlo))
+
+
+def hlo_collectives(hlo: str) -> list[Collective]:
+    """Every collective of a compiled HLO module's text, read without mshard's code."""
+    out, comp = [], ""
     for line in hlo.splitlines():
         head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
         if head:
             comp = head.group(1)
         m = re.search(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
                       line)
-        if m is None:
-            continue
+        if m:
+            out.append(Collective(comp, m.group(2), re.sub(r"\{[^}]*\}", "", m.group(1)), line))
+    return out
+
+
+def loop_moved(hlo: str, trips: int) -> dict[str, float]:
+    """Bytes moved per device by each collective kind of a compiled module, read from its text without mshard's
+    code: each collective's result shapes (a tuple-shaped one counts every element), its replica group's size k, the
+    ring formulas (all-reduce 2 S (k-1)/k, all-gather S (k-1)/k of its result, reduce-scatter S (k-1) of its result,
+    all-to-all S (k-1)/k, a permute S), a collective in a while loop's body counted ``trips`` times."""
+    bodies = loop_bodies(hlo)
+    out: dict[str, float] = {}
+    for c in hlo_collectives(hlo):
         size = sum(_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
-                   for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)))
-        out[m.group(2)] = out.get(m.group(2), 0.0) + _RING[m.group(2)](size, _group(line)) * (
-            trips if comp in bodies else 1)
+                   for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", c.result))
+        out[c.kind] = out.get(c.kind, 0.0) + _RING[c.kind](size, _group(c.line)) * (
+            trips if c.computation in bodies else 1)
     return out
 
 

@@ -10,13 +10,12 @@ without accumulation. The reference for the bytes is the compiled HLO, read with
 (tests/helpers.py ``loop_moved``: ring formulas, a collective in a loop body counted once per micro-batch).
 """
 
-import re
 
 import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import loop_moved
+from helpers import hlo_collectives, loop_bodies, loop_moved
 from train_helpers import MLP, assert_params_close, assert_trees_close, batches, mse, reference_train
 
 import mshard as ms
@@ -36,18 +35,9 @@ def _step(micro: int, tx):
 
 
 def _collectives(hlo: str) -> list[tuple[bool, str, str]]:
-    """(inside a loop body, kind, result shape) of every collective of a compiled module."""
-    bodies = set(re.findall(r"\bbody=%([\w.\-]+)", hlo))
-    out, comp = [], None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
-        if head:
-            comp = head.group(1)
-        m = re.search(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
-                      line)
-        if m:
-            out.append((comp in bodies, m.group(2), m.group(1)))
-    return out
+    """(inside a loop body, kind, result type) of every collective of a compiled module."""
+    bodies = loop_bodies(hlo)
+    return [(c.computation in bodies, c.kind, c.result) for c in hlo_collectives(hlo)]
 
 
 @pytest.fixture

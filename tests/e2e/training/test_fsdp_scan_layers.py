@@ -9,7 +9,6 @@ gradient to its shard inside the backward loop. Checked from the compiled progra
 the collectives are in the HLO; values equal one device on every parameter and optimizer leaf.
 """
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import loop_moved, split_counts
+from helpers import hlo_collectives, loop_bodies, loop_moved, split_counts
 from train_helpers import assert_params_close, assert_trees_close, batches, mse, reference_train
 
 import mshard as ms
@@ -79,23 +78,10 @@ def test_level3_over_a_scan_of_layers_trains_as_one_device(mode, tx):
     assert any("network.backbone.w (8, 256, 256) is a stack a scan reads slice by slice" in n for n in notes), notes
 
 
-def _bodies(hlo: str) -> set[str]:
-    """The names of the computations that are some while loop's body."""
-    return set(re.findall(r"\bbody=%([\w.\-]+)", hlo))
-
-
 def _collectives(hlo: str) -> list[tuple[str, str, str]]:
-    """(computation, kind, result shape) of every collective of a compiled HLO module."""
-    out, comp = [], None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
-        if head:
-            comp = head.group(1)
-        m = re.search(r"= (\w+\[[\d,]*\])(?:\{[^}]*\})? (all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\(",
-                      line)
-        if m:
-            out.append((comp, m.group(2), m.group(1)))
-    return out
+    """(computation, kind, result shape) of every collective of one array (no tuple) but the permutes."""
+    return [(c.computation, c.kind, c.result) for c in hlo_collectives(hlo)
+            if c.kind != "collective-permute" and not c.result.startswith("(")]
 
 
 @pytest.mark.parametrize("remat", [True, False], ids=["remat", "no_remat"])
@@ -118,7 +104,7 @@ def test_level3_over_a_scan_of_layers_holds_one_layer_whole_at_a_time(remat):
     # every gather is one layer's slice, made inside a loop (the forward's, and the backward's recomputation or
     # its saved slice); every reduction of a weight's gradient is one layer's, inside the backward loop; nothing
     # moves the whole stack
-    bodies = _bodies(hlo)
+    bodies = loop_bodies(hlo)
     coll = _collectives(hlo)
     gathers = [c for c in coll if c[1] == "all-gather"]
     assert gathers and all(shape == f"f32[{D},{D}]" and comp in bodies for comp, _, shape in gathers), coll
