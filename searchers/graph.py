@@ -532,6 +532,9 @@ def constant_tensors(graph: Graph) -> frozenset[int]:
     return frozenset(out)
 
 
+_SINKS = frozenset({"writeback", "shard_map_in"})     # ops whose unread results are still used (dead_ops)
+
+
 def dead_ops(graph: Graph) -> frozenset[int]:
     """Ops whose results reach neither a region result nor a ``writeback`` (a loss a step computes and drops): the
     compiled program does not run them (XLA removes dead code), so the program's cost leaves them out.
@@ -547,7 +550,9 @@ def dead_ops(graph: Graph) -> frozenset[int]:
     live_tensors = set(graph.outputs)
     dead: set[int] = set()
     for op in reversed(graph.ops):        # ops are in program order: every reader comes after its producer
-        if op.kind == "writeback" or not op.outputs or any(t in live_tensors for t in op.outputs):
+        # a shard_map's inputs (its boundary, ``shard_map_in``) are read by the manual body, which the graph does not
+        # hold: the move into its in_specs runs whenever the shard_map does (a gradient bucket's, always)
+        if op.kind in _SINKS or not op.outputs or any(t in live_tensors for t in op.outputs):
             live_tensors.update(op.inputs)
         else:
             dead.add(op.id)

@@ -13,7 +13,7 @@ from mshard._src.planning.fused_sums import sum_roles
 from mshard._src.planning.plan_build import build_plan, emit_layouts
 from mshard._src.planning.prepare import fix_marks, mark_recomputed
 from mshard._src.planning.scattered_sums import mark_scatter, scattered_reductions
-from mshard._src.values.layout import axes_by_name
+from mshard._src.values.layout import axes_by_index, axes_by_name
 from searchers import DeviceMesh
 from searchers.cost import Cost, CostParams, graph_cost
 from searchers.graph import TensorLayout, operand_layout, result_layout, stored_tensors
@@ -52,6 +52,10 @@ def plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, base: R
         readers.setdefault(tid, []).append((graph.ops[consumer], i))
     out: dict[int, ScanBody] = {}
     stored = stored_tensors(graph)
+    # each region input's layout as the user's strategies alone lay it out (a mark inside a loop body reaches the
+    # weights the loop reads as constants): a start for the loop's boundary the search could not see
+    users = {graph.ops[oid].outputs[0]: axes_by_index(lay, graph.mesh)
+             for oid, lay in zip(trace.input_ops, base.inputs) if any(lay)}
     stacked: dict[int, TensorLayout] = {}     # a stacked result left where its body made it -> that layout
     for te in trace.eqns:
         if te.group or te.eqn.primitive.name != "scan":
@@ -75,7 +79,8 @@ def plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, base: R
         try:
             kept = [tid in stored for tid in op.inputs]      # weights: the body reads them as parameters
             body, made = _plan_body(te, in_fixed, out_fixed, params, graph.mesh, base, kept)
-            moved = _boundary_where_made(te, op, strategies, in_fixed, out_fixed, body, params, graph, base, kept)
+            moved = _boundary_where_made(te, op, strategies, in_fixed, out_fixed, body, params, graph, base, kept,
+                                         users)
         except Exception as e:    # a body the planner cannot lay out stays XLA's, as before (the note says so)
             notes.append(f"{te.name}: its body is left to XLA's partitioner, unpriced ({type(e).__name__}: {e})")
             continue
@@ -94,23 +99,24 @@ def plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, base: R
 
 
 def _boundary_where_made(te, op, strategies, in_fixed: list, out_fixed: list, body: ScanBody, params: CostParams,
-                         graph, base: RegionLayouts, kept: list[bool]):
+                         graph, base: RegionLayouts, kept: list[bool], users: dict | None = None):
     """The scan's boundary where its body reads and leaves it, when that costs less in all. The searchers chose
     the scan's strategy without its body and with one mesh axis per loop dim of the scan op: a Megatron layer's
     weights, passed to a gradient accumulation's loop as constants, split over one model-parallel axis on
     different dims, were gathered whole before the loop; a carry that starts from constants (a backward loop's
     cotangent, an accumulated gradient) was left whole, and a body that computes it split moved it back every
-    step. The constants are tried where they arrive and whole, the carry starting where its first value arrives
-    and where the search put it; for each, the body is planned with its carry results free and the carry set where
-    they come out, until that holds step after step (3 tries). The scanned inputs stay as the search read them.
-    The cheapest is taken where the region's price (``graph_cost``, shared, with the new scan strategy) plus the
-    body's is lower than the search's. -> (the scan's strategy, the body, the layout each result is left in), or
-    None."""
+    step. The constants are tried where they arrive, whole and, for a region input the user's strategies lay out
+    (``users``: tensor id -> layout; a Megatron weight a mark inside the body reads), in that layout; the carry
+    starting where its first value arrives and where the search put it; for each, the body is planned with its
+    carry results free and the carry set where they come out, until that holds step after step (3 tries). The
+    scanned inputs stay as the search read them. The cheapest is taken where the region's price (``graph_cost``,
+    shared, with the new scan strategy) plus the body's is lower than the search's. -> (the scan's strategy,
+    the body, the layout each result is left in), or None."""
     best, seen = None, set()
     cost = graph_cost(graph, strategies, params, shared=True).total + body.cost.total
-    for whole in (False, True):
+    for consts in ("arrive", "whole", "user"):
         for searched in (False, True):
-            start = _boundary_start(te, op, strategies, in_fixed, graph, whole, searched)
+            start = _boundary_start(te, op, strategies, in_fixed, graph, consts, searched, users or {})
             if start in seen:
                 continue
             seen.add(start)
@@ -125,16 +131,19 @@ def _boundary_where_made(te, op, strategies, in_fixed: list, out_fixed: list, bo
     return best
 
 
-def _boundary_start(te, op, strategies, in_fixed: list, graph, whole: bool, searched: bool) -> tuple:
-    """The body inputs' layouts a boundary is tried from: the constants whole or where they arrive, the carry where
-    the search put it or where its first value arrives, the scanned inputs as the search read them."""
+def _boundary_start(te, op, strategies, in_fixed: list, graph, consts: str, searched: bool, users: dict) -> tuple:
+    """The body inputs' layouts a boundary is tried from: the constants where they arrive, whole, or where the
+    user's strategies lay them out (``consts``: "arrive", "whole", "user"; where they arrive for a constant no
+    strategy lays out), the carry where the search put it or where its first value arrives, the scanned inputs as
+    the search read them."""
     nc, nk = te.eqn.params["num_consts"], te.eqn.params["num_carry"]
     start = [tuple(tuple(a) for a in x) for x in in_fixed]
     for i, tid in enumerate(op.inputs[:nc + nk]):
         prod = graph.producer(tid)
         have = tuple(tuple(a) for a in result_layout(prod, strategies[prod.id], prod.outputs.index(tid)))
         if i < nc:
-            start[i] = ((),) * len(have) if whole else have
+            start[i] = (((),) * len(have) if consts == "whole" else
+                        tuple(users[tid]) if consts == "user" and tid in users else have)
         elif not searched:
             start[i] = have
     return tuple(start)

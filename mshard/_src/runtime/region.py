@@ -102,6 +102,12 @@ class Region:
             written back keeps its memory kind.
         compiler_options_hook: ``hook(statics=...) -> dict | None``: XLA options this program compiles with (a
             level3 training step's memory-first schedule).
+        strategy_file: whether ``strategy_ckpt_config``'s files apply to this region (default True). A training
+            step's forward probe, planned only to learn the step's layouts, passes False: the file holds the
+            step's own plan, whose op names would meet the probe's by chance.
+
+    A region with a ``save_file`` writes the plan of the program it last ran, lowered or planned (each program's
+    plan once per use, so the file holds the plan in use, not the last one tried).
 
     >>> import jax.numpy as jnp, mshard as ms
     >>> f = ms.jit(lambda x: jnp.tanh(x) * 2)
@@ -117,8 +123,11 @@ class Region:
 
     def __init__(self, fn: Callable, *, data_strategy: tuple | None = None, name: str | None = None,
                  input_layout_hook: Callable | None = None, donate_params: bool = False,
-                 memory_kind_hook: Callable | None = None, compiler_options_hook: Callable | None = None):
+                 memory_kind_hook: Callable | None = None, compiler_options_hook: Callable | None = None,
+                 strategy_file: bool = True):
         """The arguments are described in the class docstring."""
+        self.strategy_file = strategy_file
+        self._saved: tuple | None = None         # (save_file, the program whose plan it holds)
         self.fn = fn
         self.compiler_options_hook = compiler_options_hook
         self.memory_kind_hook = memory_kind_hook
@@ -304,12 +313,11 @@ class Region:
         statics = [s[1] for t in treedef_args if t[0] == "tree" for s in t[2] if s[0] == "static"]
         if self.input_layout_hook is not None:
             hook = functools.partial(self.input_layout_hook, statics=statics)
-        planned = search_region(closed, infos, ctx=ctx, algorithm=search_algorithm(ctx) or ctx.parallel_mode,
+        files = ctx if self.strategy_file else dataclasses.replace(
+            ctx, strategy_ckpt_config={**ctx.strategy_ckpt_config, "load_file": "", "save_file": ""})
+        planned = search_region(closed, infos, ctx=files, algorithm=search_algorithm(ctx) or ctx.parallel_mode,
                                 param_plans=param_plans, input_layout_hook=hook)
         layouts = planned.layouts
-        save = ctx.strategy_ckpt_config.get("save_file")
-        if save and ctx.parallel_mode in ("semi_auto_parallel", "auto_parallel"):
-            planned.plan.save(save)
         if hook is not None:
             layouts.inputs = list(hook(infos, layouts))
         guarded = apply_guards(closed.jaxpr, layouts)     # layouts XLA miscompiles are realised safely
@@ -361,7 +369,20 @@ class Region:
             comp = self._build(graphdefs, states, flat_data, data_names, data_pos, treedef_args, mod_pos,
                                [isinstance(m, _VarHolder) for m in modules])
             self._cache[key] = comp
+        self._save_strategy(comp)
         return comp, modules, states, flat_data
+
+    def _save_strategy(self, comp: _Compiled) -> None:
+        """Write ``comp``'s plan to the context's ``save_file`` unless the file holds it already (a training step
+        plans several programs to choose one: the file ends with the one in use)."""
+        ctx = ctxmod.current()
+        save = ctx.strategy_ckpt_config.get("save_file")
+        if (not save or not self.strategy_file or comp.plan is None
+                or ctx.parallel_mode not in ("semi_auto_parallel", "auto_parallel")):
+            return
+        if self._saved is None or self._saved[0] != save or self._saved[1] is not comp:
+            comp.plan.save(save)
+            self._saved = (save, comp)
 
     def _place(self, comp: _Compiled, modules, states):
         """Put parameters on their planned shardings once, writing them back into the modules."""

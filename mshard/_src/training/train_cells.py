@@ -84,7 +84,7 @@ class _Runtime:
     def __init__(self, name: str):
         self.region = Region(self.step_fn, name=name, input_layout_hook=self.hook, donate_params=True,
                              memory_kind_hook=self.memory_kinds, compiler_options_hook=self.compiler_options)
-        self.probe = Region(lambda *a: a[-1](*a[:-1]), name=f"{name}.forward")
+        self.probe = Region(lambda *a: a[-1](*a[:-1]), name=f"{name}.forward", strategy_file=False)
         self.last: _StepPlan | None = None    # the plan of the latest step run through the region (for reports)
         self.plans: dict = {}                 # plan() per (context stamp, network structure, shapes): computed once
         self.warned = False
