@@ -174,6 +174,11 @@ BUGS = [
         '    for consts in ("arrive", "whole", "user"):\n',
         '    for consts in ("arrive", "whole"):\n',
         ("tests/e2e/training/test_accumulation_plans.py",)),
+    Bug("pipeline_grads_priced_once", "a pipelined step's plan prices the gradient reductions XLA runs in each "
+        "backward branch once per step instead of once per micro-batch", "mshard/_src/training/pipeline/price.py",
+        "                    moves += _reduced(M * nbytes[j], [a for a in dp if a not in _spec_axes(specs[j])], sizes)\n",
+        "                    moves += _reduced(nbytes[j], [a for a in dp if a not in _spec_axes(specs[j])], sizes)\n",
+        ("tests/e2e/pipeline/test_pipeline.py",)),
     Bug("dataset_off_by_one", "each device's rows of a host batch are the next device's (the last keeps its own)",
         "mshard/_src/runtime/dataset.py",
         "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])\n",

@@ -6,6 +6,7 @@ import os
 import pathlib
 import re
 import socket
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -146,6 +147,50 @@ def loop_moved(hlo: str, trips: int) -> dict[str, float]:
                    for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", c.result))
         out[c.kind] = out.get(c.kind, 0.0) + _RING[c.kind](size, _group(c.line)) * (
             trips if c.computation in bodies else 1)
+    return out
+
+
+def trip_moved(hlo: str, branch: Callable[[int, int], float] | None = None) -> dict[str, float]:
+    """:func:`loop_moved` with each while loop counted by its own trip count (``known_trip_count`` in its
+    backend_config), nested loops multiplied: a collective in a computation is counted the product of the trip
+    counts of the loops around it (a computation a loop body calls, a fusion, as often as the body). A loop whose
+    trip count the module does not say counts once. A conditional's branch ``i`` of ``n`` runs ``branch(n, i)``
+    times as often as the conditional (default 1: every branch, an upper bound; a caller that knows which branch
+    one device takes how often, a pipeline's schedule, says so)."""
+    comps: dict[str, list[str]] = {}
+    name = ""
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
+        if head:
+            name = head.group(1)
+            comps[name] = []
+            if line.startswith("ENTRY"):
+                entry = name
+        elif name:
+            comps[name].append(line)
+    times = {entry: 1}
+    order = [entry]
+    while order:
+        c = order.pop()
+        for line in comps.get(c, ()):
+            trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+            body = re.search(r"\bbody=%([\w.\-]+)", line)
+            refs = re.findall(r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)",
+                              line)
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            arms = re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else []
+            for ref in refs + arms:
+                n = int(trip.group(1)) if trip and body and ref == body.group(1) else 1
+                if ref in arms and branch is not None:
+                    n = branch(len(arms), arms.index(ref))
+                if ref in comps and times.get(ref, -1) < times[c] * n:
+                    times[ref] = times[c] * n
+                    order.append(ref)
+    out: dict[str, float] = {}
+    for c in hlo_collectives(hlo):
+        size = sum(_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
+                   for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", c.result))
+        out[c.kind] = out.get(c.kind, 0.0) + _RING[c.kind](size, _group(c.line)) * times.get(c.computation, 1)
     return out
 
 

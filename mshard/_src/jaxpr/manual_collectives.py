@@ -1,4 +1,4 @@
-"""The collectives a ``shard_map`` body runs itself: the fused step's bucket reductions, a pipeline's permutes.
+"""The collectives a ``shard_map`` body runs itself: the fused step's bucket reductions.
 
 A ``shard_map`` on the region mesh is a fixed boundary of the plan (:mod:`mshard._src.jaxpr.op_graph`): the search
 does not lay out its body. Its collectives are explicit in the body (``psum``, ``psum_scatter``, ``all_gather``,
@@ -8,7 +8,8 @@ reduce-scatter ``S (k-1)`` of its result, all-gather ``S (k-1)/k`` of its result
 permute ``S``), times the trip count of each ``scan`` around them. A ``while`` body is counted once (its trip count
 is not known) and a ``cond`` by its costliest branch. Only a ``shard_map`` manual over every mesh axis is priced (the
 bucketed reductions): in one manual over some axes only (a pipeline's stages), the body's shapes are still whole
-over the others, and XLA splits them further as it partitions the body.
+over the others, and XLA splits them further as it partitions the body; a pipeline prices its own
+(:mod:`mshard._src.training.pipeline.price`).
 
 >>> import jax, jax.numpy as jnp
 >>> from jax.sharding import PartitionSpec as P

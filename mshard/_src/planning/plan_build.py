@@ -276,7 +276,7 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
                   if not op.is_source or op.kind == "data"}
     moves = region_manual_moves(as_jaxpr(trace.closed_jaxpr), graph.mesh.names, graph.mesh.shape) if manual else []
     program = Cost.sum([graph_cost(graph, strategies, params, shared=True, scatter=False)]  # what the program runs
-                       + [_manual_cost(m, graph.mesh, params) for m in moves]
+                       + [manual_cost(m, graph.mesh, params) for m in moves]
                        + [unpriced_reduction(op_cost(graph.ops[i], strategies[i], graph, params), params)
                           for i in fused] + list(rescaled.values()))
     return Plan(mesh, plan_ops, param_specs, PlanCost.of(program), algorithm, result.seconds, tuple(notes),
@@ -284,7 +284,7 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
                 peak_bytes=peak_memory(graph, strategies, fused=True)[0])
 
 
-def _manual_cost(move, mesh: DeviceMesh, params: CostParams) -> Cost:
+def manual_cost(move, mesh: DeviceMesh, params: CostParams) -> Cost:
     """A collective a ``shard_map`` body runs (kind, bytes per device, mesh axes), priced as the cost model prices
     one: the slowest axis's latency plus the bytes over the narrowest axis's bandwidth."""
     kind, nbytes, axes = move

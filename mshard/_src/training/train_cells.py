@@ -54,6 +54,7 @@ from mshard._src.training.grads import (
 )
 from mshard._src.training.memory_fit import StepMemory, choose_level
 from mshard._src.training.pipeline.cells import check_pipeline, pipeline_grads, pipeline_plan
+from mshard._src.training.pipeline.price import priced as pipeline_priced
 from mshard._src.training.step_layouts import _plan_step, _StepPlan
 from mshard._src.training.zero import _zero_layouts
 from mshard._src.values import context as ctxmod
@@ -552,6 +553,7 @@ class TrainOneStepCell(Cell):
         plan = self._rt.region.plan(*data, self, step_plan)
         if step_plan.pipeline_report is not None:
             plan = dataclasses.replace(plan, pipeline=step_plan.pipeline_report)
+            plan = pipeline_priced(plan, step_plan.pipeline)
         if step_plan.notes:
             plan = dataclasses.replace(plan, notes=tuple(plan.notes) + tuple(step_plan.notes))
         return plan

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import trip_moved
 from reference import train_one_device
 from train_gpt import LOSS, make_gpt, synthetic_batches
 
@@ -258,6 +259,51 @@ def test_a_small_pipeline_trains_as_on_one_device_under_sgd(sched):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     if sched == "1f1b":         # gpipe without recompute runs JAX's transpose of its forward scan: no tick trace
         assert_ran_the_schedule(ticks, 2, 4, 1, "1f1b", steps=2)
+
+
+def _busiest_stage_moved(hlo: str, S: int, M: int, chunks: int, ticks: int, gpipe: bool) -> dict[str, float]:
+    """Bytes per device of the compiled pipelined step, read from its HLO (tests/helpers.py ``trip_moved``) for the
+    device of each stage, the most of them: a stage's ticks loop runs ``ticks`` times and, per tick, one branch of
+    the executor's conditional (idle, forward, backward; gpipe: idle or its stage's forward, then the transposed
+    loop the same), and each virtual stage of a device's stage runs M forwards and M backwards per step."""
+    V = S * chunks
+    per = []
+    for s in range(S):
+        if gpipe:
+            T = M + S - 1
+            def branch(n, i, s=s, T=T):
+                return ((T - M) / T if i == 0 else M / T if i == s + 1 else 0.0) if n == S + 1 else 1.0
+        else:
+            def branch(n, i, s=s):
+                if n == 3:                                   # idle, forward, backward
+                    return [(ticks - 2 * M * chunks) / ticks, M * chunks / ticks, M * chunks / ticks][i]
+                return (1 / chunks if i % S == s else 0.0) if n == V else 1.0      # which virtual stage
+        per.append({k: v for k, v in trip_moved(hlo, branch).items() if v})
+    return max(per, key=lambda d: sum(d.values()))
+
+
+@pytest.mark.parametrize("sched", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("passes", [1, 2], ids=["", "accumulated"])
+def test_a_pipelined_steps_plan_prices_its_stages_collectives(sched, passes):
+    """The plan of a pipelined step is its program, kind by kind, for the busiest stage's devices: the permutes
+    of every tick, the all-to-alls that bring each stage its parameters and take their gradients back, the loss
+    summed over the stages, and the gradient reductions XLA runs inside a stage's backward branches, once per
+    micro-batch (mshard/_src/training/pipeline/price.py). Before, the pipeline's shard_map was a boundary the plan
+    did not look into: the 2-stage GPT's plan said 0 B for a program that moves 1,736,964 B per device on its
+    busiest stage (now predicted to the byte)."""
+    data = [np.ones((16, 8), np.float32), np.ones((16, 8), np.float32)]
+    mse = lambda p, y: jnp.mean((p - y) ** 2)
+    with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8, pipeline_stages=2, gradients_mean=True,
+                             pipeline_config={"pipeline_scheduler": sched}):
+        cell = nn.PipelineCell(nn.WithLossCell(_TwoDense(nnx.Rngs(0)), mse), 4)
+        step = nn.TrainOneStepCell(cell if passes == 1 else nn.GradAccumulationCell(cell, passes), optax.sgd(0.1))
+        plan = step.plan(*data)
+        hlo = step.lower(*data).compile().as_text()
+    rep = plan.pipeline
+    want = _busiest_stage_moved(hlo, 2, 4, 1, rep.ticks, sched == "gpipe")
+    assert {"collective-permute", "all-to-all", "all-reduce"} <= set(want), want
+    assert plan.cost.communication == pytest.approx(want, abs=0.5)
+    assert any(n.startswith("pipeline: its stages' own collectives") for n in plan.notes)
 
 
 @pytest.mark.slow

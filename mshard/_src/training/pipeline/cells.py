@@ -275,6 +275,7 @@ class PipelinePlan:
     storage: Any = None            # mshard._src.training.pipeline.storage.StageStorage: which stage owns each parameter
     data_specs: list | None = None     # per micro-batch data leaf, its PartitionSpec inside a stage
     carry_specs: list | None = None    # per carry slot (activation handed on), its PartitionSpec inside a stage
+    param_avals: list | None = None    # per Param leaf, its shape and dtype (what the pipeline's collectives move)
 
 
 def _micro(x, M: int):
@@ -348,7 +349,7 @@ def pipeline_plan(cell: Any, data: tuple, mesh_plan, ctx) -> PipelinePlan:
     report = with_layouts(report, prog.slot_of, carry_specs, dict(zip(rmesh.names, rmesh.shape)),
                           _in_stage_words(data_specs, prog, slices, dp))
     return PipelinePlan(prog, sched, tuple(stage_axes), jmesh, dp, specs, dims, runner, report, parts, storage,
-                        data_specs, carry_specs)
+                        data_specs, carry_specs, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in p_leaves])
 
 
 def _in_stage_layouts(prog, avals: list, rmesh, inner: tuple[str, ...], slices: int = 1) -> tuple[list, list | None]:
