@@ -19,7 +19,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from fuzz_programs import C_CHAIN, FLOOR, Program, cond_predicate, reference_chain, refusal, set_context, tolerances
+from fuzz_programs import (
+    C_CHAIN,
+    FLOAT32_SLACK,
+    FLOOR,
+    Program,
+    cond_predicate,
+    reference_chain,
+    refusal,
+    set_context,
+    tolerances,
+    with_float32_error,
+)
 
 import mshard as ms
 from mshard import nn
@@ -53,9 +64,9 @@ def batches(case: dict[str, Any]) -> list[tuple[np.ndarray, np.ndarray]]:
             for _ in range(case["train"]["steps"])]
 
 
-def _reference_step(case: dict[str, Any]):
-    """``(params, x, label) ->`` the float64 loss, output and parameter gradients of :func:`row_loss` at ``params``
-    (one compiled program for every step of the case)."""
+def _reference_step(case: dict[str, Any], dtype=np.float64):
+    """``(params, x, label) ->`` the float64 (``dtype``: float32 for the one-device float32 chain) loss, output and
+    parameter gradients of :func:`row_loss` at ``params`` (one compiled program for every step of the case)."""
     @functools.partial(jax.jit, static_argnums=3)
     def step(p, x, label, pred):
         def loss(p):
@@ -64,10 +75,12 @@ def _reference_step(case: dict[str, Any]):
         return jax.value_and_grad(loss, has_aux=True)(p)
 
     def run(params, x, label):
-        with jax.enable_x64(True):
-            (value, y), g = step([jnp.asarray(p, jnp.float64) for p in params], jnp.asarray(x, jnp.float64),
-                                 jnp.asarray(label, jnp.float64), cond_predicate(x))
-            return float(value), np.asarray(y), [np.asarray(v) for v in g]
+        with jax.enable_x64(dtype == np.float64), warnings.catch_warnings():
+            # in float32 a reference's float64 cast is float32 (fuzz_programs._float64_reference)
+            warnings.filterwarnings("ignore", "Explicitly requested dtype float64", UserWarning)
+            (value, y), g = step([jnp.asarray(p, dtype) for p in params], jnp.asarray(x, dtype),
+                                 jnp.asarray(label, dtype), cond_predicate(x))
+            return float(value), np.asarray(y, np.float64), [np.asarray(v, np.float64) for v in g]
     return run
 
 
@@ -113,14 +126,17 @@ def check_training(case: dict[str, Any]) -> tuple[str, str]:
     tol = tolerances(case)
     tol_y, tol_g = tol[0], tol[2:]
     lr = t["lr"]
-    reference = _reference_step(case)
+    reference, float32 = _reference_step(case), _reference_step(case, np.float32)
     for k, ((x, label), p0, p1, got) in enumerate(zip(data, before, after, losses, strict=True)):
         value, y, g = reference(p0, x, label)
+        value32, _, g32 = float32(p0, x, label)      # the chain's own float32 error (fuzz_programs.FLOAT32_SLACK)
+        tol_step = with_float32_error(tol_g, g32, g)
         # the loss, sum_j w_j y_j with w = label / B: each y_j off by tol_y (1 + |y_j|) (fuzz_programs.tolerances),
         # and the float32 sum of its y.size terms adds C_CHAIN * y.size * 2**-24 of sum |w_j y_j|
         w = np.abs(label.reshape(-1)) / label.shape[0]
         yy = np.abs(y.reshape(-1))
-        bound = tol_y * np.sum(w * (1 + yy)) + C_CHAIN * y.size * 2.0 ** -24 * np.sum(w * yy) + FLOOR
+        bound = (tol_y * np.sum(w * (1 + yy)) + C_CHAIN * y.size * 2.0 ** -24 * np.sum(w * yy) + FLOOR
+                 + FLOAT32_SLACK * abs(value32 - value))
         if not abs(got - value) <= bound:
             return "finding", (f"step {k + 1}: the loss differs from the float64 reference: {got!r}, not {value!r} (|diff| "
                                f"{abs(got - value):.3g} > {bound:.2g})")
@@ -132,7 +148,7 @@ def check_training(case: dict[str, Any]) -> tuple[str, str]:
         names = [f"step {k + 1} param {i}" for i in range(len(g))]
         moved = [(np.asarray(a, np.float64) - b) / lr for a, b in zip(p0, p1, strict=True)]
         slack = [2.0 ** -23 * (np.abs(a) / lr + np.abs(gi)) for a, gi in zip(p0, g, strict=True)]
-        bad = _compare_with_slack(names, moved, g, tol_g, slack)
+        bad = _compare_with_slack(names, moved, g, tol_step, slack)
         if bad:
             return "finding", f"SGD step differs from the float64 reference: {bad}"
     return "equal", ""
