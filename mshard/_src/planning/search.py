@@ -280,6 +280,46 @@ def _searched(searcher, trace: TraceResult, params: CostParams, opts: dict, inpu
     it: the region is searched once more with those loops fixed there, so the ops after a loop read its results
     where it leaves them. -> (result, scattered, strategies, joined, bodies)."""
     graph = trace.graph
+    wide = _wide_loops(graph)
+    if wide:
+        notes.append(f"{len(wide)} loop(s) with more strategies than a searcher enumerates (a loop over a whole "
+                     f"network's parameters and gradients): searched whole, then their boundary set after the search")
+    kept: set[int] = set()        # the wide loops whose boundary moved: fixed there, as any moved loop
+    try:
+        return _searched_loops(searcher, trace, params, opts, inputs, base, hold, roles, notes, wide, kept)
+    finally:
+        for oid in set(wide) - kept:
+            graph.ops[oid].fixed = None
+
+
+# A scan op's strategies are every placement of the mesh axes on its loop dims, one set per operand (its constants
+# and carry are independent tensors): (D + 1) ** axes for D loop dims. A gradient accumulation over a network reads
+# every parameter and carries every gradient (a 2-block GPT: 142 dims, 2.9 million strategies on a (2, 2, 2) mesh,
+# which took the searchers minutes and GBs to price). Past this many, the loop is searched whole and its boundary is
+# set after the search (scan_bodies._boundary_where_made tries where its operands arrive, whole, and the user's
+# layouts), as for any loop.
+_WIDE = 4096
+
+
+def _wide_loops(graph) -> list[int]:
+    """The unfixed scan ops with more than ``_WIDE`` strategies, fixed whole for the search (their id list)."""
+    out = []
+    for op in graph.ops:
+        if op.kind != "scan" or op.fixed is not None:
+            continue
+        free = sum(d not in op.unsplittable for d in op.dims)
+        if (free + 1) ** len(graph.mesh.shape) > _WIDE:
+            op.fixed = tuple(() for _ in op.dims)
+            out.append(op.id)
+    return out
+
+
+def _searched_loops(searcher, trace: TraceResult, params: CostParams, opts: dict, inputs: Sequence[InputInfo],
+                    base: RegionLayouts, hold: Callable | None, roles: dict, notes: list[str], wide: list[int],
+                    kept: set[int]):
+    """:func:`_searched`'s loop: ``wide`` loops are fixed whole for the search, and may move after it (those that
+    do are added to ``kept``)."""
+    graph = trace.graph
     first = 0.0
     for again in (False, True):
         result = _search(searcher, trace, params, opts, inputs, base, hold, notes if not again else [])
@@ -294,13 +334,16 @@ def _searched(searcher, trace: TraceResult, params: CostParams, opts: dict, inpu
         strategies = dict(strategies)
         said: list[str] = []
         bodies = plan_scan_bodies(trace, strategies, params, base, said)
-        moved = {oid: strategies[oid] for oid, b in bodies.items() if b.moved and graph.ops[oid].fixed is None}
+        moved = {oid: strategies[oid] for oid, b in bodies.items()
+                 if b.moved and (graph.ops[oid].fixed is None or oid in wide)}
         if again or not moved:
             notes.extend(n for n in said if n not in notes)     # a body planned again says so once
             break
         notes.extend(said)
         for oid, s in moved.items():
             graph.ops[oid].fixed = s
+            if oid in wide:
+                kept.add(oid)
         first = result.seconds
         notes.append(f"searched again with {len(moved)} loop(s) fixed where their bodies read and leave their "
                      f"boundary")
