@@ -179,6 +179,11 @@ BUGS = [
         "                    moves += _reduced(M * nbytes[j], [a for a in dp if a not in _spec_axes(specs[j])], sizes)\n",
         "                    moves += _reduced(nbytes[j], [a for a in dp if a not in _spec_axes(specs[j])], sizes)\n",
         ("tests/e2e/pipeline/test_pipeline.py",)),
+    Bug("write_back_tie_not_restored", "a searched step's write-backs keep the layout the search gave them after a "
+        "later step moves the parameter they are tied to", "mshard/_src/planning/search.py",
+        "        if op.follow_operand is not None and op.fixed is None:\n",
+        "        if op.follow_operand is not None and op.fixed is None and False:\n",
+        ("tests/e2e/training/test_searched_step_prices.py",)),
     Bug("dataset_off_by_one", "each device's rows of a host batch are the next device's (the last keeps its own)",
         "mshard/_src/runtime/dataset.py",
         "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])\n",

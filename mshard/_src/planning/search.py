@@ -58,7 +58,7 @@ from mshard._src.values.layout import DimAxes, axes_by_index, axes_by_name, dims
 from mshard._src.values.plan import Plan, load_plan
 from searchers import DeviceMesh
 from searchers.cost import CostParams, graph_cost
-from searchers.graph import operand_tied_strategy, result_layout
+from searchers.graph import operand_tied_strategy, result_layout, tied_strategy
 from searchers.protocol import SEARCHERS, register
 from searchers.strategies import is_legal
 
@@ -347,6 +347,13 @@ def _searched_loops(searcher, trace: TraceResult, params: CostParams, opts: dict
         first = result.seconds
         notes.append(f"searched again with {len(moved)} loop(s) fixed where their bodies read and leave their "
                      f"boundary")
+    for op in graph.ops:
+        # a tie (a write-back in its input's layout: the program stores updated state where it was read) holds in
+        # the strategies the plan is built from, whatever step after the search moved the tied operand (measured: a
+        # searched fused step's write-backs left whole while their parameters were stored split, 100,608 B of
+        # gathers the plan priced and the program does not run)
+        if op.follow_operand is not None and op.fixed is None:
+            strategies[op.id] = tied_strategy(graph, op, strategies) or strategies[op.id]
     return dataclasses.replace(result, strategies=strategies), scattered, strategies, joined, bodies
 
 
