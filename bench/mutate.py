@@ -166,8 +166,8 @@ BUGS = [
         ("tests/e2e/training/test_accumulation_plans.py",)),
     Bug("shard_map_inputs_dead", "the moves into a shard_map's inputs (a gradient bucket's in_specs) are priced as "
         "dead code", "searchers/graph.py",
-        '_SINKS = frozenset({"writeback", "shard_map_in"})',
-        '_SINKS = frozenset({"writeback"})',
+        '_SINKS = frozenset({"writeback", "shard_map_in", "shard_map_in_partial"})',
+        '_SINKS = frozenset({"writeback", "shard_map_in_partial"})',
         ("tests/unit/jaxpr/test_manual_collectives.py",)),
     Bug("loop_constants_not_tried_at_user_layouts", "a loop's constants are not tried where the user's strategies "
         "lay them out (marks inside a searched step's accumulation loop)", "mshard/_src/planning/scan_bodies.py",

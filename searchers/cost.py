@@ -46,6 +46,7 @@ from .direct_reshard import best_steps, cheaper_than_xla, depends_on_direct
 from .direct_reshard import plan as direct_plan
 from .errors import SearchGraphError
 from .graph import (
+    UNPRICED_READERS,
     DeviceMesh,
     Graph,
     Op,
@@ -558,7 +559,7 @@ def graph_cost(graph: Graph, strategies: Mapping[int, Strategy], params: CostPar
     extra = [_merged_latency(specs, chosen, mesh, params, [op.merge_group for op in graph.ops])] if shared else []
     done: dict[int, list] = {}
     for op, spec, s in zip(graph.ops, specs, chosen):
-        if op.id in dead:
+        if op.id in dead or (shared and op.kind in UNPRICED_READERS):
             continue
         for i, (tid, maps, nbytes) in enumerate(zip(op.inputs, spec.in_maps, spec.in_bytes)):
             want, have = layout_of(maps, s), out_lay[tid]

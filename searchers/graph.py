@@ -532,7 +532,13 @@ def constant_tensors(graph: Graph) -> frozenset[int]:
     return frozenset(out)
 
 
-_SINKS = frozenset({"writeback", "shard_map_in"})     # ops whose unread results are still used (dead_ops)
+_SINKS = frozenset({"writeback", "shard_map_in", "shard_map_in_partial"})   # unread results still used (dead_ops)
+# The inputs of a shard_map manual over some mesh axes only (a pipeline's stages): the body reads them, so what
+# computes them runs, but their in_specs say nothing of the other axes, on which an input stays where it arrives.
+# The program's price (graph_cost(shared=True), the plan) charges no move into them: whoever emits the body prices
+# it (mshard._src.training.pipeline.price). The searchers' objective still charges it, which draws an input split
+# over the stages to be stored so.
+UNPRICED_READERS = frozenset({"shard_map_in_partial"})
 
 
 def dead_ops(graph: Graph) -> frozenset[int]:

@@ -358,13 +358,14 @@ class _GraphBuilder:
         if any(s is None for s in ins + outs):
             return False
         # manual over some mesh axes only (a pipeline's stages): its in_specs say nothing of the others, on which an
-        # input stays where it arrives (XLA partitions the body over them), so the boundary takes the operand's
-        # layout and the move is priced by whoever emits the body (mshard._src.training.pipeline.price)
+        # input stays where it arrives (XLA partitions the body over them). Its boundary still draws the search (an
+        # input split over the stages is stored so), but the plan does not price the move into it as a move into
+        # in_specs (searchers.graph.dead_ops: not a sink): whoever emits the body prices it
+        # (mshard._src.training.pipeline.price)
         manual = set(p.get("newly_manual_axes") or p.get("axis_names") or self.graph.mesh.names)
-        partial = not manual >= set(self.graph.mesh.names)
+        kind = "shard_map_in" if manual >= set(self.graph.mesh.names) else "shard_map_in_partial"
         for i, (v, st) in enumerate(zip(eqn.invars, ins)):
-            tie = {"follow_operand": 0} if partial else {"fixed": st}
-            self.identity(f"{name}/in{i}", "shard_map_in", [self.read(v, env, name, i)], **tie)
+            self.identity(f"{name}/in{i}", kind, [self.read(v, env, name, i)], fixed=st)
         for j, (v, st) in enumerate(zip(eqn.outvars, outs)):
             tid = self.graph.source(self.names(f"{name}/out{j}"), _shape(v.aval), kind="data",
                                     itemsize=_itemsize(v.aval), fixed=st)

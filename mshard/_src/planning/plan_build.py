@@ -31,6 +31,7 @@ from searchers.cost import (
 )
 from searchers.direct_reshard import cheaper_than_xla
 from searchers.graph import (
+    UNPRICED_READERS,
     TensorLayout,
     constant_tensors,
     dead_ops,
@@ -237,7 +238,7 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
     free = constant_tensors(graph)
     ran: dict = {}
     for op in graph.ops:   # redistribution into each op is charged to it, and listed on its own line
-        if op.id in dead:
+        if op.id in dead or op.kind in UNPRICED_READERS:
             continue
         for i, tid in enumerate(op.inputs):
             prod, t = graph.producer(tid), graph.tensors[tid]
