@@ -141,12 +141,16 @@ def loop_moved(hlo: str, trips: int) -> dict[str, float]:
     ring formulas (all-reduce 2 S (k-1)/k, all-gather S (k-1)/k of its result, reduce-scatter S (k-1) of its result,
     all-to-all S (k-1)/k, a permute S), a collective in a while loop's body counted ``trips`` times."""
     bodies = loop_bodies(hlo)
+    return _moved(hlo, lambda comp: trips if comp in bodies else 1)
+
+
+def _moved(hlo: str, times: Callable[[str], float]) -> dict[str, float]:
+    """Bytes per device by collective kind, each collective counted ``times(its computation)`` times."""
     out: dict[str, float] = {}
     for c in hlo_collectives(hlo):
         size = sum(_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
                    for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", c.result))
-        out[c.kind] = out.get(c.kind, 0.0) + _RING[c.kind](size, _group(c.line)) * (
-            trips if c.computation in bodies else 1)
+        out[c.kind] = out.get(c.kind, 0.0) + _RING[c.kind](size, _group(c.line)) * times(c.computation)
     return out
 
 
@@ -186,12 +190,7 @@ def trip_moved(hlo: str, branch: Callable[[int, int], float] | None = None) -> d
                 if ref in comps and times.get(ref, -1) < times[c] * n:
                     times[ref] = times[c] * n
                     order.append(ref)
-    out: dict[str, float] = {}
-    for c in hlo_collectives(hlo):
-        size = sum(_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
-                   for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", c.result))
-        out[c.kind] = out.get(c.kind, 0.0) + _RING[c.kind](size, _group(c.line)) * times.get(c.computation, 1)
-    return out
+    return _moved(hlo, lambda comp: times.get(comp, 1))
 
 
 def _group(line: str) -> int:
