@@ -185,5 +185,26 @@ def follow_layouts(spec: OpSpec, lays: tuple[TensorLayout, ...], shape: tuple[in
                 continue
             where[d] = tuple(axes)
             used.update(axes)
+    _keep_nesting(where, spec.nested, shape, spec.unsplittable, spec.sizes)
     return tuple(where.get(d, ()) for d in range(len(spec.sizes)))
 
+
+def _keep_nesting(where: dict[int, tuple[int, ...]], nested: tuple, shape: tuple[int, ...], unsplittable: tuple[bool, ...],
+                  sizes: tuple[int, ...]) -> None:
+    """Make ``where`` keep :meth:`~searchers.graph.Op.nested`: a minor part of a merged tensor dim is split only where
+    each major part before it is split into its size. An operand that arrives with only its inner dim split, read by
+    a reshape that merges it with the dim before, is not a block split of the merged dim (its devices' rows
+    interleave): its axes go to the first whole major part they divide (one all-to-all of the operand, as XLA moves
+    it), else the part is computed whole (the operand gathered)."""
+    changed = True
+    while changed:
+        changed = False
+        for i, before in nested:
+            if i not in where or all(math.prod(shape[a] for a in where.get(j, ())) == n for j, n in before):
+                continue
+            axes = where.pop(i)
+            k = math.prod(shape[a] for a in axes)
+            to = next((j for j, _ in before if j not in where and not unsplittable[j] and sizes[j] % k == 0), None)
+            if to is not None:
+                where[to] = axes
+            changed = True

@@ -85,3 +85,32 @@ def test_the_per_op_baselines_tie_an_operand_to_an_op_before_it_and_not_to_one_a
     assert plan[3] == ((0, 1), ())                    # after: w's dim 0 as mm computed it
     assert plan[1] == ((), ())                        # before: mm undecided yet
     assert plan[4] == ((0, 1), ())                    # an untied op: its own leading dim
+
+
+def _merge(major: int, arriving):
+    """x [2, major, 8, 32], laid out as ``arriving``, read by a reshape to [2, major * 8, 32] (jax.numpy's row-major
+    order: merged row ``i * 8 + j``), whose loop dims are the reshape rule's (mshard/_src/jaxpr/rules.py)."""
+    g = Graph(DeviceMesh((2, 2, 2)))
+    x = g.source("x", (2, major, 8, 32), fixed=arriving)
+    g.add_op("reshape", "reshape", {"r0": 2, "r1_0": major, "r1_1": 8, "r2": 32}, [x], [("r0", "r1_0", "r1_1", "r2")],
+             [("r0", ("r1_0", "r1_1"), "r2")], out_shapes=[(2, major * 8, 32)])
+    return g
+
+
+def test_a_reshape_does_not_follow_a_split_of_the_minor_part_of_a_merged_dim_alone():
+    """With only the inner dim split, each device holds merged rows ``i * 8 + j`` for every ``i``: not a block of
+    the merged dim, so no layout of the result says it (the plan priced that reshape free, XLA moved the operand
+    with an all-to-all it did not price). The split goes to the major part where that divides (the operand moved by
+    one all-to-all), else the part is computed whole; where the major part is split into its size, the minor part's
+    split is a block and is kept."""
+    from searchers.strategies import is_legal
+    cases = [
+        (8, ((0,), (), (1, 2), ()), ((0,), (1, 2), (), ())),    # major 8 takes the 4-way split
+        (2, ((0,), (), (1, 2), ()), ((0,), (), (), ())),        # major 2 cannot: computed whole on that dim
+        (2, ((), (0,), (1, 2), ()), ((), (0,), (1, 2), ())),    # major split into its size: the minor's is a block
+    ]
+    for major, arriving, want in cases:
+        g = _merge(major, arriving)
+        got = follow_operands(g, P).strategies[1]
+        assert is_legal(g.ops[1], got, g.mesh), (major, arriving, got)
+        assert got == want, (major, arriving, got)

@@ -128,6 +128,27 @@ class Emitter:
             params = dict(params, jaxpr=self.rewrite(params["jaxpr"], path, slices, self.bodies.get(path)))
         return params, ins
 
+    def _shard_map_ins(self, params, invals) -> list | None:
+        """A ``shard_map`` manual over every axis of the region mesh (a gradient bucket): each operand moved into its
+        ``in_specs`` as :meth:`move` moves it (the direct collectives where XLA's own change at the boundary moves
+        more, as the plan prices a move into a ``shard_map``'s inputs); None for any other ``shard_map`` (manual over
+        some axes only, as a pipeline's, or on another mesh), whose operands XLA moves at its boundary."""
+        mesh = self.layouts.mesh
+        try:
+            shape = dict(params["mesh"].shape)
+        except (AttributeError, KeyError, TypeError):
+            return None
+        manual = set(params.get("newly_manual_axes") or params.get("axis_names") or ())
+        if tuple(shape) != tuple(mesh.names) or tuple(shape.values()) != tuple(mesh.shape) or manual != set(shape):
+            return None
+        out = []
+        for spec, x in zip(params["in_specs"], invals):
+            rank = len(getattr(x, "shape", ()))
+            entries = tuple(spec) + (None,) * (rank - len(tuple(spec)))
+            out.append(tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries[:rank])
+                       if hasattr(x, "shape") else None)
+        return out
+
     def eval(self, jaxpr: jcore.Jaxpr, consts, *args, path: tuple = ()):
         if self.planned:
             roles = partial_sums.partial_sum_pairs(jaxpr)
@@ -248,6 +269,8 @@ class Emitter:
         ins = self.eqn_in.get(key)
         if prim.name == "scan" and (ins is not None or inner in self.bodies):
             params, ins = self._scan_slices(params, invals, list(ins or [None] * len(invals)), inner)
+        if ins is None and prim.name == "shard_map" and self.planned:
+            ins = self._shard_map_ins(params, invals)
         if ins is not None:
             invals = [self.move(x, lay) for x, lay in zip(invals, ins)]
         scope = str(eqn.source_info.name_stack)
