@@ -82,6 +82,7 @@ ALGORITHM = "recursive_programming"
 _REL_TIE = 1e-9
 POLISH_AUTO_OPS = 20_000     # polish="auto": two sweeps up to this many movable ops, none above
 LEVEL_MIN_OPS = 256          # levels of at least this many ops are decided at once (numpy), the rest op by op
+_ENUMERATED = 4096           # a spec only fixed ops have, with more strategies than this, is not enumerated
 
 
 class _Rounds:
@@ -305,13 +306,19 @@ class _Search:
         weight = np.zeros(len(tab.specs))
         rep = np.zeros(len(tab.specs), dtype=np.intp)
         rep_slots = np.zeros((len(tab.specs), int(np.diff(sl.base).max(initial=1))), dtype=np.intp)
+        is_fixed = np.array([op.fixed is not None for op in ops], dtype=bool)
+        # a spec no unfixed op has is only weighed (fixed ops are ordered by it); one with more strategies than
+        # _ENUMERATED is not enumerated for that (a loop fixed whole for the search: millions of strategies)
+        searched = set(np.asarray(sid_a)[~is_fixed].tolist()) if n else set()
         for sid in range(len(tab.specs)):
+            spec = tab.specs[sid]
+            if sid not in searched and (sum(not u for u in spec.unsplittable) + 1) ** self.n_axes > _ENUMERATED:
+                continue
             tab.ensure(sid)
             weight[sid] = float(np.max(tab.own[sid]))   # type: ignore[arg-type]
             rep[sid] = r = self.rounds_of(sid).rep
             row = self.slots_of(sid)[r]
             rep_slots[sid, :len(row)] = row
-        is_fixed = np.array([op.fixed is not None for op in ops], dtype=bool)
         order_a = np.lexsort((np.arange(n), -weight[sid_a], ~is_fixed)) if n else np.zeros(0, dtype=np.intp)
         owner = sl.owner
         state_a = rep[sid_a]

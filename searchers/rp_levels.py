@@ -107,7 +107,7 @@ class LevelBatch:
         self.n_rows = 0
         self.n_in, self.side = n_in, side
         self.n_in_a = np.asarray(n_in, dtype=np.intp)
-        self.n_cands = np.array([len(o) for o in own], dtype=np.intp)
+        self.n_cands = np.array([0 if o is None else len(o) for o in own], dtype=np.intp)    # None: a spec only fixed ops have
         self.nbytes = np.zeros((len(own), self.P), dtype=float)
         for sid in self.used.tolist():
             b = slot_bytes[sid]
