@@ -749,10 +749,10 @@ def check_case(case: dict[str, Any]) -> tuple[str, str]:
     if case["invalid"]:
         return "finding", "invalid strategy accepted: " + repr([s["strategy"] for s in case["steps"] if s["invalid"]])
     # the exact value: the same chain in float64 by tests/references.py (no mshard primitive), every value compared
-    exact = _float64_reference(case, x, out_w)
+    exact = _case_reference(case, x, out_w)
     got = [y, gx, *jax.tree.leaves(gm)]
     names = ["output", "grad x"] + [f"grad param {i}" for i in range(len(got) - 2)]
-    tols = with_float32_error(tolerances(case), _float64_reference(case, x, out_w, np.float32), exact)
+    tols = with_float32_error(tolerances(case), _case_reference(case, x, out_w, np.float32), exact)
     bad = compare(names, got, exact, tols)
     return ("finding", bad) if bad else ("equal", "")
 
@@ -829,7 +829,7 @@ def with_float32_error(tols: list[float], float32: list, exact: list) -> list[fl
     return [max(t, FLOAT32_SLACK * float32_error(a, e)) for t, a, e in zip(tols, float32, exact, strict=True)]
 
 
-def _float64_reference(case: dict[str, Any], x, out_w, dtype=np.float64) -> list[np.ndarray]:
+def _case_reference(case: dict[str, Any], x, out_w, dtype=np.float64) -> list[np.ndarray]:
     """Output, input gradient and parameter gradients (of sum(out * out_w)) of the case in float64 (``dtype``:
     float32 for the one-device float32 chain), by :func:`reference_chain`: the output with the Dropout masks of the
     program's first call, the gradients with its second's (the forward and the gradient are two calls)."""

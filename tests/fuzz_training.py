@@ -76,7 +76,7 @@ def _reference_step(case: dict[str, Any], dtype=np.float64):
 
     def run(params, x, label):
         with jax.enable_x64(dtype == np.float64), warnings.catch_warnings():
-            # in float32 a reference's float64 cast is float32 (fuzz_programs._float64_reference)
+            # in float32 a reference's float64 cast is float32 (fuzz_programs._case_reference)
             warnings.filterwarnings("ignore", "Explicitly requested dtype float64", UserWarning)
             (value, y), g = step([jnp.asarray(p, dtype) for p in params], jnp.asarray(x, dtype),
                                  jnp.asarray(label, dtype), cond_predicate(x))

@@ -16,6 +16,7 @@ from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts, exact
 from mshard._src.planning.fused_sums import fused_reductions, unpriced_reduction
 from mshard._src.planning.joined_sums import Joined
 from mshard._src.planning.scattered_sums import Scattered
+from mshard._src.values import context as ctxmod
 from mshard._src.values.errors import PlanError, StrategyError
 from mshard._src.values.layout import DimAxes, TensorStrategy, axes_by_name, check_strategy, spec_of
 from mshard._src.values.plan import Plan, PlanCost, PlanOp, Redistribution
@@ -283,6 +284,14 @@ def build_plan(trace: TraceResult, strategies, result, params: CostParams, mesh:
     return Plan(mesh, plan_ops, param_specs, PlanCost.of(program), algorithm, result.seconds, tuple(notes),
                 graph_axes, tuple(redistributions), _Explainer(graph, strategies, params, mesh),
                 peak_bytes=peak_memory(graph, strategies, fused=True)[0])
+
+
+def context_cost_params() -> CostParams:
+    """The cost model's constants from the cost-model context (``ms.set_cost_model_context``): one reading for the
+    region's search and for whatever prices collectives beside it (a pipeline's stages)."""
+    cm = ctxmod.get_cost_model_context()
+    return CostParams(alpha=cm.costmodel_alpha, beta=cm.costmodel_beta, gamma=cm.costmodel_gamma,
+                      device_memory_capacity=cm.device_memory_capacity, state_weight=cm.costmodel_state_weight)
 
 
 def manual_cost(move, mesh: DeviceMesh, params: CostParams) -> Cost:

@@ -42,7 +42,7 @@ from mshard._src.jaxpr.op_graph import TraceResult, jaxpr_to_graph
 from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts, assign_layouts
 from mshard._src.planning.fused_sums import sum_roles
 from mshard._src.planning.joined_sums import joined_sums
-from mshard._src.planning.plan_build import EqnKey, build_plan, emit_layouts, eqn_key
+from mshard._src.planning.plan_build import EqnKey, build_plan, context_cost_params, emit_layouts, eqn_key
 from mshard._src.planning.prepare import (
     fix_user_layouts,
     hold_state,
@@ -128,9 +128,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
         base.user_inputs = set(base.user_inputs) | {i for i, (a, b) in enumerate(zip(hooked, base.inputs)) if a != b}
         base.inputs = hooked
     mesh = base.mesh
-    cm = ctxmod.get_cost_model_context()
-    params = CostParams(alpha=cm.costmodel_alpha, beta=cm.costmodel_beta, gamma=cm.costmodel_gamma,
-                        device_memory_capacity=cm.device_memory_capacity, state_weight=cm.costmodel_state_weight)
+    params = context_cost_params()
     trace = trace_on(mesh)
     mark_graph(trace.graph, n_user)
     mark_recomputed(trace)

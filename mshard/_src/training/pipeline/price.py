@@ -29,29 +29,21 @@ from typing import Any
 
 import numpy as np
 
-from mshard._src.planning.plan_build import manual_cost
+from mshard._src.planning.plan_build import context_cost_params, manual_cost
 from mshard._src.training.pipeline.run import run_gpipe_keeping_residuals
-from mshard._src.values import context as ctxmod
-from searchers.cost import CostParams
+from mshard._src.values.layout import dims_of
 
 Move = tuple[str, float, tuple[str, ...]]      # (collective kind, bytes per device, mesh axes)
 
 
-def _axes_of(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
+def _spec_axes(spec) -> set[str]:
+    """The mesh axes a PartitionSpec (or None) splits over."""
+    return set() if spec is None else {a for d in dims_of(spec, len(spec)) for a in d}
 
 
 def _split(spec, sizes: dict[str, int]) -> int:
     """Devices a PartitionSpec splits a value over (1 for None / unsplit)."""
-    if spec is None:
-        return 1
-    return math.prod(sizes.get(a, 1) for e in tuple(spec) for a in _axes_of(e))
-
-
-def _spec_axes(spec) -> set[str]:
-    return set() if spec is None else {a for e in tuple(spec) for a in _axes_of(e)}
+    return math.prod(sizes.get(a, 1) for a in _spec_axes(spec))
 
 
 def pipeline_moves(pp: Any, params: Sequence[Any], sizes: dict[str, int]) -> list[Move] | None:
@@ -129,7 +121,7 @@ def _in_stage_dp_axes(pp: Any, sizes: dict[str, int]) -> list[str]:
     axes: list[str] = []
     for sp in pp.data_specs or ():
         if sp is not None and len(tuple(sp)):
-            axes += [a for a in _axes_of(tuple(sp)[0]) if a not in axes and sizes.get(a, 1) > 1]
+            axes += [a for a in dims_of(sp, len(sp))[0] if a not in axes and sizes.get(a, 1) > 1]
     return axes
 
 
@@ -142,9 +134,7 @@ def priced(plan: Any, pp: Any) -> Any:
         return dataclasses.replace(plan, notes=tuple(plan.notes) + (
             "pipeline: the stages carry operator strategies; the collectives XLA runs inside each stage (its "
             "model-parallel activations and gradient reductions) are not in this plan's bytes",))
-    cm = ctxmod.get_cost_model_context()
-    cp = CostParams(alpha=cm.costmodel_alpha, beta=cm.costmodel_beta, gamma=cm.costmodel_gamma,
-                    device_memory_capacity=cm.device_memory_capacity, state_weight=cm.costmodel_state_weight)
+    cp = context_cost_params()
     comm = dict(plan.cost.communication)
     seconds = total = 0.0
     by_kind: dict[str, float] = {}
