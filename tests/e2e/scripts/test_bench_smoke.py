@@ -28,6 +28,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "memory_fit": ("config", "rows"),
     "mutate": ("rev", "results", "caught", "total"),
     "pipeline": ("bubble", "memory", "time"),
+    "plan_vs_program": ("net", "mode", "setting", "planned", "program", "equal"),                # rows
     "plans_snapshot": ("models", "plans"),
     "plans_vs_baselines": ("rows", "summary"),
     "plans_vs_expert": ("model", "plan", "bytes", "ratio", "max_err_vs_one_device"),            # rows
