@@ -269,8 +269,15 @@ class _Runtime:
         mesh = jax_mesh(plan.mesh)
         rax = _replica_axes(plan, ctx)
         dp = plan.mesh.count(rax)
-        with marks.replica_axes(rax):
-            losses, stacked = _run_replicas(net, data, rax, dp, mesh)
+        if set(rax) == set(plan.mesh.names):
+            # every device is a replica (no parameter split inside one): each runs its own on its slice, as a data-
+            # parallel step does (a shard_map, not a vmap: vmapped, a convolution's weight gradient is a grouped
+            # convolution, which the plan keeps whole, gathering the batch for it)
+            with marks.recording_into(None):
+                losses, stacked = _run_replicas(net, data, rax, dp, mesh, manual=True)
+        else:
+            with marks.replica_axes(rax):
+                losses, stacked = _run_replicas(net, data, rax, dp, mesh)
         plan.replicas = rax
         lays = [plan.param_layouts.get(nm) or ((),) * (x.ndim - 1) for nm, x in zip(names, stacked)]
         local = [int(np.prod(x.shape[1:])) * x.dtype.itemsize // plan.mesh.count([a for d in lay for a in d])

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import trip_moved
 from train_helpers import MLP, assert_params_close, assert_trees_close, batches, mse, reference_train
 
 import mshard as ms
@@ -302,3 +303,36 @@ def test_fused_step_falls_back_when_a_replica_cannot_hold_the_strategy():
     net = MLP(nnx.Rngs(8)).megatron(2, 4)
     with pytest.warns(CommFusionWarning, match="do not fit one replica"):
         train_like_one_device(net, data, tx=lambda: optax.sgd(1e-2), opt_state=False)
+
+
+@pytest.mark.parametrize("setting", ["allreduce", "level3"])
+def test_a_fused_conv_step_whose_devices_are_all_replicas_runs_each_replica_on_its_slice(setting):
+    """semi_auto with no strategies and a fusion setting: all 8 devices are replicas. Run side by side under
+    jax.vmap, a convolution's weight gradient became a grouped convolution, which the plan keeps whole: the batch
+    and an activation were gathered for it (examples/models.py's ConvNet: 71,680 B all-gathered beside the 18,599 B
+    of the buckets). Each device now runs its replica on its own slice in a shard_map, as a data-parallel step
+    does: the step moves the buckets' bytes alone, the plan says so, and 2 SGD steps of three "same" convolutions
+    (no cross-row op: each replica's mean loss over equal slices averages to the batch's) equal one device's."""
+    from models import SameConvs
+    from train_helpers import params_of
+    fused = ({"comm_fusion": {"allreduce": {"mode": "size", "config": 32}}} if setting == "allreduce" else
+             {"enable_parallel_optimizer": True, "comm_fusion": {"reducescatter": {"mode": "size", "config": 32}},
+              "parallel_optimizer_config": {"optimizer_level": "level3", "parallel_optimizer_threshold": 0}})
+    data = batches(2, [(16, 8, 8, 4), (16, 8, 8, 4)], seed=4)
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8, gradients_mean=True, **fused)
+    try:
+        net = SameConvs()
+        step = nn.TrainOneStepCell(nn.WithLossCell(net, mse), optax.sgd(0.1))
+        plan = step.plan(*data[0])
+        compiled = {k: v for k, v in trip_moved(step.lower(*data[0]).compile().as_text()).items() if v}
+        losses = [float(step(*d)) for d in data]
+    finally:
+        ms.reset_auto_parallel_context()
+    assert plan.cost.communication == pytest.approx(compiled, abs=0.5)
+    # the buckets alone: an all-reduce of every gradient, or (level3) a reduce-scatter of every gradient and the
+    # all-gather of the updated shards; what is gathered is then the parameters' bytes times 7/8, nothing more
+    nbytes = sum(int(np.prod(x.shape)) * 4 for x in params_of(SameConvs()))
+    assert compiled.get("all-gather", 0.0) <= nbytes * 7 / 8 + 0.5, compiled
+    ref, _, ref_losses = reference_train(SameConvs(), optax.sgd(0.1), data, mse)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)      # a mean of 4,096 float32 squares, reordered
+    assert_params_close(net, ref)
