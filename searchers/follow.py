@@ -189,8 +189,8 @@ def follow_layouts(spec: OpSpec, lays: tuple[TensorLayout, ...], shape: tuple[in
     return tuple(where.get(d, ()) for d in range(len(spec.sizes)))
 
 
-def _keep_nesting(where: dict[int, tuple[int, ...]], nested: tuple, shape: tuple[int, ...], unsplittable: tuple[bool, ...],
-                  sizes: tuple[int, ...]) -> None:
+def _keep_nesting(where: dict[int, tuple[int, ...]], nested: tuple, shape: tuple[int, ...],
+                  unsplittable: tuple[bool, ...], sizes: tuple[int, ...]) -> None:
     """Make ``where`` keep :meth:`~searchers.graph.Op.nested`: a minor part of a merged tensor dim is split only where
     each major part before it is split into its size. An operand that arrives with only its inner dim split, read by
     a reshape that merges it with the dim before, is not a block split of the merged dim (its devices' rows

@@ -31,7 +31,7 @@ from mshard._src.jaxpr.walk import has_marks as _has_marks
 from mshard._src.planning.axis_assignment import RegionLayouts, exact_mark_key, mark_key
 from mshard._src.runtime import partial_sums
 from mshard._src.runtime.redistribute import redistribute
-from mshard._src.values.layout import jax_mesh, replica_layout, spec_of
+from mshard._src.values.layout import dims_of, jax_mesh, replica_layout, spec_of
 
 INLINE = frozenset(CALLS) - REMAT     # inlined where the body holds marks or planned ops
 REBUILD = REMAT                       # kept, around their re-emitted body, so the recomputation survives
@@ -141,13 +141,8 @@ class Emitter:
         manual = set(params.get("newly_manual_axes") or params.get("axis_names") or ())
         if tuple(shape) != tuple(mesh.names) or tuple(shape.values()) != tuple(mesh.shape) or manual != set(shape):
             return None
-        out = []
-        for spec, x in zip(params["in_specs"], invals):
-            rank = len(getattr(x, "shape", ()))
-            entries = tuple(spec) + (None,) * (rank - len(tuple(spec)))
-            out.append(tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries[:rank])
-                       if hasattr(x, "shape") else None)
-        return out
+        return [dims_of(spec, len(x.shape)) if hasattr(x, "shape") else None
+                for spec, x in zip(params["in_specs"], invals)]
 
     def eval(self, jaxpr: jcore.Jaxpr, consts, *args, path: tuple = ()):
         if self.planned:
