@@ -35,20 +35,27 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-def test_a_searched_steps_write_backs_keep_their_tie(setting):
-    ms.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode="dynamic_programming", device_num=8,
-                                 gradients_mean=True, **SETTINGS[setting])
+def _planned_and_compiled(batch, train=(), **ctx):
+    """The TinyGPT with Megatron blocks under ``ctx``: its step planned and compiled on ``batch``, then trained on
+    ``train`` (SGD). -> (network, plan, bytes per kind of the compiled step, losses); the context is reset."""
+    ms.set_auto_parallel_context(device_num=8, gradients_mean=True, **ctx)
     try:
         net = TinyGPT(nnx.Rngs(0))
         for b in net.blocks:
             b.shard_megatron(2, 4)
         step = nn.TrainOneStepCell(nn.WithLossCell(net, token_loss), optax.sgd(0.1))
-        x, y = DATA[0]
-        plan = step.plan(x, y)
-        compiled = {k: v for k, v in trip_moved(step.lower(x, y).compile().as_text()).items() if v}
+        plan = step.plan(*batch)
+        compiled = {k: v for k, v in trip_moved(step.lower(*batch).compile().as_text()).items() if v}
+        losses = [float(step(*d)) for d in train]
     finally:
         ms.reset_auto_parallel_context()
+    return net, plan, compiled, losses
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_a_searched_steps_write_backs_keep_their_tie(setting):
+    _, plan, compiled, _ = _planned_and_compiled(DATA[0], parallel_mode="auto_parallel",
+                                                 search_mode="dynamic_programming", **SETTINGS[setting])
     assert plan.cost.communication == pytest.approx(compiled, abs=0.5)
 
 
@@ -57,19 +64,8 @@ def test_a_level3_step_with_fused_reduce_scatters_is_priced_as_compiled(mode):
     data = batches(2, [(16, 8), (16, 8)], seed=2, ints=(32, 32))
     search = {"parallel_mode": "semi_auto_parallel"} if mode == "semi_auto" else {
         "parallel_mode": "auto_parallel", "search_mode": mode}
-    ms.set_auto_parallel_context(device_num=8, gradients_mean=True, **search, **SETTINGS["level3"],
-                                 comm_fusion={"reducescatter": {"mode": "size", "config": 32}})
-    try:
-        net = TinyGPT(nnx.Rngs(0))
-        for b in net.blocks:
-            b.shard_megatron(2, 4)
-        step = nn.TrainOneStepCell(nn.WithLossCell(net, token_loss), optax.sgd(0.1))
-        x, y = data[0]
-        plan = step.plan(x, y)
-        compiled = {k: v for k, v in trip_moved(step.lower(x, y).compile().as_text()).items() if v}
-        losses = [float(step(*d)) for d in data]
-    finally:
-        ms.reset_auto_parallel_context()
+    net, plan, compiled, losses = _planned_and_compiled(data[0], data, **search, **SETTINGS["level3"],
+                                                        comm_fusion={"reducescatter": {"mode": "size", "config": 32}})
     assert plan.cost.communication == pytest.approx(compiled, abs=0.5)
     ref, _, ref_losses = reference_train(TinyGPT(nnx.Rngs(0)), optax.sgd(0.1), data, token_loss)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)       # float32 loss of a 32-term softmax, reordered
