@@ -7,9 +7,9 @@ ring formulas the cost model uses for the collectives XLA inserts (all-reduce ``
 reduce-scatter ``S (k-1)`` of its result, all-gather ``S (k-1)/k`` of its result, all-to-all ``S (k-1)/k``, a
 permute ``S``), times the trip count of each ``scan`` around them. A ``while`` body is counted once (its trip count
 is not known) and a ``cond`` by its costliest branch. Only a ``shard_map`` manual over every mesh axis is priced (the
-bucketed reductions): in one manual over some axes only (a pipeline's stages), the body's shapes are still whole
-over the others, and XLA splits them further as it partitions the body; a pipeline prices its own
-(:mod:`mshard._src.training.pipeline.price`).
+bucketed reductions): in one manual over some axes only, the body's shapes are still whole over the others, and XLA
+splits them further as it partitions the body. A pipeline prices its own (:mod:`mshard._src.training.pipeline.price`),
+manual over every axis or not: its ``shard_map`` is traced in the ``SELF_PRICED_SCOPE`` name scope.
 
 >>> import jax, jax.numpy as jnp
 >>> from jax.sharding import PartitionSpec as P
@@ -27,6 +27,10 @@ from collections.abc import Callable, Sequence
 from mshard._src.jaxpr.walk import as_jaxpr, sub_jaxprs
 
 Move = tuple[str, float, tuple[str, ...]]      # (collective kind, bytes per device, mesh axes)
+
+# the name scope a pipeline's shard_map is traced in: it prices its own collectives (it knows which branch of its
+# schedule a device runs at which tick, which a jaxpr does not say), so it is left out here
+SELF_PRICED_SCOPE = "mshard_self_priced"
 
 # primitive -> (kind, the axis-name param, bytes per device from (operand bytes, result bytes, group size))
 _RING: dict[str, tuple[str, str, Callable[[float, float, int], float]]] = {
@@ -78,6 +82,8 @@ def region_manual_moves(jaxpr, names: Sequence[str], shape: Sequence[int], times
             except (AttributeError, TypeError, KeyError):
                 continue
             manual = set(eqn.params.get("newly_manual_axes") or ())
+            if SELF_PRICED_SCOPE in str(eqn.source_info.name_stack):
+                continue
             if tuple(sizes) == tuple(names) and tuple(sizes.values()) == tuple(shape) and manual >= set(names):
                 out += manual_moves(as_jaxpr(eqn.params["jaxpr"]), sizes, times)
         elif name == "scan":

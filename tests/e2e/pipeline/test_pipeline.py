@@ -287,10 +287,9 @@ def _busiest_stage_moved(hlo: str, S: int, M: int, chunks: int, ticks: int, gpip
 def test_a_pipelined_steps_plan_prices_its_stages_collectives(sched, passes):
     """The plan of a pipelined step is its program, kind by kind, for the busiest stage's devices: the permutes
     of every tick, the all-to-alls that bring each stage its parameters and take their gradients back, the loss
-    summed over the stages, and the gradient reductions XLA runs inside a stage's backward branches, once per
-    micro-batch (mshard/_src/training/pipeline/price.py). Before, the pipeline's shard_map was a boundary the plan
-    did not look into: the 2-stage GPT's plan said 0 B for a program that moves 1,736,964 B per device on its
-    busiest stage (now predicted to the byte)."""
+    summed over the stages, and the gradient reductions over a stage's data-parallel devices
+    (mshard/_src/training/pipeline/price.py). Before, the pipeline's shard_map was a boundary the plan did not look
+    into: the 2-stage GPT's plan said 0 B for a program that moves 1,736,964 B per device on its busiest stage."""
     data = [np.ones((16, 8), np.float32), np.ones((16, 8), np.float32)]
     mse = lambda p, y: jnp.mean((p - y) ** 2)
     with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8, pipeline_stages=2, gradients_mean=True,
@@ -304,6 +303,50 @@ def test_a_pipelined_steps_plan_prices_its_stages_collectives(sched, passes):
     assert {"collective-permute", "all-to-all", "all-reduce"} <= set(want), want
     assert plan.cost.communication == pytest.approx(want, abs=0.5)
     assert any(n.startswith("pipeline: its stages' own collectives") for n in plan.notes)
+
+
+@pytest.mark.parametrize("sched", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("passes", [1, 2], ids=["", "accumulated"])
+def test_a_data_parallel_stage_reduces_its_gradients_once_per_step(sched, passes):
+    """Inside a stage without operator strategies the devices are data-parallel replicas: each runs the schedule on
+    its rows of every micro-batch and the gradients are summed over the replicas once per pass, after the ticks
+    (mshard/_src/training/pipeline/run.py ``_Replicas``). Left to XLA, a stage's gradient was reduced inside every
+    backward branch, once per micro-batch: the 2-stage GPT (1f1b, 4 micro-batches) all-reduced 1,347,076 B per
+    device where it now all-reduces 331,015 B.
+
+    The expected all-reduce bytes are the ring formula (2 S (k-1)/k) on the shapes, not the plan's figure: every
+    parameter of the two Dense stages is owned by one stage and stored split over the 2 stages, so after the
+    stages' all-to-all each device holds half of each gradient and sums it over the 4 replicas of its stage; the
+    loss (4 B) is summed over all 8 devices, per pass, and gpipe's backward (JAX's transpose of its forward) sums
+    the loss's cotangent once more. Every parameter after 2 SGD steps equals one device's."""
+    rng = np.random.default_rng(1)
+    # 32 rows: a micro-batch of a pass holds 32 / passes / 4 >= 4 rows, split over all 4 devices of a stage
+    data = [(rng.normal(size=(32, 8)).astype(np.float32), rng.normal(size=(32, 8)).astype(np.float32))
+            for _ in range(2)]
+    mse = lambda p, y: jnp.mean((p - y) ** 2)
+    # the accumulated step's loss is the mean of its passes' mean losses over equal parts: the whole batch's
+    ref, _, ref_losses = train_one_device(_TwoDense(nnx.Rngs(0)), optax.sgd(0.1), data, mse)
+    with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8, pipeline_stages=2, gradients_mean=True,
+                             pipeline_config={"pipeline_scheduler": sched}):
+        net = _TwoDense(nnx.Rngs(0))
+        cell = nn.PipelineCell(nn.WithLossCell(net, mse), 4)
+        step = nn.TrainOneStepCell(cell if passes == 1 else nn.GradAccumulationCell(cell, passes), optax.sgd(0.1))
+        plan = step.plan(*data[0])
+        hlo = step.lower(*data[0]).compile().as_text()
+        losses = [float(step(*b)) for b in data]
+    ring = lambda nbytes, k: 2 * nbytes * (k - 1) / k
+    params = sum(x.nbytes for x in jax.tree.leaves(nnx.state(net, nnx.Param)))
+    # gpipe's loss cotangent is a constant, the same in every pass: XLA sums it once per step
+    want = passes * (ring(params / 2, 4) + ring(4, 8)) + (ring(4, 8) if sched == "gpipe" else 0)
+    moved = _busiest_stage_moved(hlo, 2, 4, 1, plan.pipeline.ticks, sched == "gpipe")
+    assert moved["all-reduce"] == pytest.approx(want, abs=0.5), (moved, want)
+    assert plan.cost.communication["all-reduce"] == pytest.approx(want, abs=0.5)
+    assert "each device runs its replica of the stage" in plan.pipeline.in_stage, plan.pipeline.in_stage
+    # float32: 8/32-term dot products and a 256-element mean, summed per replica and micro-batch in another order
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param)),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

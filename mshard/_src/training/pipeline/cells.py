@@ -18,14 +18,17 @@ True
 >>> ms.reset_auto_parallel_context()
 
 Under :class:`~mshard.nn.TrainOneStepCell` the devices split into ``pipeline_stages`` stage groups along mesh axes
-of the step's mesh (the first axes whose sizes multiply to the stage count); the rest of the mesh is data
-parallel inside each stage. The batch is cut into ``micro_size`` micro-batches (micro-batch ``k`` holds rows
-``k, k + micro_size, ...``, as :class:`~mshard.nn.GradAccumulationCell`), the network's forward is cut into stage
-functions (:mod:`mshard._src.training.pipeline.stages`) and the schedule of ``pipeline_config`` runs as one SPMD program
+of the step's mesh (the first axes whose sizes multiply to the stage count); the rest of the mesh is data parallel
+inside each stage: without operator strategies, each device runs its replica of the stage on its rows of every
+micro-batch and the gradients are summed over the replicas once per step (MindSpore's data parallel, whose loss and
+gradient are the replicas' mean: a batch-mean loss's, as one device computes it). The batch is cut into
+``micro_size`` micro-batches (micro-batch ``k`` holds rows ``k, k + micro_size, ...``, as
+:class:`~mshard.nn.GradAccumulationCell`), the network's forward is cut into stage functions
+(:mod:`mshard._src.training.pipeline.stages`) and the schedule of ``pipeline_config`` runs as one SPMD program
 (:mod:`mshard._src.training.pipeline.run`): ``pipeline_scheduler="gpipe"`` or ``"1f1b"`` (default), and with
-``pipeline_interleave=True`` Megatron's interleaved 1F1B over the chunks that ``cell.pipeline_segment`` numbers.
-The step's loss is the mean of the micro-batch losses and its gradient that mean's gradient (for a mean-reduced
-loss: the full batch's, as one device computes), whatever ``gradients_mean`` says (README, "Gradients").
+``pipeline_interleave=True`` Megatron's interleaved 1F1B over the chunks that ``cell.pipeline_segment`` numbers. The
+step's loss is the mean of the micro-batch losses and its gradient that mean's gradient (for a mean-reduced loss:
+the full batch's, as one device computes), whatever ``gradients_mean`` says (README, "Gradients").
 
 The cells' operator strategies hold inside a stage: they are planned on one stage's devices, and the parameters,
 their optimizer state and gradients are stored in those layouts. Every schedule keeps each forward's residuals
@@ -69,7 +72,7 @@ from mshard._src.training.pipeline.stages import cut
 from mshard._src.training.pipeline.storage import StageStorage
 from mshard._src.values import context as ctxmod
 from mshard._src.values.errors import PipelineError
-from mshard._src.values.layout import choose_axes, jax_mesh, prime_mesh
+from mshard._src.values.layout import choose_axes, dims_of, jax_mesh, prime_mesh
 
 __all__ = ["Pipeline", "PipelineCell", "PipelinePlan"]
 
@@ -276,6 +279,8 @@ class PipelinePlan:
     data_specs: list | None = None     # per micro-batch data leaf, its PartitionSpec inside a stage
     carry_specs: list | None = None    # per carry slot (activation handed on), its PartitionSpec inside a stage
     param_avals: list | None = None    # per Param leaf, its shape and dtype (what the pipeline's collectives move)
+    replicas: tuple[str, ...] = ()     # the data-parallel axes inside a stage the pipeline runs replicas over
+    replica_prog: Any = None           # the stage program of one replica (its rows of a micro-batch)
 
 
 def _micro(x, M: int):
@@ -346,10 +351,38 @@ def pipeline_plan(cell: Any, data: tuple, mesh_plan, ctx) -> PipelinePlan:
         dims.append(tuple(d))
     slices = math.prod(m.interleave_num for _, m in nnx.iter_graph(net) if isinstance(m, MicroBatchInterleaved))
     data_specs, carry_specs = _in_stage_layouts(prog, avals, rmesh, inner, slices)
+    replicas, replica_prog = _replica_program(net, prog, avals, data_specs, rmesh, cut_args=dict(
+        stages=S, chunks=chunks, stage_mesh=(jmesh, inner), dataset_strategy=ctx.dataset_strategy,
+        stage_config=dict(prog.auto) if prog.auto else dict(cell.stage_config or ())))
     report = with_layouts(report, prog.slot_of, carry_specs, dict(zip(rmesh.names, rmesh.shape)),
-                          _in_stage_words(data_specs, prog, slices, dp))
+                          _in_stage_words(data_specs, prog, slices, dp, replicas))
     return PipelinePlan(prog, sched, tuple(stage_axes), jmesh, dp, specs, dims, runner, report, parts, storage,
-                        data_specs, carry_specs, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in p_leaves])
+                        data_specs, carry_specs, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in p_leaves],
+                        replicas, replica_prog)
+
+
+def _replica_program(net, prog, avals: list, data_specs, rmesh, cut_args: dict) -> tuple[tuple, Any]:
+    """-> (the replica axes, the stage program of one replica), or ``((), None)`` where the stages do not run as
+    replicas.
+
+    A stage without operator strategies whose micro-batch rows split over axes inside it is data parallel there.
+    Each device then runs the stage program cut from the network at its own share of the rows (one replica), and
+    the pipeline sums the replicas' gradients once per step (:class:`~mshard._src.training.pipeline.run._Replicas`)
+    instead of once per micro-batch, as XLA does inside each backward branch. The loss and gradient are the mean
+    of the replicas' (MindSpore's data parallel: a batch-mean loss's, as one device computes it; see
+    docs/gradients.md). The same cut, at the replica's shapes, must give the same stages, boundaries and carry;
+    where it does not (a network whose program depends on the row count), the stages are not run as replicas."""
+    split = next((sp for sp in data_specs or () if sp is not None), None)
+    if prog.marks or split is None:
+        return (), None
+    axes = tuple(dims_of(split, 1)[0])
+    n = math.prod(rmesh.axis_size(a) for a in axes)
+    local = [x if sp is None else jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype)
+             for x, sp in zip(avals, data_specs)]
+    one = cut(net, lambda m, *d: m(*d), local, **cut_args)
+    same = (one.stage == prog.stage and one.needs == prog.needs and one.slot_of == prog.slot_of
+            and len(one.slots) == len(prog.slots) and not one.marks)
+    return (axes, one) if same else ((), None)
 
 
 def _in_stage_layouts(prog, avals: list, rmesh, inner: tuple[str, ...], slices: int = 1) -> tuple[list, list | None]:
@@ -387,11 +420,14 @@ def _in_stage_layouts(prog, avals: list, rmesh, inner: tuple[str, ...], slices: 
     return data, carry
 
 
-def _in_stage_words(data_specs, prog, slices: int, dp: int) -> str:
+def _in_stage_words(data_specs, prog, slices: int, dp: int, replicas: tuple[str, ...] = ()) -> str:
     """The plan's words for how a stage's ``dp`` devices share one micro-batch."""
     if prog.marks:
         return f"the cells' strategies lay out the data and activations over the stage's {dp} devices"
     split = next((sp for sp in data_specs or () if sp is not None), None)
+    if replicas:
+        return (f"data parallel, a micro-batch's rows split over {split[0]}: each device runs its replica of the "
+                f"stage and the gradients are summed over {replicas} once per step")
     if split is not None:
         return f"data parallel, a micro-batch's rows split over {split[0]}"
     why = ("under MicroBatchInterleaved (a split aborts XLA's partitioner, see mshard._src.training.pipeline.cells)" if slices > 1
@@ -413,10 +449,11 @@ def pipeline_grads(cell: Any, data: tuple, pplan: PipelinePlan) -> tuple[Any, An
     _, params, rest = nnx.split(cell.network, nnx.Param, ...)
     p_leaves, p_tree = jax.tree.flatten(nnx.as_pure(params))
     r_leaves = jax.tree.leaves(nnx.as_pure(rest))      # the other state (RNG keys, counts) rides along
-    prog = pplan.prog
+    prog = pplan.replica_prog or pplan.prog
+    more = dict(replica_axes=pplan.replicas) if pplan.replicas else {}
     loss, g = pplan.runner(prog.stage_fn, p_leaves, micro, prog.carry, pplan.sched, pplan.jmesh, pplan.stage_axes,
                            consts=r_leaves, param_specs=_param_specs(pplan, len(p_leaves)), storage=pplan.storage,
-                           data_specs=pplan.data_specs, carry_specs=pplan.carry_specs)
+                           data_specs=pplan.data_specs, carry_specs=pplan.carry_specs, **more)
     return loss, jax.tree.unflatten(p_tree, g)
 
 

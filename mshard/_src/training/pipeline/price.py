@@ -1,10 +1,11 @@
 """The bytes a pipelined step moves inside its stages' ``shard_map``, from its :class:`PipelinePlan`.
 
-The pipeline's ``shard_map`` is manual over the stage axes only, so the region's plan cannot price its body from the
-jaxpr (:mod:`mshard._src.jaxpr.manual_collectives`): the body's shapes are whole over the axes inside a stage, which
-XLA splits further. The pipeline knows what it emits and how each value is laid out inside a stage, so it prices
-its own collectives, per device, by the ring formulas the cost model uses (all-reduce ``2 S (k-1)/k``, all-to-all
-``S (k-1)/k``, a permute ``S``):
+The region's plan does not price the pipeline's body from the jaxpr (:mod:`mshard._src.jaxpr.manual_collectives`):
+where the ``shard_map`` is manual over the stage axes only, the body's shapes are whole over the axes inside a
+stage, which XLA splits further, and in any case each device runs the branches of the schedule's conditionals as the
+schedule says, which the jaxpr does not. The pipeline knows what it emits and how each value is laid out inside a
+stage, so it prices its own collectives, per device, by the ring formulas the cost model uses (all-reduce
+``2 S (k-1)/k``, all-to-all ``S (k-1)/k``, a permute ``S``):
 
 - every tick, each stage sends the activation it made forward and the cotangent it made backward to its
   neighbours (``run_pipeline``: two permutes per tick, idle ticks included; ``run_gpipe_keeping_residuals``: one per
@@ -13,10 +14,13 @@ its own collectives, per device, by the ring formulas the cost model uses (all-r
   gradients go back by another (:mod:`mshard._src.training.pipeline.storage`); under a ``GradAccumulationCell`` the
   gather runs once for all passes, the parameters being the same in each;
 - a shared parameter's gradient and the loss are summed over the stages;
-- inside a stage, XLA sums each backward's gradient over the stage's data-parallel devices in the branch that
-  computes it (a partial sum cannot leave a ``lax.switch``), so every micro-batch's gradient of every parameter a
-  virtual stage reads is reduced, ``M`` times per step, and every forward of the last stage reduces its loss so.
-  These depend on the stage a device is in: the plan gives the busiest device's;
+- where a stage's data-parallel devices run as replicas (``PipelinePlan.replicas``: no operator strategies in the
+  stages), every gradient is summed over them once, after the ticks: a shared one in the same all-reduce as over the
+  stages, an owned one on the slice the stage all-to-all leaves on the device;
+- otherwise XLA sums each backward's gradient over the stage's data-parallel devices in the branch that computes it
+  (a partial sum cannot leave a ``lax.switch``), so every micro-batch's gradient of every parameter a virtual stage
+  reads is reduced, ``M`` times per step, and every forward of the last stage reduces its loss so. These depend on
+  the stage a device is in: the plan gives the busiest device's;
 - a ``GradAccumulationCell`` around the pipeline runs all of this once per pass.
 """
 
@@ -78,14 +82,21 @@ def pipeline_moves(pp: Any, params: Sequence[Any], sizes: dict[str, int]) -> lis
         out += [("all-to-all", whole * (S - 1) / S / pp.parts, stage_axes),
                 ("all-to-all", whole * (S - 1) / S, stage_axes)]
     nbytes = [int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize / _split(sp, sizes) for x, sp in zip(params, specs)]
+    # after the ticks: a shared parameter's gradient is summed over the stages, and with replicas inside a stage
+    # (run._Replicas) every gradient is summed over them too, a shared one in the same all-reduce, an owned one on
+    # the slice the stage all-to-all left on this device
+    after = list(stage_axes) + list(pp.replicas)
     for j in range(len(params)):
-        if not st.split(j):        # a shared parameter's gradient is summed over the stages, after the ticks
-            out += _reduced(nbytes[j], list(stage_axes), sizes)
-    # the loss (float32), summed over the stages; JAX's backward of gpipe's forward sums its cotangent again, a
-    # constant XLA sums once for all passes of an accumulation
-    out += _reduced(4.0, list(stage_axes), sizes)
-    out += _reduced(4.0 / pp.parts, list(stage_axes), sizes) if gpipe else []
-    out += _busiest_stage(pp, nbytes, specs, sizes, S)
+        if not st.split(j):
+            out += _reduced(nbytes[j], after, sizes)
+        elif pp.replicas:
+            out += _reduced(nbytes[j] / S, list(pp.replicas), sizes)
+    # the loss (float32), summed likewise; JAX's backward of gpipe's forward sums its cotangent again, a constant
+    # XLA sums once for all passes of an accumulation
+    out += _reduced(4.0, after, sizes)
+    out += _reduced(4.0 / pp.parts, after, sizes) if gpipe else []
+    if not pp.replicas:
+        out += _busiest_stage(pp, nbytes, specs, sizes, S)
     return [(kind, b * pp.parts, axes) for kind, b, axes in out if b]
 
 
@@ -147,6 +158,8 @@ def priced(plan: Any, pp: Any) -> Any:
     cost = dataclasses.replace(plan.cost, communication=comm, comm_time=plan.cost.comm_time + seconds,
                                total=plan.cost.total + total)
     said = ", ".join(f"{k} {v:,.0f} B" for k, v in sorted(by_kind.items()))
+    where = (f"the gradients summed over the replicas {pp.replicas} once per pass" if pp.replicas else
+             f"the gradient reductions XLA runs in each backward, {pp.sched.micro} per step, for the busiest stage's "
+             f"devices")
     return dataclasses.replace(plan, cost=cost, notes=tuple(plan.notes) + (
-        f"pipeline: its stages' own collectives, priced from the schedule ({said}; the gradient reductions XLA "
-        f"runs in each backward, {pp.sched.micro} per step, for the busiest stage's devices)",))
+        f"pipeline: its stages' own collectives, priced from the schedule ({said}; {where})",))

@@ -1,7 +1,9 @@
 """Run a pipeline schedule as one SPMD program: a ``lax.scan`` over the schedule's ticks inside a ``jax.shard_map``
-that is manual over the stage mesh axes only (the other axes stay Auto: XLA's partitioner places the data- and
+that is manual over the stage mesh axes (the other axes stay Auto: XLA's partitioner places the data- and
 model-parallel collectives inside each stage), activations and their cotangents sent to the next / previous stage
-with ``lax.ppermute`` every tick.
+with ``lax.ppermute`` every tick. Where a stage is data parallel (no operator strategies), the ``shard_map`` is
+manual over its data-parallel axes too (:class:`_Replicas`): each device runs its replica of the schedule on its
+rows and the gradients are summed over the replicas once, after the ticks, not in every backward branch.
 
 Every tick each stage looks up its own entry of the table (:mod:`mshard._src.training.pipeline.schedule`) and runs one branch of a
 ``lax.switch``: idle (nothing: bubble ticks are free by construction, no FLOPs), the forward of its virtual stage
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,6 +43,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from mshard._src.jaxpr.manual_collectives import SELF_PRICED_SCOPE
 from mshard._src.training.pipeline.schedule import BWD, FWD, IDLE, Schedule
 from mshard._src.training.pipeline.storage import StageStorage
 
@@ -157,7 +161,7 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
                  sched: Schedule, mesh: jax.sharding.Mesh, stage_axes: tuple[str, ...], consts: Any = (),
                  param_specs: Sequence[Any] | None = None, keep_residuals: bool = True,
                  storage: StageStorage | None = None, data_specs: Sequence[Any] | None = None,
-                 carry_specs: Sequence[Any] | None = None):
+                 carry_specs: Sequence[Any] | None = None, replica_axes: tuple[str, ...] = ()):
     """-> (mean loss over the micro-batches, gradient of it w.r.t. ``params``), both replicated over the stages.
 
     ``stage_fn(vs, params, consts, carry, d) -> (carry, loss)`` runs virtual stage ``vs`` (static) on one
@@ -175,6 +179,11 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
     left to XLA) for one micro-batch's data and the activations handed on, so the devices of a stage share the
     micro-batch (data parallel) rather than each computing all of it.
 
+    ``replica_axes``: the axes inside a stage that are data-parallel replicas (:func:`_replicated`): the
+    ``shard_map`` is manual over them too, each device runs its replica of the schedule on its rows of every
+    micro-batch (``data_specs`` say which data leaves are split; ``carry`` and ``stage_fn`` are one replica's), and
+    the gradients are summed over the replicas once, after the ticks.
+
     ``keep_residuals``: each forward keeps its residuals (:class:`_Residuals`) until its backward, which then
     recomputes nothing; a cell with ``recompute()`` (``jax.checkpoint``) keeps only its inputs and is recomputed
     there, as the recompute setting says. ``False``: a stage keeps only its inputs and its backward recomputes
@@ -187,8 +196,11 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
     fwd_perm = [(j, (j + 1) % S) for j in range(S)]
     bwd_perm = [(j, (j - 1) % S) for j in range(S)]
     res = _Residuals() if keep_residuals else None
-    lay_d, lay_c = _constrainers(data_specs, carry_specs)
     st = storage if storage is not None else StageStorage.build([set()] * len(params), params, None, S)
+    rep = _replicated(mesh, stage_axes, replica_axes, data, data_specs)
+    if replica_axes:
+        param_specs = data_specs = carry_specs = None
+    lay_d, lay_c = _constrainers(data_specs, carry_specs)
 
     def plist(vs, pw):
         """Virtual stage ``vs``'s parameter list from ``pw = (own, p)`` (its own gathered, the shared whole)."""
@@ -324,15 +336,15 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
         init = (ring_f, ring_b, ring_r, gacc, jnp.zeros((), jnp.float32), zeros_c, zeros_c)
         (_, _, _, gacc, lacc, _, _), marks = lax.scan(tick, init, jnp.arange(sched.ticks))
         split = st.scatter(gacc[0], stage_axes)
-        g = [split[j] if st.split(j) else lax.psum(x, stage_axes) for j, x in enumerate(gacc[1])]
-        return lax.psum(lacc, stage_axes) / M, g, marks[None]
+        g = [rep.mean(split[j]) if st.split(j) else rep.mean(x, stage_axes) for j, x in enumerate(gacc[1])]
+        return rep.mean(lacc, stage_axes) / M, g, marks[None]
 
     spec_p = [P(stage_axes) if st.split(j) else P() for j in range(len(params))]
-    spec_d = jax.tree.map(lambda _: P(), data)
     spec_c = jax.tree.map(lambda _: P(), consts)
-    f = jax.shard_map(local, mesh=mesh, in_specs=(spec_p, spec_c, spec_d), out_specs=(P(), spec_p, P(stage_axes)),
-                      axis_names=set(stage_axes), check_vma=False)
-    loss, grads, marks = f(list(params), consts, _lay_micro(data, data_specs, mesh))
+    f = jax.shard_map(local, mesh=mesh, in_specs=(spec_p, spec_c, rep.data_specs), out_specs=(P(), spec_p, P(stage_axes)),
+                      axis_names=set(stage_axes) | set(replica_axes), check_vma=False)
+    with jax.named_scope(SELF_PRICED_SCOPE):           # training/pipeline/price.py prices it
+        loss, grads, marks = f(list(params), consts, data if replica_axes else _lay_micro(data, data_specs, mesh))
     if _TICKS is not None:
         jax.debug.callback(functools.partial(_append_ticks, _TICKS), marks)
     return loss, grads
@@ -342,7 +354,7 @@ def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carr
                                 sched: Schedule, mesh: jax.sharding.Mesh, stage_axes: tuple[str, ...],
                                 consts: Any = (), param_specs: Sequence[Any] | None = None,
                                 storage: StageStorage | None = None, data_specs: Sequence[Any] | None = None,
-                                carry_specs: Sequence[Any] | None = None):
+                                carry_specs: Sequence[Any] | None = None, replica_axes: tuple[str, ...] = ()):
     """GPipe without recomputation: the forward ticks of the schedule (every forward, in its table order) as one
     scan, differentiated by JAX (``jax.value_and_grad`` of the ``shard_map``; the backward is the scan's
     transpose, ``ppermute`` transposes to the reverse permute). Each stage keeps the residuals of its forwards
@@ -355,6 +367,9 @@ def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carr
     fwd_perm = [(j, j + 1) for j in range(S - 1)]
 
     st = storage if storage is not None else StageStorage.build([set()] * len(params), params, None, S)
+    rep = _replicated(mesh, stage_axes, replica_axes, data, data_specs)
+    if replica_axes:
+        param_specs = data_specs = carry_specs = None
     lay_d, lay_c = _constrainers(data_specs, carry_specs)
 
     def local(p, cs, d):
@@ -384,14 +399,45 @@ def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carr
         vary = lambda x: lax.pcast(x, stage_axes, to="varying")
         init = (tuple(vary(x) for x in zeros_c), vary(jnp.zeros((), jnp.float32)))
         (_, lacc), _ = lax.scan(tick, init, jnp.arange(fwd_ticks))
-        return lax.psum(lacc, stage_axes) / M
+        return rep.mean(lacc, stage_axes) / M
 
     spec_p = [P(stage_axes) if st.split(j) else P() for j in range(len(params))]
-    f = jax.shard_map(local, mesh=mesh, in_specs=(spec_p, jax.tree.map(lambda _: P(), consts),
-                                                  jax.tree.map(lambda _: P(), data)),
-                      out_specs=P(), axis_names=set(stage_axes), check_vma=False)
-    data = _lay_micro(data, data_specs, mesh)
-    return jax.value_and_grad(lambda p: f(p, consts, data))(list(params))
+    f = jax.shard_map(local, mesh=mesh, in_specs=(spec_p, jax.tree.map(lambda _: P(), consts), rep.data_specs),
+                      out_specs=P(), axis_names=set(stage_axes) | set(replica_axes), check_vma=False)
+    data = data if replica_axes else _lay_micro(data, data_specs, mesh)
+    with jax.named_scope(SELF_PRICED_SCOPE):           # training/pipeline/price.py prices it
+        return jax.value_and_grad(lambda p: f(p, consts, data))(list(params))
+
+
+class _Replicas:
+    """How a pipeline's ``shard_map`` treats the data-parallel devices inside a stage. Without replica axes it is
+    manual over the stage axes only (XLA's partitioner splits a micro-batch's rows over the others, as
+    ``data_specs`` lay them out, and sums each backward's gradient over them in the branch that computes it, once
+    per micro-batch: a partial sum cannot leave a ``lax.switch``). With them it is manual over those axes too: each
+    device runs its replica of every stage on its rows, keeps its own gradient sum over the ticks, and the sums are
+    reduced over the replicas once, after the ticks (MindSpore's data parallel inside a stage)."""
+
+    def __init__(self, mesh, axes: tuple[str, ...], data, data_specs):
+        self.axes = tuple(axes)
+        self.n = math.prod(mesh.shape[a] for a in self.axes)
+        leaves, tree = jax.tree.flatten(data)
+        specs = list(data_specs or ()) + [None] * len(leaves)
+        self.data_specs = jax.tree.unflatten(tree, [P(None, self.axes) if self.axes and sp is not None else P()
+                                                    for _, sp in zip(leaves, specs)])
+
+    def mean(self, x, stage_axes: tuple[str, ...] = ()):
+        """``x`` summed over ``stage_axes`` and averaged over the replicas: one all-reduce."""
+        axes = tuple(stage_axes) + self.axes
+        if not axes:
+            return x
+        y = lax.psum(x, axes)
+        return y / self.n if self.n > 1 else y
+
+
+def _replicated(mesh, stage_axes, replica_axes, data, data_specs) -> _Replicas:
+    if set(stage_axes) & set(replica_axes):
+        raise AssertionError(f"pipeline: replica axes {replica_axes} overlap the stage axes {stage_axes}")
+    return _Replicas(mesh, replica_axes, data, data_specs)
 
 
 def _constrainers(data_specs, carry_specs):
