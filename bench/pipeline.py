@@ -16,6 +16,10 @@ same model without stages.
   (``cost_analysis()``, which counts a loop's body once: the pipelined rows, one scan over the ticks each, compare
   with each other, not with the unrolled step without stages), and the parameter bytes one device holds, beside
   the same step without stages (data parallel on the 8 devices).
+- ``moved``: bytes per device the compiled step moves on its busiest stage, by collective kind (each loop by its trip
+  count, each branch of the schedule's conditional as often as the schedule runs it), for S in {2, 4}, M in {4, 8}
+  and gpipe, 1f1b, 1f1b+recompute, beside the plan's bytes (equal kind by kind) and the same step without stages
+  (data parallel on the 8 devices), with the ratio.
 - ``time``: seconds per step (median of ``--repeats`` after a warm-up) of the pipelined step and of the same step
   without stages on the same devices, and their ratio, measured in the same run.
 
@@ -28,9 +32,10 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
-import _cpu8  # noqa: F401  (8 simulated CPU devices, before JAX)
+import _cpu8  # 8 simulated CPU devices, before JAX
 import jax
 import numpy as np
 import optax
@@ -125,6 +130,34 @@ def memory_rows(stages=(2, 4), micro=(4, 8, 16), schedules=SCHEDULES) -> list[di
     return rows
 
 
+def moved_rows(stages=(2, 4), micro=(4, 8), schedules=("gpipe", "1f1b", "1f1b+recompute")) -> list[dict]:
+    """Bytes per device the compiled step moves, by collective kind, on its busiest stage's devices (tests/helpers.py
+    ``busiest_stage_moved``: each loop by its trip count, each branch of the schedule's conditional as often as the
+    schedule runs it), beside the plan's figure and the same step without stages (data parallel on 8 devices)."""
+    sys.path.insert(0, str(_cpu8.ROOT / "tests"))
+    from helpers import busiest_stage_moved, trip_moved
+    rows = []
+    for S in stages:
+        for M in micro:
+            x, y = _batch(M)
+            base, _ = _step(1, M, "1f1b")
+            dp = sum(trip_moved(base.lower(x, y).compile().as_text()).values())
+            for sched in schedules:
+                step, _ = _step(S, M, sched)
+                plan = step.plan(x, y)
+                hlo = step.lower(x, y).compile().as_text()
+                moved = busiest_stage_moved(hlo, S, M, 1, plan.pipeline.ticks, sched == "gpipe")
+                total = sum(moved.values())
+                rows.append({"S": S, "M": M, "schedule": sched, "hlo_bytes": total,
+                             "plan_bytes": sum(plan.cost.communication.values()),
+                             "all_reduce_bytes": moved.get("all-reduce", 0.0),
+                             "plan_equals_hlo": plan.cost.communication == moved, "no_stages_bytes": dp,
+                             "ratio_to_no_stages": total / dp,
+                             "stage_replicas": "its replica of the stage" in plan.pipeline.in_stage})
+    ms.reset_auto_parallel_context()
+    return rows
+
+
 def _time(step, x, y, repeats: int) -> float:
     float(step(x, y))
     out = []
@@ -155,17 +188,21 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "pipeline.json"))
     ap.add_argument("--skip-time", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--skip-moved", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--smoke", action="store_true",
                     help="S = 2, M = 4, the schedule 1f1b+recompute only, 1 repeat: checks that it runs")
     a = ap.parse_args(argv)
     # --smoke: one (S, M) and one schedule, beside the step without stages (each pipelined step compiles for seconds)
-    mem_kw, time_kw = {}, {}
+    mem_kw, time_kw, moved_kw = {}, {}, {}
     if a.smoke:
         a.repeats = 1
         mem_kw = dict(stages=(2,), micro=(4,), schedules=("1f1b+recompute",))
         time_kw = dict(cases=((2, 4),), schedules=("1f1b+recompute",))
+        moved_kw = dict(stages=(2,), micro=(4,), schedules=("1f1b",))
     out = {"bubble": bubble_rows()}
+    if not a.skip_moved:
+        out["moved"] = moved_rows(**moved_kw)
     if not a.skip_memory:
         out["memory"] = memory_rows(**mem_kw)
     if not a.skip_time:
@@ -182,7 +219,8 @@ def main(argv=None) -> None:
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
-    print(json.dumps({"bubble_all_equal_formula": all(abs(r["bubble"] - r["formula"]) < 1e-12 for r in out["bubble"])}))
+    print(json.dumps({"bubble_all_equal_formula": all(abs(r["bubble"] - r["formula"]) < 1e-12 for r in out["bubble"]),
+                      "moved_plan_equals_hlo": all(r["plan_equals_hlo"] for r in out.get("moved", ()))}))
 
 
 if __name__ == "__main__":

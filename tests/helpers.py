@@ -205,3 +205,24 @@ def _group(line: str) -> int:
         return len(groups.group(1).split(","))
     iota = re.search(r"replica_groups=\[\d+,(\d+)\]", line)
     return int(iota.group(1)) if iota else 2          # a permute: k unused
+
+
+def busiest_stage_moved(hlo: str, S: int, M: int, chunks: int, ticks: int, gpipe: bool) -> dict[str, float]:
+    """Bytes per device of the compiled pipelined step, read from its HLO (:func:`trip_moved`) for the
+    device of each stage, the most of them: a stage's ticks loop runs ``ticks`` times and, per tick, one branch of
+    the executor's conditional (idle, forward, backward; gpipe: idle or its stage's forward, then the transposed
+    loop the same), and each virtual stage of a device's stage runs M forwards and M backwards per step."""
+    V = S * chunks
+    per = []
+    for s in range(S):
+        if gpipe:
+            T = M + S - 1
+            def branch(n, i, s=s, T=T):
+                return ((T - M) / T if i == 0 else M / T if i == s + 1 else 0.0) if n == S + 1 else 1.0
+        else:
+            def branch(n, i, s=s):
+                if n == 3:                                   # idle, forward, backward
+                    return [(ticks - 2 * M * chunks) / ticks, M * chunks / ticks, M * chunks / ticks][i]
+                return (1 / chunks if i % S == s else 0.0) if n == V else 1.0      # which virtual stage
+        per.append({k: v for k, v in trip_moved(hlo, branch).items() if v})
+    return max(per, key=lambda d: sum(d.values()))

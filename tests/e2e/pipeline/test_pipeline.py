@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import trip_moved
+from helpers import busiest_stage_moved
 from reference import train_one_device
 from train_gpt import LOSS, make_gpt, synthetic_batches
 
@@ -261,27 +261,6 @@ def test_a_small_pipeline_trains_as_on_one_device_under_sgd(sched):
         assert_ran_the_schedule(ticks, 2, 4, 1, "1f1b", steps=2)
 
 
-def _busiest_stage_moved(hlo: str, S: int, M: int, chunks: int, ticks: int, gpipe: bool) -> dict[str, float]:
-    """Bytes per device of the compiled pipelined step, read from its HLO (tests/helpers.py ``trip_moved``) for the
-    device of each stage, the most of them: a stage's ticks loop runs ``ticks`` times and, per tick, one branch of
-    the executor's conditional (idle, forward, backward; gpipe: idle or its stage's forward, then the transposed
-    loop the same), and each virtual stage of a device's stage runs M forwards and M backwards per step."""
-    V = S * chunks
-    per = []
-    for s in range(S):
-        if gpipe:
-            T = M + S - 1
-            def branch(n, i, s=s, T=T):
-                return ((T - M) / T if i == 0 else M / T if i == s + 1 else 0.0) if n == S + 1 else 1.0
-        else:
-            def branch(n, i, s=s):
-                if n == 3:                                   # idle, forward, backward
-                    return [(ticks - 2 * M * chunks) / ticks, M * chunks / ticks, M * chunks / ticks][i]
-                return (1 / chunks if i % S == s else 0.0) if n == V else 1.0      # which virtual stage
-        per.append({k: v for k, v in trip_moved(hlo, branch).items() if v})
-    return max(per, key=lambda d: sum(d.values()))
-
-
 @pytest.mark.parametrize("sched", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("passes", [1, 2], ids=["", "accumulated"])
 def test_a_pipelined_steps_plan_prices_its_stages_collectives(sched, passes):
@@ -299,7 +278,7 @@ def test_a_pipelined_steps_plan_prices_its_stages_collectives(sched, passes):
         plan = step.plan(*data)
         hlo = step.lower(*data).compile().as_text()
     rep = plan.pipeline
-    want = _busiest_stage_moved(hlo, 2, 4, 1, rep.ticks, sched == "gpipe")
+    want = busiest_stage_moved(hlo, 2, 4, 1, rep.ticks, sched == "gpipe")
     assert {"collective-permute", "all-to-all", "all-reduce"} <= set(want), want
     assert plan.cost.communication == pytest.approx(want, abs=0.5)
     assert any(n.startswith("pipeline: its stages' own collectives") for n in plan.notes)
@@ -338,7 +317,7 @@ def test_a_data_parallel_stage_reduces_its_gradients_once_per_step(sched, passes
     params = sum(x.nbytes for x in jax.tree.leaves(nnx.state(net, nnx.Param)))
     # gpipe's loss cotangent is a constant, the same in every pass: XLA sums it once per step
     want = passes * (ring(params / 2, 4) + ring(4, 8)) + (ring(4, 8) if sched == "gpipe" else 0)
-    moved = _busiest_stage_moved(hlo, 2, 4, 1, plan.pipeline.ticks, sched == "gpipe")
+    moved = busiest_stage_moved(hlo, 2, 4, 1, plan.pipeline.ticks, sched == "gpipe")
     assert moved["all-reduce"] == pytest.approx(want, abs=0.5), (moved, want)
     assert plan.cost.communication["all-reduce"] == pytest.approx(want, abs=0.5)
     assert "each device runs its replica of the stage" in plan.pipeline.in_stage, plan.pipeline.in_stage

@@ -27,7 +27,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "memory": ("config", "rows", "summary"),
     "memory_fit": ("config", "rows"),
     "mutate": ("rev", "results", "caught", "total"),
-    "pipeline": ("bubble", "memory", "time"),
+    "pipeline": ("bubble", "moved", "memory", "time"),
     "plan_vs_program": ("net", "mode", "setting", "planned", "program", "equal"),                # rows
     "plans_snapshot": ("models", "plans"),
     "plans_vs_baselines": ("rows", "summary"),
