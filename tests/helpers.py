@@ -226,3 +226,45 @@ def busiest_stage_moved(hlo: str, S: int, M: int, chunks: int, ticks: int, gpipe
                 return (1 / chunks if i % S == s else 0.0) if n == V else 1.0      # which virtual stage
         per.append({k: v for k, v in trip_moved(hlo, branch).items() if v})
     return max(per, key=lambda d: sum(d.values()))
+
+
+def loop_computations(hlo: str) -> set[str]:
+    """The computations some while loop runs: its body and every computation the body calls (a conditional's
+    branches, a fusion, a reduction), transitively."""
+    calls: dict[str, set[str]] = {}
+    name = ""
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
+        if head:
+            name = head.group(1)
+            calls[name] = set()
+        elif name:
+            calls[name] |= set(re.findall(r"(?:body|condition|calls|to_apply|true_computation|false_computation)"
+                                          r"=%([\w.\-]+)", line))
+            arms = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if arms:
+                calls[name] |= set(re.findall(r"%([\w.\-]+)", arms.group(1)))
+    out, todo = set(), list(loop_bodies(hlo))
+    while todo:
+        c = todo.pop()
+        if c not in out:
+            out.add(c)
+            todo += calls.get(c, ())
+    return out
+
+
+def replica_groups(line: str) -> frozenset[frozenset[int]] | None:
+    """The device groups of a collective's line: explicit ``{{0,2},{1,3}}`` or iota ``[4,2]<=[8]`` (optionally
+    ``[2,4]<=[2,2,2]T(0,2,1)``: ``arange`` reshaped, transposed, cut into rows); None for any other form."""
+    explicit = re.search(r"replica_groups=\{(\{[\d,]+\}(?:,\{[\d,]+\})*)\}", line)
+    if explicit:
+        return frozenset(frozenset(int(d) for d in g.split(",")) for g in re.findall(r"\{([\d,]+)\}", explicit.group(1)))
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if not iota:
+        return None
+    dims = [int(d) for d in iota.group(3).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if iota.group(4):
+        ids = ids.transpose([int(d) for d in iota.group(4).split(",")])
+    rows = ids.reshape(int(iota.group(1)), int(iota.group(2)))
+    return frozenset(frozenset(int(d) for d in r) for r in rows)

@@ -351,7 +351,7 @@ def pipeline_plan(cell: Any, data: tuple, mesh_plan, ctx) -> PipelinePlan:
         dims.append(tuple(d))
     slices = math.prod(m.interleave_num for _, m in nnx.iter_graph(net) if isinstance(m, MicroBatchInterleaved))
     data_specs, carry_specs = _in_stage_layouts(prog, avals, rmesh, inner, slices)
-    replicas, replica_prog = _replica_program(net, prog, avals, data_specs, rmesh, cut_args=dict(
+    replicas, replica_prog, data_specs = _replica_program(net, prog, avals, data_specs, rmesh, slices, cut_args=dict(
         stages=S, chunks=chunks, stage_mesh=(jmesh, inner), dataset_strategy=ctx.dataset_strategy,
         stage_config=dict(prog.auto) if prog.auto else dict(cell.stage_config or ())))
     report = with_layouts(report, prog.slot_of, carry_specs, dict(zip(rmesh.names, rmesh.shape)),
@@ -361,28 +361,44 @@ def pipeline_plan(cell: Any, data: tuple, mesh_plan, ctx) -> PipelinePlan:
                         replicas, replica_prog)
 
 
-def _replica_program(net, prog, avals: list, data_specs, rmesh, cut_args: dict) -> tuple[tuple, Any]:
-    """-> (the replica axes, the stage program of one replica), or ``((), None)`` where the stages do not run as
-    replicas.
+def _replica_program(net, prog, avals: list, data_specs, rmesh, slices: int, cut_args: dict
+                     ) -> tuple[tuple, Any, list | None]:
+    """-> (the replica axes, the stage program of one replica, the data's in-stage layouts), or
+    ``((), None, data_specs)`` where the stages do not run as replicas.
 
-    A stage without operator strategies whose micro-batch rows split over axes inside it is data parallel there.
-    Each device then runs the stage program cut from the network at its own share of the rows (one replica), and
-    the pipeline sums the replicas' gradients once per step (:class:`~mshard._src.training.pipeline.run._Replicas`)
-    instead of once per micro-batch, as XLA does inside each backward branch. The loss and gradient are the mean
-    of the replicas' (MindSpore's data parallel: a batch-mean loss's, as one device computes it; see
-    docs/gradients.md). The same cut, at the replica's shapes, must give the same stages, boundaries and carry;
-    where it does not (a network whose program depends on the row count), the stages are not run as replicas."""
-    split = next((sp for sp in data_specs or () if sp is not None), None)
-    if prog.marks or split is None:
-        return (), None
+    The axes inside a stage that split no parameter are data parallel there: without operator strategies, the axes
+    a micro-batch's rows split over (``data_specs``); with them, those of the axes no parameter's strategy uses
+    that divide the rows (a Megatron block's ``data_parallel`` devices). Each device then runs the stage program cut
+    from the network at its own share of the rows (one replica; the strategies keep their layouts over the other
+    axes), and the pipeline sums the replicas' gradients once per step
+    (:class:`~mshard._src.training.pipeline.run._Replicas`) instead of once per micro-batch, as XLA does inside each
+    backward branch. The loss and gradient are the mean of the replicas' (MindSpore's data parallel: a batch-mean
+    loss's, as one device computes it; see docs/gradients.md). The same cut at the replica's shapes must give the
+    same stages, boundaries and carry; where it does not (a network whose program depends on the row count), the
+    stages are not run as replicas, nor under a :class:`~mshard.nn.MicroBatchInterleaved` (``slices > 1``)."""
+    rows = avals[0].shape[0] if avals and avals[0].shape and slices == 1 else 0
+    if prog.marks:
+        used = {a for sp in prog.marks["params"] for d in dims_of(sp, len(sp)) for a in d}
+        axes, n = [], 1
+        for a in cut_args["stage_mesh"][1]:
+            if a not in used and rows and rows % (n * rmesh.axis_size(a)) == 0:
+                axes.append(a)
+                n *= rmesh.axis_size(a)
+        split = P(tuple(axes)) if axes else None
+        specs = [split if split is not None and x.shape and x.shape[0] == rows else None for x in avals]
+    else:
+        split = next((sp for sp in data_specs or () if sp is not None), None)
+        specs = data_specs
+    if split is None or not rows:
+        return (), None, data_specs
     axes = tuple(dims_of(split, 1)[0])
     n = math.prod(rmesh.axis_size(a) for a in axes)
     local = [x if sp is None else jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype)
-             for x, sp in zip(avals, data_specs)]
-    one = cut(net, lambda m, *d: m(*d), local, **cut_args)
+             for x, sp in zip(avals, specs)]
+    one = cut(net, lambda m, *d: m(*d), local, marks_like=(prog, axes) if prog.marks else None, **cut_args)
     same = (one.stage == prog.stage and one.needs == prog.needs and one.slot_of == prog.slot_of
-            and len(one.slots) == len(prog.slots) and not one.marks)
-    return (axes, one) if same else ((), None)
+            and len(one.slots) == len(prog.slots) and bool(one.marks) == bool(prog.marks))
+    return (axes, one, specs) if same else ((), None, data_specs)
 
 
 def _in_stage_layouts(prog, avals: list, rmesh, inner: tuple[str, ...], slices: int = 1) -> tuple[list, list | None]:
@@ -422,9 +438,11 @@ def _in_stage_layouts(prog, avals: list, rmesh, inner: tuple[str, ...], slices: 
 
 def _in_stage_words(data_specs, prog, slices: int, dp: int, replicas: tuple[str, ...] = ()) -> str:
     """The plan's words for how a stage's ``dp`` devices share one micro-batch."""
-    if prog.marks:
-        return f"the cells' strategies lay out the data and activations over the stage's {dp} devices"
     split = next((sp for sp in data_specs or () if sp is not None), None)
+    if prog.marks:
+        return (f"the cells' strategies lay out the data and activations over the stage's {dp} devices" + (
+            f"; each device of {replicas} runs its replica of the stage on its rows and the gradients are summed "
+            f"over {replicas} once per step" if replicas else ""))
     if replicas:
         return (f"data parallel, a micro-batch's rows split over {split[0]}: each device runs its replica of the "
                 f"stage and the gradients are summed over {replicas} once per step")

@@ -199,7 +199,9 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
     st = storage if storage is not None else StageStorage.build([set()] * len(params), params, None, S)
     rep = _replicated(mesh, stage_axes, replica_axes, data, data_specs)
     if replica_axes:
-        param_specs = data_specs = carry_specs = None
+        data_specs = carry_specs = None
+        if set(stage_axes) | set(replica_axes) == set(mesh.axis_names):
+            param_specs = None                  # manual over every axis: nothing left to lay out
     lay_d, lay_c = _constrainers(data_specs, carry_specs)
 
     def plist(vs, pw):
@@ -369,7 +371,9 @@ def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carr
     st = storage if storage is not None else StageStorage.build([set()] * len(params), params, None, S)
     rep = _replicated(mesh, stage_axes, replica_axes, data, data_specs)
     if replica_axes:
-        param_specs = data_specs = carry_specs = None
+        data_specs = carry_specs = None
+        if set(stage_axes) | set(replica_axes) == set(mesh.axis_names):
+            param_specs = None                  # manual over every axis: nothing left to lay out
     lay_d, lay_c = _constrainers(data_specs, carry_specs)
 
     def local(p, cs, d):

@@ -171,6 +171,23 @@ def _stage_marks(closed: jcore.ClosedJaxpr, n_state: int, data_avals: Sequence[A
     return out
 
 
+def _marks_like(jaxpr, other: StageProgram, drop: tuple[str, ...]) -> dict[Any, Any]:
+    """``other``'s marks moved to the same equations of ``jaxpr`` (a trace of the same network at other shapes),
+    the axes ``drop`` removed from every PartitionSpec; {} where the two traces differ in their equations."""
+    def strip(sp):
+        return P(*[None if e is None else (tuple(a for a in ((e,) if isinstance(e, str) else e) if a not in drop)
+                                           or None) for e in sp])
+    theirs = other.closed.jaxpr.eqns
+    if len(theirs) != len(jaxpr.eqns) or any(a.primitive is not b.primitive for a, b in zip(theirs, jaxpr.eqns)):
+        return {}
+    out: dict[Any, Any] = {"params": [strip(sp) for sp in other.marks.get("params", ())]}
+    for a, b in zip(theirs, jaxpr.eqns):
+        sp = other.marks.get(a.outvars[0]) if a.outvars else None
+        if sp is not None:
+            out[b.outvars[0]] = strip(sp)
+    return out
+
+
 def _annotated(jaxpr) -> list[str]:
     """The ops with a user strategy (their marks) anywhere in ``jaxpr``."""
     out: list[str] = []
@@ -345,12 +362,17 @@ def _prod(shape) -> int:
 
 def cut(net: nnx.Module, loss_of: Any, data_avals: Sequence[Any], *, stages: int, chunks: int,
         stage_config: dict[str, int] | None = None, stage_mesh: tuple[Any, tuple[str, ...]] | None = None,
-        dataset_strategy: Any = "data_parallel") -> StageProgram:
+        dataset_strategy: Any = "data_parallel", marks_like: tuple[StageProgram, tuple[str, ...]] | None = None
+        ) -> StageProgram:
     """Trace ``loss_of(net, *data)`` for one micro-batch and cut it into ``stages * chunks`` virtual stages.
 
     ``stage_mesh = (jax mesh, the axes of one stage)``: where the cells carry operator strategies, they are planned
     on one stage's devices (semi_auto's axis assignment, ``axis_assignment.assign_layouts``, on a mesh of those
-    axes) and every annotated op is constrained to its planned layout inside the stage."""
+    axes) and every annotated op is constrained to its planned layout inside the stage.
+
+    ``marks_like = (program, axes)``: the annotated ops take the layouts ``program`` (the same network cut at other
+    row counts: one data-parallel replica's rows here, the whole micro-batch's there) planned for the op in the
+    same place, without ``axes`` (the replica axes, manual where this program runs), instead of being planned."""
     V = stages * chunks
     staged = module_stages(net, stage_config, stages)
     auto: dict[str, int] = {}
@@ -372,7 +394,10 @@ def cut(net: nnx.Module, loss_of: Any, data_avals: Sequence[Any], *, stages: int
                             f"carry such updates yet. Put the cells in eval mode (cell.set_train(False)) or remove "
                             f"them from the pipelined network.")
     closed = jcore.ClosedJaxpr(jaxpr.replace(outvars=[loss_var]), closed.consts)
-    marks = _stage_marks(closed, n_p + n_r, data_avals, stage_mesh, dataset_strategy) if _annotated(jaxpr) else {}
+    if marks_like is not None:
+        marks = _marks_like(closed.jaxpr, *marks_like)
+    else:
+        marks = _stage_marks(closed, n_p + n_r, data_avals, stage_mesh, dataset_strategy) if _annotated(jaxpr) else {}
     jaxpr = closed.jaxpr
     producer: dict[Any, int] = {}
     stage: list[int] = []
