@@ -209,6 +209,16 @@ BUGS = [
         "            if a not in used and rows and rows % (n * rmesh.axis_size(a)) == 0:\n",
         "            if False:\n",
         ("tests/e2e/pipeline/test_pipeline.py",)),
+    Bug("stage_all_to_all_left_to_xla", "the all-to-all that brings a stage its own weights runs on whole pieces "
+        "(XLA gathers each model-parallel slice first)", "mshard/_src/training/pipeline/storage.py",
+        "        if not inner or lay[self.dims[g]]:",
+        "        if True:",
+        ("tests/e2e/pipeline/test_pipeline.py",)),
+    Bug("stage_dim_always_0", "a parameter is split over the stages on dim 0 even where its in-stage layout splits "
+        "dim 0", "mshard/_src/training/pipeline/storage.py",
+        "    free = next((k for k, n in enumerate(shape) if n % stages == 0 and not split[k]), None)\n",
+        "    free = None\n",
+        ("tests/e2e/pipeline/test_pipeline.py",)),
     Bug("pipeline_replicas_summed", "a pipeline's replica gradients are summed, not averaged (dp times too large)",
         "mshard/_src/training/pipeline/run.py",
         "        return y / self.n if self.n > 1 else y\n",

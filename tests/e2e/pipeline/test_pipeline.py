@@ -161,6 +161,13 @@ def test_a_stage_with_strategies_sums_over_its_replicas_once_per_step(sched):
         losses = [float(step(*b)) for b in data]
     reduced, replicas = _all_reduces_and_replicas(hlo, mine.fc1.weight[...])
     assert (False, replicas) in reduced and (True, replicas) not in reduced, reduced
+    # each stage's own weights come whole over the stages by one all-to-all of every device's model-parallel slices
+    # (pipeline/storage.py _a2a), the gradients go back so: no weight is gathered over the model-parallel devices
+    # (left to XLA, the all-to-all's operand was gathered whole first). A bias split over them has no other dim to
+    # split over the stages, so its stage pieces interleave with its slices and XLA gathers it: only stacks of 1-D
+    # parameters ([stages, slots, length]) may be gathered
+    gathered = [c for c in hlo_collectives(hlo) if c.kind == "all-gather" and c.result.startswith("f32")]
+    assert all(c.result.count(",") == 2 for c in gathered), gathered
     # float32: 8/32-term dot products (split in two partial sums) and a 256-element mean, reordered
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(nnx.state(mine, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param)),

@@ -41,7 +41,7 @@ interleaved slices); :class:`~mshard.nn.GradAccumulationCell` goes outside it (`
 step, gradients averaged); inside it would loop over micro-batches across the stages, which is an error.
 
 Parameter memory drops with the stage count (:mod:`mshard._src.training.pipeline.storage`): a parameter that one stage alone
-uses is stored split over the stage axes on dim 0 (every device holds ``1/S`` of it, and of its optimizer state),
+uses is stored split over the stage axes on one dim (every device holds ``1/S`` of it, and of its optimizer state),
 an ordinary ``jax.Array`` of its own shape that reads, saves and runs eagerly like any other; inside the step one
 ``all_to_all`` brings each stage its own parameters whole and sends their gradients back split. A parameter several
 stages use (a tied embedding and head) is stored whole on every stage and its gradient summed over the stages, so
@@ -346,8 +346,8 @@ def pipeline_plan(cell: Any, data: tuple, mesh_plan, ctx) -> PipelinePlan:
         sp = tuple(specs[j]) if specs is not None else ()
         d = [() if a is None else (a,) if isinstance(a, str) else tuple(a)
              for a in sp + (None,) * (len(x.shape) - len(sp))]
-        if storage.split(j):          # stored split over the stage axes on dim 0 (mshard._src.training.pipeline.storage)
-            d[0] = tuple(stage_axes) + d[0]
+        if storage.split(j):          # stored split over the stage axes on its stage dim (pipeline/storage.py)
+            d[storage.dim(j)] = tuple(stage_axes) + d[storage.dim(j)]
         dims.append(tuple(d))
     slices = math.prod(m.interleave_num for _, m in nnx.iter_graph(net) if isinstance(m, MicroBatchInterleaved))
     data_specs, carry_specs = _in_stage_layouts(prog, avals, rmesh, inner, slices)

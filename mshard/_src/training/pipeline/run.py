@@ -279,7 +279,7 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
         ring_f = lay_c(tuple(jnp.zeros((v, K) + c.shape, c.dtype) for c in carry), 2)
         ring_b = lay_c(tuple(jnp.zeros((v, K) + c.shape, c.dtype) for c in carry), 2)
         zeros_c = lay_c(tuple(jnp.zeros(c.shape, c.dtype) for c in carry))
-        pw = (st.gather(p, stage_axes), list(p))      # this stage's own parameters whole; the shared ones
+        pw = (st.gather(p, stage_axes, mesh), list(p))      # this stage's own parameters whole; the shared ones
         gacc = (st.zeros_own(), [jnp.zeros(x.shape, x.dtype) for x in p])
         if param_specs is not None:
             gacc = (gacc[0], [x if st.split(j) else lax.with_sharding_constraint(x, sp)
@@ -337,11 +337,11 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
 
         init = (ring_f, ring_b, ring_r, gacc, jnp.zeros((), jnp.float32), zeros_c, zeros_c)
         (_, _, _, gacc, lacc, _, _), marks = lax.scan(tick, init, jnp.arange(sched.ticks))
-        split = st.scatter(gacc[0], stage_axes)
+        split = st.scatter(gacc[0], stage_axes, mesh)
         g = [rep.mean(split[j]) if st.split(j) else rep.mean(x, stage_axes) for j, x in enumerate(gacc[1])]
         return rep.mean(lacc, stage_axes) / M, g, marks[None]
 
-    spec_p = [P(stage_axes) if st.split(j) else P() for j in range(len(params))]
+    spec_p = [st.spec(j, stage_axes) for j in range(len(params))]
     spec_c = jax.tree.map(lambda _: P(), consts)
     f = jax.shard_map(local, mesh=mesh, in_specs=(spec_p, spec_c, rep.data_specs), out_specs=(P(), spec_p, P(stage_axes)),
                       axis_names=set(stage_axes) | set(replica_axes), check_vma=False)
@@ -379,7 +379,7 @@ def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carr
     def local(p, cs, d):
         s = lax.axis_index(stage_axes)
         tab = jnp.asarray(table)
-        pw = (st.gather(p, stage_axes), list(p))       # the transpose (all_to_all) sends the gradients back split
+        pw = (st.gather(p, stage_axes, mesh), list(p))       # the transpose (all_to_all) sends the gradients back split
 
         def plist(vs):
             ps = st.params_for(vs, pw[0], pw[1])
@@ -405,7 +405,7 @@ def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carr
         (_, lacc), _ = lax.scan(tick, init, jnp.arange(fwd_ticks))
         return rep.mean(lacc, stage_axes) / M
 
-    spec_p = [P(stage_axes) if st.split(j) else P() for j in range(len(params))]
+    spec_p = [st.spec(j, stage_axes) for j in range(len(params))]
     f = jax.shard_map(local, mesh=mesh, in_specs=(spec_p, jax.tree.map(lambda _: P(), consts), rep.data_specs),
                       out_specs=P(), axis_names=set(stage_axes) | set(replica_axes), check_vma=False)
     data = data if replica_axes else _lay_micro(data, data_specs, mesh)
