@@ -271,7 +271,7 @@ class PipelinePlan:
     dp: int                        # the data-parallel size inside a stage
     specs: list | None             # PartitionSpec per Param leaf inside a stage (where the cells carry strategies)
     dims: list                     # per Param leaf, its stored layout (DimAxes): the in-stage layout, and the
-                                   # stage axes on dim 0 for a parameter one stage owns
+                                   # stage axes on its stage dim for a parameter one stage owns
     runner: Any                    # run_pipeline or run_gpipe_keeping_residuals
     report: Any                    # mshard._src.training.pipeline.report.PipelineReport
     parts: int = 1                 # GradAccumulationCell(PipelineCell, n): n whole pipeline passes per step

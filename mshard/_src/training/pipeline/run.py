@@ -22,7 +22,8 @@ time is between the two.
 :func:`run_gpipe_keeping_residuals` is the other executor: gpipe's forward ticks as one scan that JAX
 differentiates, so every forward's residuals are kept until its backward (no recompute; memory grows with M).
 
-The gradient is the sum over micro-batches of ``d(loss_i / M) / d params`` (the mean loss's gradient). A parameter
+The gradient is the sum over micro-batches of ``d(loss_i / M) / d params`` (the mean loss's gradient; with replicas
+inside the stages, the mean over the replicas of each one's sum). A parameter
 one stage owns (:mod:`mshard._src.training.pipeline.storage`) arrives split over the stages, is gathered whole onto its stage by
 one ``all_to_all`` and its gradient leaves split the same way; a parameter two stages use (a tied embedding and
 head) arrives whole and its gradient is psum-ed over the stages, so it gets both contributions and every stage
@@ -171,8 +172,9 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
     leaf of ``params``, over the axes inside a stage) lays the parameters and their gradient sums out inside the
     stage as its operator strategies use them.
 
-    ``storage`` (:mod:`mshard._src.training.pipeline.storage`): the parameters a stage owns arrive split over the stage axes on
-    dim 0, are gathered whole onto their stage only, and their gradients leave split the same way; the others
+    ``storage`` (:mod:`mshard._src.training.pipeline.storage`): the parameters a stage owns arrive split over the
+    stage axes on their stage dim, are gathered whole onto their stage only, and their gradients leave split the
+    same way; the others
     (all of them without ``storage``) arrive whole and their gradients are summed over the stages.
 
     ``data_specs`` (per data leaf) and ``carry_specs`` (per carry slot): PartitionSpecs inside a stage (``None``:
@@ -197,12 +199,8 @@ def run_pipeline(stage_fn: Callable, params: Any, data: Any, carry: Sequence[jax
     bwd_perm = [(j, (j - 1) % S) for j in range(S)]
     res = _Residuals() if keep_residuals else None
     st = storage if storage is not None else StageStorage.build([set()] * len(params), params, None, S)
-    rep = _replicated(mesh, stage_axes, replica_axes, data, data_specs)
-    if replica_axes:
-        data_specs = carry_specs = None
-        if set(stage_axes) | set(replica_axes) == set(mesh.axis_names):
-            param_specs = None                  # manual over every axis: nothing left to lay out
-    lay_d, lay_c = _constrainers(data_specs, carry_specs)
+    rep, param_specs, data_specs, lay_d, lay_c = _replicated(mesh, stage_axes, replica_axes, data, data_specs,
+                                                             carry_specs, param_specs)
 
     def plist(vs, pw):
         """Virtual stage ``vs``'s parameter list from ``pw = (own, p)`` (its own gathered, the shared whole)."""
@@ -369,12 +367,8 @@ def run_gpipe_keeping_residuals(stage_fn: Callable, params: Any, data: Any, carr
     fwd_perm = [(j, j + 1) for j in range(S - 1)]
 
     st = storage if storage is not None else StageStorage.build([set()] * len(params), params, None, S)
-    rep = _replicated(mesh, stage_axes, replica_axes, data, data_specs)
-    if replica_axes:
-        data_specs = carry_specs = None
-        if set(stage_axes) | set(replica_axes) == set(mesh.axis_names):
-            param_specs = None                  # manual over every axis: nothing left to lay out
-    lay_d, lay_c = _constrainers(data_specs, carry_specs)
+    rep, param_specs, data_specs, lay_d, lay_c = _replicated(mesh, stage_axes, replica_axes, data, data_specs,
+                                                             carry_specs, param_specs)
 
     def local(p, cs, d):
         s = lax.axis_index(stage_axes)
@@ -438,10 +432,18 @@ class _Replicas:
         return y / self.n if self.n > 1 else y
 
 
-def _replicated(mesh, stage_axes, replica_axes, data, data_specs) -> _Replicas:
+def _replicated(mesh, stage_axes, replica_axes, data, data_specs, carry_specs, param_specs):
+    """-> (the :class:`_Replicas`, and the parameter and data layouts and the constrainers a runner uses inside its
+    ``shard_map``): with replica axes, each device's data and carry are one replica's, so nothing is laid out over
+    them, and over every axis manual nothing is left to lay out."""
     if set(stage_axes) & set(replica_axes):
         raise AssertionError(f"pipeline: replica axes {replica_axes} overlap the stage axes {stage_axes}")
-    return _Replicas(mesh, replica_axes, data, data_specs)
+    rep = _Replicas(mesh, replica_axes, data, data_specs)
+    if replica_axes:
+        data_specs = carry_specs = None
+        if set(stage_axes) | set(replica_axes) == set(mesh.axis_names):
+            param_specs = None
+    return (rep, param_specs, data_specs) + _constrainers(data_specs, carry_specs)
 
 
 def _constrainers(data_specs, carry_specs):
