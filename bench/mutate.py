@@ -199,6 +199,11 @@ BUGS = [
         "        if set(rax) == set(plan.mesh.names):\n",
         "        if set(rax) == set(plan.mesh.names) and False:\n",
         ("tests/e2e/training/test_train_fusion.py",)),
+    Bug("rp_enumerates_fixed_loops", "recursive_programming enumerates the strategies of a loop fixed whole for the "
+        "search (millions on a GPT's accumulation: the search does not end)", "searchers/recursive_programming.py",
+        "            if sid not in searched and (sum(not u for u in spec.unsplittable) + 1) ** self.n_axes > _ENUMERATED:\n",
+        "            if False:\n",
+        ("tests/e2e/training/test_accumulation_plans.py",)),
     Bug("pipeline_reduced_per_micro_batch", "a data-parallel stage's gradients are left to XLA, reduced in every "
         "backward branch (M times per step)", "mshard/_src/training/pipeline/cells.py",
         "        specs = data_specs\n",

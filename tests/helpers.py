@@ -5,6 +5,7 @@ import itertools
 import os
 import pathlib
 import re
+import signal
 import socket
 from collections.abc import Callable
 from typing import NamedTuple
@@ -268,3 +269,19 @@ def replica_groups(line: str) -> frozenset[frozenset[int]] | None:
         ids = ids.transpose([int(d) for d in iota.group(4).split(",")])
     rows = ids.reshape(int(iota.group(1)), int(iota.group(2)))
     return frozenset(frozenset(int(d) for d in r) for r in rows)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, what: str):
+    """Fail the test (``pytest.fail``) if the block runs longer than ``seconds``: for a step whose regression is a
+    search that does not end (the suite has no per-test timeout). SIGALRM interrupts Python code only, which is
+    where the searchers run; the main thread only."""
+    def expired(signum, frame):
+        pytest.fail(f"{what} ran past {seconds:.0f} s", pytrace=False)
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
