@@ -155,15 +155,10 @@ def _moved(hlo: str, times: Callable[[str], float]) -> dict[str, float]:
     return out
 
 
-def trip_moved(hlo: str, branch: Callable[[int, int], float] | None = None) -> dict[str, float]:
-    """:func:`loop_moved` with each while loop counted by its own trip count (``known_trip_count`` in its
-    backend_config), nested loops multiplied: a collective in a computation is counted the product of the trip
-    counts of the loops around it (a computation a loop body calls, a fusion, as often as the body). A loop whose
-    trip count the module does not say counts once. A conditional's branch ``i`` of ``n`` runs ``branch(n, i)``
-    times as often as the conditional (default 1: every branch, an upper bound; a caller that knows which branch
-    one device takes how often, a pipeline's schedule, says so)."""
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """-> (each computation's name -> its instruction lines, the entry computation's name)."""
     comps: dict[str, list[str]] = {}
-    name = ""
+    name = entry = ""
     for line in hlo.splitlines():
         head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
         if head:
@@ -173,6 +168,25 @@ def trip_moved(hlo: str, branch: Callable[[int, int], float] | None = None) -> d
                 entry = name
         elif name:
             comps[name].append(line)
+    return comps, entry
+
+
+def _callees(line: str) -> tuple[list[str], list[str]]:
+    """-> (the computations an instruction calls by name: a loop's body and condition, a fusion, a reduction, a
+    conditional's true/false computations; a conditional's branch computations, in order)."""
+    refs = re.findall(r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)", line)
+    branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+    return refs, re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else []
+
+
+def trip_moved(hlo: str, branch: Callable[[int, int], float] | None = None) -> dict[str, float]:
+    """:func:`loop_moved` with each while loop counted by its own trip count (``known_trip_count`` in its
+    backend_config), nested loops multiplied: a collective in a computation is counted the product of the trip
+    counts of the loops around it (a computation a loop body calls, a fusion, as often as the body). A loop whose
+    trip count the module does not say counts once. A conditional's branch ``i`` of ``n`` runs ``branch(n, i)``
+    times as often as the conditional (default 1: every branch, an upper bound; a caller that knows which branch
+    one device takes how often, a pipeline's schedule, says so)."""
+    comps, entry = _computations(hlo)
     times = {entry: 1}
     order = [entry]
     while order:
@@ -180,10 +194,7 @@ def trip_moved(hlo: str, branch: Callable[[int, int], float] | None = None) -> d
         for line in comps.get(c, ()):
             trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
             body = re.search(r"\bbody=%([\w.\-]+)", line)
-            refs = re.findall(r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)",
-                              line)
-            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-            arms = re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else []
+            refs, arms = _callees(line)
             for ref in refs + arms:
                 n = int(trip.group(1)) if trip and body and ref == body.group(1) else 1
                 if ref in arms and branch is not None:
@@ -232,19 +243,9 @@ def busiest_stage_moved(hlo: str, S: int, M: int, chunks: int, ticks: int, gpipe
 def loop_computations(hlo: str) -> set[str]:
     """The computations some while loop runs: its body and every computation the body calls (a conditional's
     branches, a fusion, a reduction), transitively."""
-    calls: dict[str, set[str]] = {}
-    name = ""
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
-        if head:
-            name = head.group(1)
-            calls[name] = set()
-        elif name:
-            calls[name] |= set(re.findall(r"(?:body|condition|calls|to_apply|true_computation|false_computation)"
-                                          r"=%([\w.\-]+)", line))
-            arms = re.search(r"branch_computations=\{([^}]*)\}", line)
-            if arms:
-                calls[name] |= set(re.findall(r"%([\w.\-]+)", arms.group(1)))
+    comps, _ = _computations(hlo)
+    calls = {c: {ref for line in lines for refs, arms in [_callees(line)] for ref in refs + arms}
+             for c, lines in comps.items()}
     out, todo = set(), list(loop_bodies(hlo))
     while todo:
         c = todo.pop()

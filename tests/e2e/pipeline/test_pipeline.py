@@ -140,10 +140,7 @@ def test_a_stage_with_strategies_sums_over_its_replicas_once_per_step(sched):
     loop; inside the loop only the model-parallel devices all-reduce (the row-parallel product). Before, every
     backward branch all-reduced its gradients over the replicas, once per micro-batch. Every parameter after 2 SGD
     steps equals one device's."""
-    rng = np.random.default_rng(2)
-    data = [(rng.normal(size=(32, 8)).astype(np.float32), rng.normal(size=(32, 8)).astype(np.float32))
-            for _ in range(2)]
-    mse = lambda p, y: jnp.mean((p - y) ** 2)
+    data, mse = _dense_batches(2, 32), _mse
 
     def net():
         n = _TwoDense(nnx.Rngs(0))
@@ -170,9 +167,7 @@ def test_a_stage_with_strategies_sums_over_its_replicas_once_per_step(sched):
     assert all(c.result.count(",") == 2 for c in gathered), gathered
     # float32: 8/32-term dot products (split in two partial sums) and a 256-element mean, reordered
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(nnx.state(mine, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param)),
-                    strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    _assert_params_close(mine, ref)
 
 
 @pytest.mark.slow
@@ -291,6 +286,25 @@ def assert_ran_the_schedule(ticks, S, M, v, name, steps):
     np.testing.assert_allclose(1 - len(one) / (S * T), (S - 1) / (v * M + S - 1), rtol=1e-12)
 
 
+def _dense_batches(seed: int, rows: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Two (input, target) batches of ``rows`` x 8 normal float32 values for :class:`_TwoDense`."""
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=(rows, 8)).astype(np.float32), rng.normal(size=(rows, 8)).astype(np.float32))
+            for _ in range(2)]
+
+
+def _mse(p, y):
+    return jnp.mean((p - y) ** 2)
+
+
+def _assert_params_close(net, ref) -> None:
+    """Every parameter of ``net`` against ``ref``'s after the same SGD steps: float32 dot products over 8 or 32 terms
+    and a mean over the batch, summed in another order (per micro-batch, replica and model-parallel slice)."""
+    for a, b in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param)),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 class _TwoDense(nn.Cell):
     def __init__(self, rngs):
         self.fc1 = nn.Dense(8, 32, activation="relu", rngs=rngs)
@@ -306,10 +320,7 @@ def test_a_small_pipeline_trains_as_on_one_device_under_sgd(sched):
     """The fast tier's pipeline check: two Dense stages, 4 micro-batches, 2 plain-SGD steps (a gradient off by the
     micro-batch count, or one micro-batch's activation or cotangent paired with another's data, shows in the
     parameters; AdamW would normalise the first away). Every parameter and the executed schedule."""
-    rng = np.random.default_rng(0)
-    data = [(rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16, 8)).astype(np.float32))
-            for _ in range(2)]
-    mse = lambda p, y: jnp.mean((p - y) ** 2)
+    data, mse = _dense_batches(0, 16), _mse
     ref, _, ref_losses = train_one_device(_TwoDense(nnx.Rngs(0)), optax.sgd(0.1), data, mse)
     with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8, pipeline_stages=2, gradients_mean=True,
                              pipeline_config={"pipeline_scheduler": sched}), record_ticks() as ticks:
@@ -318,9 +329,7 @@ def test_a_small_pipeline_trains_as_on_one_device_under_sgd(sched):
         losses = [float(step(*b)) for b in data]
     # float32: 8/32-term dot products and a 128-element mean, summed per micro-batch in another order
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param)),
-                    strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    _assert_params_close(net, ref)
     if sched == "1f1b":         # gpipe without recompute runs JAX's transpose of its forward scan: no tick trace
         assert_ran_the_schedule(ticks, 2, 4, 1, "1f1b", steps=2)
 
@@ -334,7 +343,7 @@ def test_a_pipelined_steps_plan_prices_its_stages_collectives(sched, passes):
     (mshard/_src/training/pipeline/price.py). Before, the pipeline's shard_map was a boundary the plan did not look
     into: the 2-stage GPT's plan said 0 B for a program that moves 1,736,964 B per device on its busiest stage."""
     data = [np.ones((16, 8), np.float32), np.ones((16, 8), np.float32)]
-    mse = lambda p, y: jnp.mean((p - y) ** 2)
+    mse = _mse
     with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8, pipeline_stages=2, gradients_mean=True,
                              pipeline_config={"pipeline_scheduler": sched}):
         cell = nn.PipelineCell(nn.WithLossCell(_TwoDense(nnx.Rngs(0)), mse), 4)
@@ -362,11 +371,8 @@ def test_a_data_parallel_stage_reduces_its_gradients_once_per_step(sched, passes
     stages' all-to-all each device holds half of each gradient and sums it over the 4 replicas of its stage; the
     loss (4 B) is summed over all 8 devices, per pass, and gpipe's backward (JAX's transpose of its forward) sums
     the loss's cotangent once more. Every parameter after 2 SGD steps equals one device's."""
-    rng = np.random.default_rng(1)
     # 32 rows: a micro-batch of a pass holds 32 / passes / 4 >= 4 rows, split over all 4 devices of a stage
-    data = [(rng.normal(size=(32, 8)).astype(np.float32), rng.normal(size=(32, 8)).astype(np.float32))
-            for _ in range(2)]
-    mse = lambda p, y: jnp.mean((p - y) ** 2)
+    data, mse = _dense_batches(1, 32), _mse
     # the accumulated step's loss is the mean of its passes' mean losses over equal parts: the whole batch's
     ref, _, ref_losses = train_one_device(_TwoDense(nnx.Rngs(0)), optax.sgd(0.1), data, mse)
     with ms.parallel_context(parallel_mode="semi_auto_parallel", device_num=8, pipeline_stages=2, gradients_mean=True,
@@ -387,9 +393,7 @@ def test_a_data_parallel_stage_reduces_its_gradients_once_per_step(sched, passes
     assert "each device runs its replica of the stage" in plan.pipeline.in_stage, plan.pipeline.in_stage
     # float32: 8/32-term dot products and a 256-element mean, summed per replica and micro-batch in another order
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(nnx.state(net, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param)),
-                    strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    _assert_params_close(net, ref)
 
 
 @pytest.mark.slow
