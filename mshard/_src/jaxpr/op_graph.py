@@ -480,13 +480,14 @@ def jaxpr_to_graph(closed_jaxpr, mesh: DeviceMesh, input_kinds: Sequence[str],
 
 
 def scan_body_graph(eqn, path: tuple, mesh: DeviceMesh, in_fixed: Sequence, out_fixed: Sequence,
-                    stored: Sequence[bool] = ()) -> TraceResult:
+                    stored: Sequence[bool] = (), body: Any = None) -> TraceResult:
     """The graph of one step of a ``scan``'s body, to plan it as a region of its own: each body input is a source
     fixed to the layout the body reads it in (``in_fixed``, a strategy per input: the constants' and the carry's
     layouts, a scanned input's without its scanned dim), and each result is read by a ``writeback`` op fixed to the
     layout the loop keeps it in (``out_fixed``: the carry's; a stacked result's readers' without the scanned dim;
     None: where the body makes it). ``stored[k]``: body input k is stored state (a weight), a ``param`` source.
-    The body's equations carry ``path + (eqn,)``, the emitter's keys inside the body.
+    The body's equations carry ``path + (eqn,)``, the emitter's keys inside the body. ``body``: another body of
+    the same eqn to trace (a ``while``'s body jaxpr, one branch of a ``cond``), the ``scan``'s by default.
 
     >>> import jax, jax.numpy as jnp
     >>> cj = jax.make_jaxpr(lambda h, w: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, w))(
@@ -497,7 +498,7 @@ def scan_body_graph(eqn, path: tuple, mesh: DeviceMesh, in_fixed: Sequence, out_
     [('scan_in0', ((0,), ())), ('scan_in1', ((), ())), ('dot_general', None), ('tanh', None),
      ('scan_out0', ((0,), ()))]
     """
-    body = eqn.params["jaxpr"]
+    body = eqn.params["jaxpr"] if body is None else body
     t = _GraphBuilder(mesh, primitives=True)
     env: dict = {}
     input_ops = []

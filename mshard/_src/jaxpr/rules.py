@@ -25,11 +25,13 @@ Nested jaxprs, the choice made for each (the tracer, :mod:`mshard._src.jaxpr.op_
   ``remat2``/``checkpoint``: *inlined* -- the tracer walks the sub-jaxpr, so the search sees
   every primitive inside (a ``jit`` around ``jnp.take`` or ``jax.nn.relu`` must not hide it), and
   the custom derivative rules do not matter for the forward graph.
-* ``scan``, ``while``, ``cond``, ``shard_map``, callbacks, ``custom_linear_solve``: *one op*
-  with the :func:`replicated_rule` (every dim unsplittable). Their bodies run many times or on a
-  data-dependent path, so a split inside would need a per-iteration redistribution the cost
-  model does not see; replicating is always correct and XLA still partitions inside where the
-  surrounding layout allows. A finer rule (split the carry's batch dim) can replace it here.
+* ``scan``, ``while``, ``cond``: *one op* whose carry keeps its layout and whose other operands are
+  each read in a layout of its own (:func:`scan_carry_rule`, :func:`while_carry_rule`,
+  :func:`cond_branches_rule`); the searchers price no body, and once the region is searched each
+  body or branch is planned and priced as a region of its own (``planning.scan_bodies``).
+* ``shard_map``, callbacks, ``custom_linear_solve``: *one op* with the :func:`replicated_rule`
+  (every dim unsplittable): replicating is always correct and XLA still partitions inside where
+  the surrounding layout allows.
 """
 
 from __future__ import annotations
@@ -670,9 +672,10 @@ def tile_rule(in_shapes, out_shapes, *, reps, **_):
     return _whole_or_fixed(in_shapes, out_shapes, [r == 1 for r in reps])
 
 
-@register("iota")
+@register("iota", "empty2")
 def iota_rule(in_shapes, out_shapes, **_):
-    """No operands; every result dim is free (each device computes its own slice)."""
+    """No operands; every result dim is free (each device computes its own slice). ``empty2``: an uninitialised
+    value, JAX's placeholder in a differentiated ``cond`` for a residual the other branch makes."""
     labels = tuple(f"i{k}" for k in range(len(out_shapes[0])))
     return space([(None,) * len(s) for s in in_shapes], [labels], in_shapes, out_shapes)
 
@@ -874,3 +877,44 @@ def scan_carry_rule(in_shapes, out_shapes, *, num_consts=0, num_carry=0, **_) ->
     unsplit = [d for j, o in enumerate(outs) if j not in carried for d in o]
     read = [d for lab in ins[:num_consts] for d in lab]
     return space(ins, outs, in_shapes, out_shapes, unsplittable=unsplit, flops=_out_size(out_shapes), read_only=read)
+
+
+@register("while")
+def while_carry_rule(in_shapes, out_shapes, *, cond_nconsts=0, body_nconsts=0, **_) -> IterSpace:
+    """A ``while_loop`` as a scan of unknown length (:func:`scan_carry_rule`): each carry keeps its layout from
+    step to step (its input and result share free loop dims), each constant of the condition and of the body is
+    read in a layout of its own (``read_only``), so a weight the body reads split (a Megatron layer inside a decode
+    loop) is not gathered whole for the loop. Once the region is searched, the body is planned and priced per
+    iteration (``planning.scan_bodies.plan_scan_bodies``).
+
+    >>> s = while_carry_rule([(), (4, 4), (8, 4)], [(8, 4)], cond_nconsts=1, body_nconsts=1)
+    >>> s.in_dims, s.out_dims
+    (((), ('k1_0', 'k1_1'), ('c0_0', 'c0_1')), (('c0_0', 'c0_1'),))
+    """
+    nc = cond_nconsts + body_nconsts
+    ins = [tuple(f"k{i}_{d}" for d in range(len(s))) for i, s in enumerate(in_shapes[:nc])]
+    outs = []
+    for k, s in enumerate(out_shapes):
+        lab = tuple(f"c{k}_{d}" for d in range(len(s)))
+        ins.append(lab)
+        outs.append(lab)
+    read = [d for lab in ins[:nc] for d in lab]
+    return space(ins, outs, in_shapes, out_shapes, flops=_out_size(out_shapes), read_only=read)
+
+
+@register("cond")
+def cond_branches_rule(in_shapes, out_shapes, **_) -> IterSpace:
+    """A ``cond``/``switch``: the branch index is whole, every other operand is read in a layout of its own
+    (``read_only``: a branch reads it where it arrives, a weight split by a strategy inside the branch is not
+    gathered for the branch) and every result has free dims of its own. Once the region is searched, each branch
+    is planned as a region of its own with its operands and results fixed where the search put them, and the
+    conditional is priced as its costlier branch (``planning.scan_bodies.plan_scan_bodies``).
+
+    >>> s = cond_branches_rule([(), (8, 4)], [(8, 2)])
+    >>> s.in_dims, s.out_dims
+    (((), ('k1_0', 'k1_1')), (('y0_0', 'y0_1'),))
+    """
+    ins = [tuple(f"k{i}_{d}" for d in range(len(s))) if i else (None,) * len(s) for i, s in enumerate(in_shapes)]
+    outs = [tuple(f"y{j}_{d}" for d in range(len(s))) for j, s in enumerate(out_shapes)]
+    read = [d for lab in ins[1:] for d in lab]
+    return space(ins, outs, in_shapes, out_shapes, flops=_out_size(out_shapes), read_only=read)

@@ -475,20 +475,24 @@ def op_names(jaxpr: jcore.Jaxpr) -> dict[int, str]:
 
 
 def _inner_var(eqn, k: int):
-    """The body variable operand ``k`` of a call-like eqn or a ``scan`` constant is bound to (None otherwise: a
-    scan's carry or sliced input, another loop or branch)."""
+    """The body variable operand ``k`` of a call-like eqn, a ``scan`` constant or a ``while`` body operand is bound
+    to (None otherwise: a scan's carry or sliced input, a while's condition constant, a branch)."""
     body = call_jaxpr(eqn)
     if body is not None:
         return body, body.invars[k] if k < len(body.invars) else None
     if eqn.primitive.name == "scan" and k < eqn.params.get("num_consts", 0):
         body = _as_jaxpr(eqn.params["jaxpr"])
         return body, body.invars[k]
+    if eqn.primitive.name == "while" and k >= eqn.params["cond_nconsts"]:
+        body = _as_jaxpr(eqn.params["body_jaxpr"])
+        return body, body.invars[k - eqn.params["cond_nconsts"]]
     return None, None
 
 
 def _first_use(eqns, v) -> Any:
-    """The first use of ``v`` if it is an annotated mark with a strategy (looking through call bodies and scan
-    constants: a weight used inside GradAccumulationCell's micro-batch loop or a recomputed Cell), else None."""
+    """The first use of ``v`` if it is an annotated mark with a strategy (looking through call bodies, scan
+    constants, a while loop's body operands and a conditional's branches: a weight used inside
+    GradAccumulationCell's micro-batch loop, a recomputed Cell or a decode loop), else None."""
     for eqn in eqns:
         for k, u in enumerate(eqn.invars):
             if isinstance(u, jcore.Literal) or u is not v:
@@ -496,6 +500,9 @@ def _first_use(eqns, v) -> Any:
             if eqn.primitive is mark_p:
                 ok = eqn.params["role"] == "in" and eqn.params["note"].in_strategy[eqn.params["index"]] is not None
                 return eqn if ok else None
+            if eqn.primitive.name == "cond":          # the first branch whose first use of it is a mark
+                return None if k == 0 else next((m for b in eqn.params["branches"] if (m := _first_use(
+                    b.jaxpr.eqns, b.jaxpr.invars[k - 1])) is not None), None)
             body, inner = _inner_var(eqn, k)
             return None if inner is None else _first_use(body.eqns, inner)
     return None

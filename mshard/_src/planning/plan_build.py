@@ -32,6 +32,7 @@ from searchers.cost import (
 )
 from searchers.direct_reshard import cheaper_than_xla
 from searchers.graph import (
+    OPAQUE_KINDS,
     UNPRICED_READERS,
     TensorLayout,
     constant_tensors,
@@ -332,8 +333,9 @@ def _check_reported(trace: TraceResult, plan_ops, mesh: DeviceMesh) -> None:
             shapes, dims, fixed = [graph.tensors[t].shape for t in op.inputs], op.in_dims, op.unsplittable
         if len(entry.strategy) != len(shapes):
             continue                  # a primitive object traced op by op whose marks were not all searched
-        # a scan's operands are independent tensors (scan_bodies._per_tensor): each is checked on its own
-        parts = [[i] for i in range(len(shapes))] if op.kind == "scan" else [list(range(len(shapes)))]
+        # a loop's or conditional's operands are independent tensors (scan_bodies._per_tensor): each is checked on
+        # its own
+        parts = [[i] for i in range(len(shapes))] if op.kind in OPAQUE_KINDS else [list(range(len(shapes)))]
         try:
             for part in parts:
                 check_strategy(entry.name, entry.kind, [shapes[i] for i in part], [dims[i] for i in part],

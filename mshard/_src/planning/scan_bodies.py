@@ -1,11 +1,15 @@
 """A scan's body planned as a region of its own, after the region's search (docs/gradients.md): one step's graph
 (``op_graph.scan_body_graph``) with its boundary fixed where the loop holds its inputs and keeps its results, every
 op computed where its operands arrive, partial sums reduce-scattered where they are read split, priced per step
-times the loop's length; the carry kept where the body leaves it when that costs less in all."""
+times the loop's length; the carry kept where the body leaves it when that costs less in all. A ``while``'s body
+and a ``cond``'s branches are planned the same way (per iteration times a trip count the jaxpr states; the costlier
+branch)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from jax.extend import core as jcore
 
 from mshard._src.jaxpr.op_graph import TraceResult, scan_body_graph
 from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts
@@ -45,7 +49,8 @@ def plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, base: R
     stacked result's one layout its readers read it in, without the scanned dim; where the body makes it, for one
     another loop reads). A mark inside the body (an op object's strategy, a shard-wrapped function: a gradient
     accumulation's whole step, a layer of a scan over layers) is fixed where the user's strategy lays it out
-    (``base.marks``), as on the region's graph."""
+    (``base.marks``), as on the region's graph. A ``while``'s body and a ``cond``'s branches are planned so too
+    (:func:`_plan_branched`)."""
     graph = trace.graph
     readers: dict[int, list] = {}
     for _, consumer, tid, i in graph.edges():
@@ -58,6 +63,11 @@ def plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, base: R
              for oid, lay in zip(trace.input_ops, base.inputs) if any(lay)}
     stacked: dict[int, TensorLayout] = {}     # a stacked result left where its body made it -> that layout
     for te in trace.eqns:
+        if not te.group and te.eqn.primitive.name in BRANCHED:
+            got = _plan_branched(te, graph.ops[te.op], strategies, params, graph, base, stored, notes)
+            if got is not None:
+                out[te.op] = got
+            continue
         if te.group or te.eqn.primitive.name != "scan":
             continue
         op, p = graph.ops[te.op], te.eqn.params
@@ -194,13 +204,16 @@ def _per_tensor(op, s) -> bool:
 
 
 def _plan_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph_mesh: DeviceMesh,
-               region: RegionLayouts, kept: list[bool]) -> tuple[ScanBody, list]:
+               region: RegionLayouts, kept: list[bool], jaxpr=None, length: int | None = None
+               ) -> tuple[ScanBody, list]:
     """One step of a scan's body (``op_graph.scan_body_graph``, its boundary fixed as given), every op computed
     where its operands arrive (semi_auto's follow, ``searchers.follow``), partial sums reduce-scattered where they
     are read split (``scattered_sums``), priced as :func:`build_plan` prices a region, times the scan's length.
+    ``jaxpr``/``length``: another body of the eqn and its count (a ``while``'s body, a ``cond``'s branch, once).
     -> (the body, the layout each result is left in)."""
     mesh = region.mesh
-    body = scan_body_graph(te.eqn, te.path, graph_mesh, in_fixed, out_fixed, kept)
+    jaxpr = te.eqn.params["jaxpr"] if jaxpr is None else jaxpr
+    body = scan_body_graph(te.eqn, te.path, graph_mesh, in_fixed, out_fixed, kept, jaxpr)
     mark_recomputed(body)
     base = RegionLayouts(mesh, [()] * len(body.input_ops), dict(region.marks), region.op_names)
     fix_marks(body, base)            # the user's strategies inside the loop
@@ -213,15 +226,171 @@ def _plan_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph_me
              for i in body.input_ops]
     c = build_plan(body, strats, found, params, mesh, infos, base, [], "follow_operands", scattered, roles,
                    manual=False).cost
-    n = te.eqn.params["length"]
+    n = te.eqn.params["length"] if length is None else length
     cost = Cost(c.compute * n, {k: v * n for k, v in c.communication.items()}, c.comm_time * n, c.memory,
                 c.total * n)
     sinks = {body.graph.ops[o].name: body.graph.ops[o]
              for o in (body.graph.tensors[t].producer for t in body.graph.outputs)}
-    outvars = te.eqn.params["jaxpr"].jaxpr.outvars
+    outvars = jaxpr.jaxpr.outvars
     # a scalar result (a loss summed over the steps) has no sink (scan_body_graph) and one layout
     made = [() if not outvars[j].aval.shape else None if (k := sinks.get(f"scan_out{j}")) is None
             else operand_layout(k, strats[k.id], 0) for j in range(len(out_fixed))]
     left = [None if lay is None or want is None else axes_by_name(lay, mesh) for lay, want in zip(made, out_fixed)]
     return ScanBody(eqn_out, eqn_in, {item.key: axes_by_name(item.target, mesh) for item in scattered.values()},
                     [axes_by_name(x, mesh) for x in in_fixed], left, cost, laid.marks), made
+
+
+# the control flow whose bodies are planned like a scan's (their rules: jaxpr/rules.py while_carry_rule,
+# cond_branches_rule): the op input its bodies' first input is bound to, and its bodies
+BRANCHED = {"while": (lambda p: p["cond_nconsts"], lambda p: [p["body_jaxpr"]]),
+            "cond": (lambda p: 1, lambda p: list(p["branches"]))}
+
+
+def _plan_branched(te, op, strategies, params: CostParams, graph, base: RegionLayouts, stored, notes: list[str]
+                   ) -> ScanBody | None:
+    """A ``while``'s body or a ``cond``'s branches planned as regions of their own (:func:`_plan_body`): a while loop
+    priced per iteration times its trip count where :func:`trip_count` reads it (once where it does not), a
+    conditional as its costlier branch (one runs). Three boundaries are tried and the one that costs less in all
+    (the region's price with it plus the bodies') is kept: the search's; the operands read where they arrive; and
+    the operands other than a while's carry read whole (a weight split on a dim the body contracts: gathered once
+    rather than summed every iteration). With the last two, the results are left where the bodies leave them (a
+    while's carry where its body leaves it step after step, 3 tries; a cond's results where its first branch
+    leaves them). The searchers price no body and give each loop dim one mesh axis, so a Megatron layer's two
+    weights, split over one axis on different dims, were gathered for a decode loop or a branch that reads them.
+    The op's strategy is set to the kept boundary (``ScanBody.moved`` where that is not the search's)."""
+    first, bodies_of = BRANCHED[te.eqn.primitive.name]
+    skip, bodies = first(te.eqn.params), bodies_of(te.eqn.params)
+    nk = len(op.outputs) if te.eqn.primitive.name == "while" else 0
+    trips = trip_count(te.eqn) if nk else 1
+    kept = [tid in stored for tid in op.inputs[skip:]]
+    s = strategies[op.id]
+    searched_in = [operand_layout(op, s, i) for i in range(skip, len(op.inputs))]
+    searched_out = [result_layout(op, s, j) for j in range(len(op.outputs))]
+    arrive = []
+    for tid in op.inputs[skip:]:
+        prod = graph.producer(tid)
+        arrive.append(tuple(tuple(a) for a in result_layout(prod, strategies[prod.id], prod.outputs.index(tid))))
+    n = len(arrive) - nk                  # the operands that are not a while's carry
+    whole = [((),) * len(lay) if i < n else lay for i, lay in enumerate(arrive)]
+    best, cost = None, None
+    try:
+        for start in (searched_in, arrive, whole):
+            tried = _branched_boundary(te, bodies, [tuple(map(tuple, x)) for x in start], searched_out, nk, params,
+                                       graph.mesh, base, kept, start is not searched_in, trips or 1)
+            if tried is None:
+                continue
+            ins, outs, body = tried
+            where = dict(zip(op.dims, s))
+            for i, lay in enumerate(ins):
+                for d, lab in enumerate(op.in_dims[skip + i]):
+                    if lab is not None:
+                        where[lab] = tuple(lay[d])
+            for j, lay in enumerate(outs):
+                for d, lab in enumerate(op.out_dims[j]):
+                    if lab is not None and lay is not None:
+                        where[lab] = tuple(lay[d])
+            new = tuple(where[d] for d in op.dims)
+            if new != tuple(s) and (not _per_tensor(op, new) or not is_legal(op, new, graph.mesh)):
+                continue
+            alt = dict(strategies)
+            alt[op.id] = new
+            total = graph_cost(graph, alt, params, shared=True).total + body.cost.total
+            if cost is None or total < cost:
+                best, cost = (new, body), total
+    except Exception as e:    # a body the planner cannot lay out stays XLA's (the note says so)
+        notes.append(f"{te.name}: its {'body' if nk else 'branches'} left to XLA's partitioner, unpriced "
+                     f"({type(e).__name__}: {e})")
+        return None
+    if best is None:
+        notes.append(f"{te.name}: its {'body' if nk else 'branches'} left to XLA's partitioner, unpriced")
+        return None
+    new, body = best
+    if new != tuple(s):
+        strategies[op.id] = new
+        body.moved = True
+        notes.append(f"{te.name}: its operands are read where they arrive and its results left where its "
+                     f"{'body leaves' if nk else 'branches leave'} them, which moves less in all")
+    notes.append(f"{te.name}: " + ((f"its body is planned as a region of its own, priced per iteration times "
+                                    f"{trips} iterations" if trips is not None else
+                                    "its body is planned as a region of its own, priced once per iteration (the "
+                                    "trip count is not known)") if nk else
+                                   f"its {len(bodies)} branches are planned as regions of their own, priced as the "
+                                   f"costlier (one runs)"))
+    return body
+
+
+def _branched_boundary(te, bodies: list, ins: list, outs: list, nk: int, params: CostParams, graph_mesh,
+                       base: RegionLayouts, kept: list[bool], where_made: bool, trips: int = 1):
+    """The bodies planned with their inputs read in ``ins`` and their results left in ``outs`` (``where_made``:
+    where the bodies leave them; a while's carry, its last ``nk`` inputs and its results, where the body leaves
+    it step after step). -> (inputs, results, the body: the bodies' layouts, the costliest's price), or None
+    where the carry does not settle."""
+    if nk and where_made:
+        for _ in range(3):
+            _, made = _plan_body(te, ins, [None] * nk, params, graph_mesh, base, kept, bodies[0], 1)
+            if any(m is None for m in made):
+                return None
+            if all(tuple(m) == tuple(c) for m, c in zip(made, ins[-nk:])):
+                break
+            ins = ins[:-nk] + [tuple(map(tuple, m)) for m in made]
+        else:
+            return None
+        outs = list(ins[-nk:])
+    elif where_made:
+        _, made = _plan_body(te, ins, [None] * len(outs), params, graph_mesh, base, kept, bodies[0], 1)
+        outs = [o if m is None else tuple(map(tuple, m)) for m, o in zip(made, outs)]
+    planned = [_plan_body(te, ins, outs, params, graph_mesh, base, kept, b, trips)[0] for b in bodies]
+    body = max(planned, key=lambda b: b.cost.total)
+    for other in planned:
+        if other is not body:
+            body.eqn_out.update(other.eqn_out)
+            body.eqn_in.update(other.eqn_in)
+            body.eqn_scatter.update(other.eqn_scatter)
+            for k, lay in other.marks.items():
+                body.marks.setdefault(k, lay)
+    return ins, outs, body
+
+
+def trip_count(eqn) -> int | None:
+    """The iterations of a ``while`` eqn when its jaxpr says them: a carry that starts at a literal, is compared
+    ``<`` (or ``>``) with a literal by the condition and moves by a literal step each iteration (a
+    ``while_loop(lambda c: c[0] < n, ...)`` with a Python ``n``), as XLA's own trip count analysis reads it; None
+    otherwise (a bound the loop computes or reads from its operands).
+
+    >>> import jax, jax.numpy as jnp
+    >>> f = lambda x: jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 2, c[1] * 2), (0, x))[1]
+    >>> trip_count(jax.make_jaxpr(f)(jnp.ones(3)).jaxpr.eqns[0])
+    3
+    >>> g = lambda x, n: jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] * 2), (0, x))[1]
+    >>> trip_count(jax.make_jaxpr(g)(jnp.ones(3), 5).jaxpr.eqns[0]) is None
+    True
+    """
+    p = eqn.params
+    cond, body = p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    if len(cond.eqns) != 1 or cond.eqns[0].primitive.name not in ("lt", "gt"):
+        return None
+    test = cond.eqns[0]
+    a, b = test.invars
+    if test.primitive.name == "gt":
+        a, b = b, a
+    lit = lambda v: v.val if isinstance(v, jcore.Literal) else None
+    carry = cond.invars[nc:]
+    if a in carry and lit(b) is not None:            # i < n, counting up
+        k, bound, up = carry.index(a), lit(b), True
+    elif b in carry and lit(a) is not None:          # n < i, counting down
+        k, bound, up = carry.index(b), lit(a), False
+    else:
+        return None
+    start = lit(eqn.invars[nc + nb + k])
+    made = next((e for e in body.eqns if body.outvars[k] in e.outvars), None)
+    if start is None or made is None or made.primitive.name not in ("add", "sub"):
+        return None
+    x, y = made.invars
+    if x is not body.invars[nb + k] or lit(y) is None:
+        return None
+    step = lit(y) if made.primitive.name == "add" else -lit(y)
+    if (step <= 0) if up else (step >= 0):
+        return None
+    span = bound - start if up else start - bound
+    return max(0, -(-int(span) // abs(int(step))))

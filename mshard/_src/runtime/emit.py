@@ -35,6 +35,8 @@ from mshard._src.values.layout import dims_of, jax_mesh, replica_layout, spec_of
 
 INLINE = frozenset(CALLS) - REMAT     # inlined where the body holds marks or planned ops
 REBUILD = REMAT                       # kept, around their re-emitted body, so the recomputation survives
+# the control flow whose planned bodies (planning/scan_bodies.py) are re-emitted with their layouts: the param
+BRANCHED = {"while": "body_jaxpr", "cond": "branches"}
 
 
 class _null:
@@ -258,7 +260,10 @@ class Emitter:
             params = {k: self.rewrite(v, inner, deferred) for k, v in params.items()}
         else:
             invals = [self._undefer(x) for x in invals] if deferred else invals
-            if has and (prim.name in REBUILD or any(_has_marks(j) for j in jaxpr_params(params))):
+            if prim.name in BRANCHED and inner in self.bodies:     # a planned while body or cond's branches
+                params = dict(params, **{BRANCHED[prim.name]: self.rewrite(params[BRANCHED[prim.name]], inner,
+                                                                            body=self.bodies[inner])})
+            elif has and (prim.name in REBUILD or any(_has_marks(j) for j in jaxpr_params(params))):
                 params = {k: self.rewrite(v, inner) for k, v in params.items()}
         key = (path, id(eqn))
         ins = self.eqn_in.get(key)

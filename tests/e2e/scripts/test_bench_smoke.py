@@ -17,6 +17,7 @@ BENCH = ROOT / "bench"
 # Per script, some of the top-level fields its own documentation (module docstring, the report it builds in main)
 # says its JSON holds. A script whose JSON is a list of rows (one per model, plan, case...): fields of every row.
 FIELDS: dict[str, tuple[str, ...]] = {
+    "branch_bodies": ("rows",),
     "checkpoint": ("throughput", "memory"),
     "conv_halo": ("size", "one_device_flops", "rows"),
     "eager": ("platform", "devices", "calls", "rounds", "eager_primitive_python_us"),

@@ -247,7 +247,7 @@ CASES += [
     Case("random_unwrap", "random_unwrap", jax.random.key_data, (KEYS4,)),
     Case("threefry2x32", "threefry2x32", jax.extend.random.threefry_2x32,
          (jnp.ones(2, jnp.uint32), jnp.arange(8, dtype=jnp.uint32))),
-    # control flow and opaque ops: one replicated op
+    # control flow (scan, while, cond: their carry and operands keep their layouts) and opaque ops (one replicated op)
     Case("scan", "scan", lambda x: lax.scan(lambda c, a: (c + a, c * a), jnp.zeros(6), x), (f32(4, 6),)),
     Case("while", "while", lambda x: lax.while_loop(lambda a: a.sum() < 100, lambda a: a + 1, x), (X,)),
     Case("cond", "cond", lambda p, x: lax.cond(p, lambda a: a + 1, lambda a: a - 1, x), (jnp.bool_(True), X)),
@@ -285,6 +285,8 @@ UNTESTED = {
     "linear_call": "replicated_rule, as shard_map", "run_state": "replicated_rule, as shard_map",
     "select_and_scatter": "only from lax internals; same window_rule as select_and_scatter_add",
     "random_gamma_grad": "lax expands it into elementwise ops before tracing; elementwise_rule",
+    "empty2": "only from JAX's partial evaluation of a differentiated cond (iota_rule); traced in "
+              "tests/e2e/search/test_branch_bodies.py",
 }
 
 # (case id, loop dim): why XLA's compiled HLO differs from the rule's prediction (numbers still match)
@@ -295,6 +297,14 @@ KNOWN_COMM = {
     ("sharding_constraint", "i0"): ("the constraint moves the split to its own axis d1 (a "
                                     "collective-permute); the rule sees an identity, fixing the "
                                     "layout is the caller's job"),
+    **{("while", d): ("the condition sums the whole carry (a.sum() < 100): a split carry's partial sums are "
+                      "all-reduced every iteration; the rule does not price the condition or the body "
+                      "(mshard._src.jaxpr.rules.while_carry_rule), only the layout the carry keeps"
+                      ) for d in ("c0_0", "c0_1")},
+    **{("cond", d): ("the operand is read split and the result asked whole: the branch (a + 1) computes split and "
+                     "its result is gathered; the rule does not price the branches "
+                     "(mshard._src.jaxpr.rules.cond_branches_rule), the planned branches do "
+                     "(mshard._src.planning.scan_bodies)") for d in ("k1_0", "k1_1")},
     ("scan", "c0_0"): ("a split carry keeps its layout across steps, but the body meets the replicated "
                        "scanned input and XLA gathers inside it; the rule does not price the body "
                        "(mshard._src.jaxpr.rules.scan_carry_rule), only the layout the carry leaves in"),

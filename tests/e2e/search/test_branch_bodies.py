@@ -1,0 +1,112 @@
+"""A ``while_loop``'s body and a ``cond``'s branches are planned as regions of their own, like a scan's body
+(mshard/_src/planning/scan_bodies.py ``_plan_branched``; rules ``while_carry_rule``, ``cond_branches_rule``).
+
+The user's Megatron MLP (MindSpore's tutorial strategies: the first MatMul ((2, 1), (1, 4)), the second
+((2, 4), (4, 1)), semi_auto on 8 devices) runs inside a decode-style ``while_loop`` and inside one branch of a
+``cond``. Before, both were one op whose operands were replicated: the weights, split by the strategies inside,
+were gathered whole for the loop or the branch (125,952 B of all-gather per device beside the MLP's own 6,144 B
+all-reduce), and the plan priced a gather but not the body.
+
+Expected bytes come from the model, not from the plan: the second MatMul is row parallel, so each device holds a
+partial sum of its 16 rows x 64 columns of float32 (4,096 B), all-reduced over the 4 model-parallel devices
+(ring: 2 S (k - 1) / k = 6,144 B), once per iteration. The HLO is read without mshard's code (tests/helpers.py
+``trip_moved``: a while body counted by its trip count where the module says it, once where it does not).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import trip_moved
+
+import mshard as ms
+from mshard import ops
+
+R = np.random.default_rng(7)
+X = jnp.asarray(R.normal(size=(32, 64)), jnp.float32)
+W1 = jnp.asarray(R.normal(size=(64, 256)) * 0.1, jnp.float32)
+W2 = jnp.asarray(R.normal(size=(256, 64)) * 0.1, jnp.float32)
+ROW_PARALLEL_AR = 2 * (16 * 64 * 4) * 3 / 4       # one all-reduce of the row-parallel MatMul's output, per device
+STEPS = 3
+# float32 sums of 64 and 256 products, reordered by the splits: <= 256 * 2**-24 ~ 1.5e-5 of the largest partial sum
+# per layer; the loop's tanh does not amplify it, three iterations stay under 1e-4 relative
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _semi_auto():
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    yield
+    ms.reset_auto_parallel_context()
+
+
+def _mlp():
+    mm1 = ops.MatMul().shard(((2, 1), (1, 4)))
+    mm2 = ops.MatMul().shard(((2, 4), (4, 1)))
+    return lambda x, w1, w2: mm2(jax.nn.relu(mm1(x, w1)), w2)
+
+
+def _ref_mlp(x, w1, w2):           # float64 numpy: shares nothing with mshard
+    return np.maximum(x @ w1, 0) @ w2
+
+
+def _np64(*a):
+    return [np.asarray(v, np.float64) for v in a]
+
+
+def _assert_plan_is_program(f, *args):
+    plan = f.plan(*args)
+    moved = trip_moved(f.lower(*args).compile().as_text())
+    assert plan.cost.communication == pytest.approx(moved), (plan.cost.communication, moved)
+    return moved
+
+
+@pytest.mark.parametrize("bound", ["static", "argument"])
+def test_a_while_loop_reads_megatron_weights_where_they_arrive(bound):
+    mlp = _mlp()
+
+    def decode(x, w1, w2, n):
+        stop = STEPS if bound == "static" else n         # a Python bound XLA counts; an argument it does not
+        return jax.lax.while_loop(lambda c: c[0] < stop, lambda c: (c[0] + 1, jnp.tanh(mlp(c[1], w1, w2))),
+                                  (0, x))[1]
+    f = ms.jit(decode)
+    args = (X, W1, W2, jnp.int32(STEPS))
+    x, w1, w2 = _np64(X, W1, W2)
+    for _ in range(STEPS):
+        x = np.tanh(_ref_mlp(x, w1, w2))
+    np.testing.assert_allclose(np.asarray(f(*args)), x, **TOL)
+    moved = _assert_plan_is_program(f, *args)
+    # XLA reads the static trip count (3 iterations); a bound read from an argument counts once, as the plan says
+    assert moved == {"all-reduce": ROW_PARALLEL_AR * (STEPS if bound == "static" else 1)}
+    assert any(("times 3 iterations" if bound == "static" else "trip count is not known") in n
+               for n in f.plan(*args).notes)
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_a_branch_reads_megatron_weights_where_they_arrive(flag):
+    mlp = _mlp()
+    f = ms.jit(lambda p, x, w1, w2: jax.lax.cond(p, lambda: jnp.tanh(x), lambda: mlp(x, w1, w2)))
+    args = (jnp.bool_(flag), X, W1, W2)
+    x, w1, w2 = _np64(X, W1, W2)
+    np.testing.assert_allclose(np.asarray(f(*args)), np.tanh(x) if flag else _ref_mlp(x, w1, w2), **TOL)
+    # the costlier branch priced (one runs); trip_moved counts every branch, and the tanh branch moves nothing
+    assert _assert_plan_is_program(f, *args) == {"all-reduce": ROW_PARALLEL_AR}
+
+
+def test_a_gradient_through_a_branch_equals_one_device_and_moves_what_the_mlp_alone_moves():
+    mlp = _mlp()
+
+    def loss(w1, w2, p, x):
+        return jnp.sum(jax.lax.cond(p, lambda: jnp.tanh(x), lambda: mlp(x, w1, w2)) ** 2)
+    g = ms.jit(jax.grad(loss, argnums=(0, 1)))
+    args = (W1, W2, jnp.bool_(False), X)
+    x, w1, w2 = _np64(X, W1, W2)
+    h = x @ w1
+    dy = 2 * (np.maximum(h, 0) @ w2)
+    dh = (dy @ w2.T) * (h > 0)
+    for got, want in zip(g(*args), (x.T @ dh, np.maximum(h, 0).T @ dy), strict=True):
+        # the gradients sum 32 rows of products of the forward's outputs: 32x the forward's bound on each term
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    # the forward's all-reduce; each weight's gradient is a partial sum over the 2 data-parallel devices (its
+    # model-parallel quarter: 64 x 256 / 4 floats = 16,384 B), all-reduced over 2: 2 S (2 - 1) / 2 = S each
+    assert _assert_plan_is_program(g, *args) == {"all-reduce": ROW_PARALLEL_AR + 2 * 16_384}
