@@ -13,6 +13,9 @@ x (32, 64), w1 (64, 256), w2 (256, 64), all passed as function arguments, 8 simu
 * ``cond``: ``cond(p, tanh(x), mlp(x))`` with ``p`` an argument (one branch runs; ``hlo_bytes`` counts every branch,
   tests/helpers.py ``trip_moved``);
 * ``cond_grad``: the gradient of ``sum(cond(...) ** 2)`` with respect to both weights;
+* ``cond_on_x``, ``cond_on_x_grad``: the same with the predicate ``x[0, 0] > -1e9`` (x is gathered for it, and
+  arrives split over every device: the MLP's branch gathers it to its rows; in the gradient both branches gather it,
+  3,072 B each: the HLO counts both, the plan the costlier, so they differ by 3,072 B);
 * ``mlp`` and ``mlp_grad``: the same without control flow, the baseline (``ratio_to_mlp``: the case's bytes over the
   baseline's times the iterations it runs, 3 for ``while_static``, 1 otherwise).
 
@@ -56,6 +59,9 @@ def _cases(mlp):
     def branch(p, x, w1, w2):
         return jax.lax.cond(p, lambda: jnp.tanh(x), lambda: mlp(x, w1, w2))
 
+    def on_x(p, x, w1, w2):           # the predicate reads the data (x arrives split over every device)
+        return jax.lax.cond(x[0, 0] > -1e9, lambda: mlp(x, w1, w2), lambda: jnp.tanh(x))
+
     def grad_of(f):
         return jax.grad(lambda w1, w2, p, x: jnp.sum(f(p, x, w1, w2) ** 2), argnums=(0, 1))
     n = jnp.int32(3)
@@ -67,6 +73,8 @@ def _cases(mlp):
         "while_argument": (loop("n"), (X, W1, W2, n), "mlp", 1),
         "cond": (branch, (p, X, W1, W2), "mlp", 1),
         "cond_grad": (grad_of(branch), (W1, W2, p, X), "mlp_grad", 1),
+        "cond_on_x": (on_x, (p, X, W1, W2), "mlp", 1),
+        "cond_on_x_grad": (grad_of(on_x), (W1, W2, p, X), "mlp_grad", 1),
     }
 
 

@@ -244,6 +244,16 @@ BUGS = [
         "    body = max(planned, key=lambda b: b.cost.total)\n",
         "    body = min(planned, key=lambda b: b.cost.total)\n",
         ("tests/e2e/search/test_branch_bodies.py",)),
+    Bug("cond_results_from_first_branch", "a cond's results are left where its first branch leaves them (a "
+        "differentiated cond's residual placeholders whole)", "mshard/_src/planning/scan_bodies.py",
+        "        for b in bodies:\n            _, made = _plan_body(te, ins, [None] * len(outs)",
+        "        for b in bodies[:1]:\n            _, made = _plan_body(te, ins, [None] * len(outs)",
+        ("tests/e2e/search/test_branch_bodies.py",)),
+    Bug("branch_reduce_scattered", "a cond's branch reduce-scatters its partial sums (XLA adds a gather the plan "
+        "does not price)", "mshard/_src/planning/scan_bodies.py",
+        "if te.eqn.primitive.name != \"cond\"\n",
+        "if True\n",
+        ("tests/e2e/search/test_branch_bodies.py",)),
     Bug("dataset_off_by_one", "each device's rows of a host batch are the next device's (the last keeps its own)",
         "mshard/_src/runtime/dataset.py",
         "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])\n",

@@ -220,7 +220,12 @@ def _plan_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph_me
     roles = sum_roles(body)
     mark_scatter(body, roles)
     found = SEARCHERS["follow_operands"].search(body.graph, params, {})
-    scattered, strats = scattered_reductions(body, found.strategies, params)
+    # a cond's branch sums its partial results whole: XLA's partitioner follows a reduce-scatter in a branch with
+    # an all-gather and a slice back to the same layout (3,072 B more on the Megatron MLP of
+    # tests/e2e/search/test_branch_bodies.py, which no plan priced; the same reduce-scatter outside a branch
+    # compiles as planned), so the branch all-reduces, moving what the reduce-scatter and that gather move
+    scattered, strats = (scattered_reductions(body, found.strategies, params) if te.eqn.primitive.name != "cond"
+                         else ({}, found.strategies))
     laid, eqn_out, eqn_in = emit_layouts(body, strats, base, scattered)
     infos = [InputInfo("data", body.graph.tensors[body.graph.ops[i].outputs[0]].shape, body.graph.ops[i].name)
              for i in body.input_ops]
@@ -254,8 +259,8 @@ def _plan_branched(te, op, strategies, params: CostParams, graph, base: RegionLa
     (the region's price with it plus the bodies') is kept: the search's; the operands read where they arrive; and
     the operands other than a while's carry read whole (a weight split on a dim the body contracts: gathered once
     rather than summed every iteration). With the last two, the results are left where the bodies leave them (a
-    while's carry where its body leaves it step after step, 3 tries; a cond's results where its first branch
-    leaves them). The searchers price no body and give each loop dim one mesh axis, so a Megatron layer's two
+    while's carry where its body leaves it step after step, 3 tries; a cond's results where one of its branches
+    leaves them, each branch tried). The searchers price no body and give each loop dim one mesh axis, so a Megatron layer's two
     weights, split over one axis on different dims, were gathered for a decode loop or a branch that reads them.
     The op's strategy is set to the kept boundary (``ScanBody.moved`` where that is not the search's)."""
     first, bodies_of = BRANCHED[te.eqn.primitive.name]
@@ -275,28 +280,26 @@ def _plan_branched(te, op, strategies, params: CostParams, graph, base: RegionLa
     best, cost = None, None
     try:
         for start in (searched_in, arrive, whole):
-            tried = _branched_boundary(te, bodies, [tuple(map(tuple, x)) for x in start], searched_out, nk, params,
-                                       graph.mesh, base, kept, start is not searched_in, trips or 1)
-            if tried is None:
-                continue
-            ins, outs, body = tried
-            where = dict(zip(op.dims, s))
-            for i, lay in enumerate(ins):
-                for d, lab in enumerate(op.in_dims[skip + i]):
-                    if lab is not None:
-                        where[lab] = tuple(lay[d])
-            for j, lay in enumerate(outs):
-                for d, lab in enumerate(op.out_dims[j]):
-                    if lab is not None and lay is not None:
-                        where[lab] = tuple(lay[d])
-            new = tuple(where[d] for d in op.dims)
-            if new != tuple(s) and (not _per_tensor(op, new) or not is_legal(op, new, graph.mesh)):
-                continue
-            alt = dict(strategies)
-            alt[op.id] = new
-            total = graph_cost(graph, alt, params, shared=True).total + body.cost.total
-            if cost is None or total < cost:
-                best, cost = (new, body), total
+            for ins, outs, body in _branched_boundary(te, bodies, [tuple(map(tuple, x)) for x in start],
+                                                      searched_out, nk, params, graph.mesh, base, kept,
+                                                      start is not searched_in, trips or 1):
+                where = dict(zip(op.dims, s))
+                for i, lay in enumerate(ins):
+                    for d, lab in enumerate(op.in_dims[skip + i]):
+                        if lab is not None:
+                            where[lab] = tuple(lay[d])
+                for j, lay in enumerate(outs):
+                    for d, lab in enumerate(op.out_dims[j]):
+                        if lab is not None and lay is not None:
+                            where[lab] = tuple(lay[d])
+                new = tuple(where[d] for d in op.dims)
+                if new != tuple(s) and (not _per_tensor(op, new) or not is_legal(op, new, graph.mesh)):
+                    continue
+                alt = dict(strategies)
+                alt[op.id] = new
+                total = graph_cost(graph, alt, params, shared=True).total + body.cost.total
+                if cost is None or total < cost:
+                    best, cost = (new, body), total
     except Exception as e:    # a body the planner cannot lay out stays XLA's (the note says so)
         notes.append(f"{te.name}: its {'body' if nk else 'branches'} left to XLA's partitioner, unpriced "
                      f"({type(e).__name__}: {e})")
@@ -320,35 +323,46 @@ def _plan_branched(te, op, strategies, params: CostParams, graph, base: RegionLa
 
 
 def _branched_boundary(te, bodies: list, ins: list, outs: list, nk: int, params: CostParams, graph_mesh,
-                       base: RegionLayouts, kept: list[bool], where_made: bool, trips: int = 1):
-    """The bodies planned with their inputs read in ``ins`` and their results left in ``outs`` (``where_made``:
-    where the bodies leave them; a while's carry, its last ``nk`` inputs and its results, where the body leaves
-    it step after step). -> (inputs, results, the body: the bodies' layouts, the costliest's price), or None
-    where the carry does not settle."""
+                       base: RegionLayouts, kept: list[bool], where_made: bool, trips: int = 1) -> list[tuple]:
+    """The bodies planned with their inputs read in ``ins`` and their results left in ``outs``; ``where_made``: a
+    while's carry (its last ``nk`` inputs and its results) where the body leaves it step after step, a cond's
+    results where one of its branches leaves them (one candidate per branch: a branch that does not compute a
+    result, as the residuals of a differentiated cond's other branch, leaves a placeholder whole). -> per
+    candidate (inputs, results, the body: every body's layouts, the costliest's price); none where the carry
+    does not settle."""
     if nk and where_made:
         for _ in range(3):
             _, made = _plan_body(te, ins, [None] * nk, params, graph_mesh, base, kept, bodies[0], 1)
             if any(m is None for m in made):
-                return None
+                return []
             if all(tuple(m) == tuple(c) for m, c in zip(made, ins[-nk:])):
                 break
             ins = ins[:-nk] + [tuple(map(tuple, m)) for m in made]
         else:
-            return None
-        outs = list(ins[-nk:])
+            return []
+        tries = [list(ins[-nk:])]
     elif where_made:
-        _, made = _plan_body(te, ins, [None] * len(outs), params, graph_mesh, base, kept, bodies[0], 1)
-        outs = [o if m is None else tuple(map(tuple, m)) for m, o in zip(made, outs)]
-    planned = [_plan_body(te, ins, outs, params, graph_mesh, base, kept, b, trips)[0] for b in bodies]
-    body = max(planned, key=lambda b: b.cost.total)
-    for other in planned:
-        if other is not body:
-            body.eqn_out.update(other.eqn_out)
-            body.eqn_in.update(other.eqn_in)
-            body.eqn_scatter.update(other.eqn_scatter)
-            for k, lay in other.marks.items():
-                body.marks.setdefault(k, lay)
-    return ins, outs, body
+        tries = []
+        for b in bodies:
+            _, made = _plan_body(te, ins, [None] * len(outs), params, graph_mesh, base, kept, b, 1)
+            got = [o if m is None else tuple(map(tuple, m)) for m, o in zip(made, outs)]
+            if got not in tries:
+                tries.append(got)
+    else:
+        tries = [outs]
+    out = []
+    for outs in tries:
+        planned = [_plan_body(te, ins, outs, params, graph_mesh, base, kept, b, trips)[0] for b in bodies]
+        body = max(planned, key=lambda b: b.cost.total)
+        for other in planned:
+            if other is not body:
+                body.eqn_out.update(other.eqn_out)
+                body.eqn_in.update(other.eqn_in)
+                body.eqn_scatter.update(other.eqn_scatter)
+                for k, lay in other.marks.items():
+                    body.marks.setdefault(k, lay)
+        out.append((ins, outs, body))
+    return out
 
 
 def trip_count(eqn) -> int | None:

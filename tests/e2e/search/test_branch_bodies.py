@@ -110,3 +110,36 @@ def test_a_gradient_through_a_branch_equals_one_device_and_moves_what_the_mlp_al
     # the forward's all-reduce; each weight's gradient is a partial sum over the 2 data-parallel devices (its
     # model-parallel quarter: 64 x 256 / 4 floats = 16,384 B), all-reduced over 2: 2 S (2 - 1) / 2 = S each
     assert _assert_plan_is_program(g, *args) == {"all-reduce": ROW_PARALLEL_AR + 2 * 16_384}
+
+
+# the predicate reads x (x[0, 0], gathered whole from its data-parallel rows: 32 x 64 floats x 7/8 = 7,168 B), so x
+# arrives split over all 8 devices, and the MLP's branch gathers it to its 2 row blocks (16 x 64 floats x 3/4 = 3,072
+# B); the other branch returns x. Forward: the MLP's all-reduce, then its rows sliced to x's layout (planned as an
+# all-reduce: a reduce-scatter in a branch compiles to a reduce-scatter, an all-gather and a slice). Gradient: both
+# branches read x in (2, 1) (the tanh branch's residual): 3,072 B each, and trip_moved counts every branch, the plan
+# the costlier; the rest is the MLP's own gradient (ROW_PARALLEL_AR + 2 * 16,384).
+GATHER_X, X_TO_ROWS = 32 * 64 * 4 * 7 / 8, 16 * 64 * 4 * 3 / 4
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradient"])
+def test_a_branch_whose_predicate_reads_the_data_moves_the_mlps_bytes_and_the_gathers_of_x(grad):
+    mlp = _mlp()
+
+    def fwd(w1, w2, x):
+        return jax.lax.cond(x[0, 0] > -1e9, lambda: mlp(x, w1, w2), lambda: jnp.tanh(x))
+    x, w1, w2 = _np64(X, W1, W2)
+    if grad:
+        f = ms.jit(jax.grad(lambda w1, w2, x: jnp.sum(fwd(w1, w2, x) ** 2), argnums=(0, 1)))
+        h = x @ w1
+        dy = 2 * (np.maximum(h, 0) @ w2)
+        for got, want in zip(f(W1, W2, X), (x.T @ ((dy @ w2.T) * (h > 0)), np.maximum(h, 0).T @ dy), strict=True):
+            # as in the gradient test above
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    else:
+        f = ms.jit(fwd)
+        np.testing.assert_allclose(np.asarray(f(W1, W2, X)), _ref_mlp(x, w1, w2), **TOL)
+    plan = f.plan(W1, W2, X).cost.communication
+    moved = trip_moved(f.lower(W1, W2, X).compile().as_text())
+    mlp_bytes = ROW_PARALLEL_AR + (2 * 16_384 if grad else 0)
+    assert moved == {"all-reduce": mlp_bytes, "all-gather": GATHER_X + X_TO_ROWS * (2 if grad else 1)}
+    assert plan == {"all-reduce": mlp_bytes, "all-gather": GATHER_X + X_TO_ROWS}
