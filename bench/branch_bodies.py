@@ -16,6 +16,8 @@ x (32, 64), w1 (64, 256), w2 (256, 64), all passed as function arguments, 8 simu
 * ``cond_on_x``, ``cond_on_x_grad``: the same with the predicate ``x[0, 0] > -1e9`` (x is gathered for it, and
   arrives split over every device: the MLP's branch gathers it to its rows; in the gradient both branches gather it,
   3,072 B each: the HLO counts both, the plan the costlier, so they differ by 3,072 B);
+* ``layers``, ``layers_in_while``, ``layers_in_scan``: 2 such layers with stacked weights (``nnx.Param``) run by a
+  ``scan``, alone and 3 times inside a ``while_loop`` or another ``scan`` (a loop planned inside a loop's body);
 * ``mlp`` and ``mlp_grad``: the same without control flow, the baseline (``ratio_to_mlp``: the case's bytes over the
   baseline's times the iterations it runs, 3 for ``while_static``, 1 otherwise).
 
@@ -37,6 +39,7 @@ import _cpu8  # 8 simulated CPU devices, before JAX
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import mshard as ms
 from mshard import ops
@@ -78,6 +81,27 @@ def _cases(mlp):
     }
 
 
+class _Layers(nnx.Module):
+    """2 MLP layers, their weights stacked, run by a scan (a flax LLM's scanned layers)."""
+
+    def __init__(self, mlp):
+        self.w1 = nnx.Param(jnp.stack([W1, W1 / 2]))
+        self.w2 = nnx.Param(jnp.stack([W2, W2]))
+        self.mlp = mlp
+
+    def __call__(self, h):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(self.mlp(h, w[0], w[1])), None), h, (self.w1[...], self.w2[...]))[0]
+
+
+def _layer_cases(mlp):
+    net = _Layers(mlp)
+    loop = lambda net, x: jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, net(c[1])), (0, x))[1]
+    scan = lambda net, x: jax.lax.scan(lambda h, _: (net(h), None), x, None, length=3)[0]
+    return {"layers": (lambda net, x: net(x), (net, X), None, 1),
+            "layers_in_while": (loop, (net, X), "layers", 3),
+            "layers_in_scan": (scan, (net, X), "layers", 3)}
+
+
 def _megatron_mlp():
     mm1, mm2 = ops.MatMul().shard(((2, 1), (1, 4))), ops.MatMul().shard(((2, 4), (4, 1)))
     return lambda x, w1, w2: mm2(jax.nn.relu(mm1(x, w1)), w2)
@@ -94,14 +118,16 @@ def rows(modes=MODES) -> list[dict]:
     out = []
     for mode in modes:
         _context(mode)
-        cases = _cases(_megatron_mlp())
-        refs = _cases(lambda x, w1, w2: jax.nn.relu(x @ w1) @ w2)      # plain jnp: no mshard op in the reference
+        plain = lambda x, w1, w2: jax.nn.relu(x @ w1) @ w2              # plain jnp: no mshard op in the reference
+        cases = {**_cases(_megatron_mlp()), **_layer_cases(_megatron_mlp())}
+        refs = {**_cases(plain), **_layer_cases(plain)}
         cpu = jax.devices("cpu")[0]
         got = {}
         for name, (fn, args, base, times) in cases.items():
             f = ms.jit(fn)
             with jax.default_device(cpu):
-                ref = jax.jit(refs[name][0])(*[np.asarray(a) for a in args])
+                ref = jax.jit(refs[name][0])(*[a if isinstance(a, nnx.Module) else np.asarray(a)
+                                               for a in refs[name][1]])
             err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                       for a, b in zip(jax.tree.leaves(f(*args)), jax.tree.leaves(ref), strict=True))
             plan = f.plan(*args)

@@ -7,14 +7,14 @@ branch)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jax.extend import core as jcore
 
 from mshard._src.jaxpr.op_graph import TraceResult, scan_body_graph
 from mshard._src.planning.axis_assignment import InputInfo, RegionLayouts
 from mshard._src.planning.fused_sums import sum_roles
-from mshard._src.planning.plan_build import build_plan, emit_layouts
+from mshard._src.planning.plan_build import build_plan, emit_layouts, eqn_key
 from mshard._src.planning.prepare import fix_marks, mark_recomputed
 from mshard._src.planning.scattered_sums import mark_scatter, scattered_reductions
 from mshard._src.values.layout import axes_by_index, axes_by_name
@@ -39,6 +39,7 @@ class ScanBody:
     cost: Cost
     marks: dict          # the layout of each mark inside the body (the user's where fixed, else where planned)
     moved: bool = False  # its loop's boundary set where the body reads and leaves it (_boundary_where_made)
+    nested: dict = field(default_factory=dict)   # a loop's path inside the body -> (its body's input, result layouts)
 
 
 def plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, base: RegionLayouts, notes: list[str]
@@ -219,18 +220,29 @@ def _plan_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph_me
     fix_marks(body, base)            # the user's strategies inside the loop
     roles = sum_roles(body)
     mark_scatter(body, roles)
-    found = SEARCHERS["follow_operands"].search(body.graph, params, {})
-    # a cond's branch sums its partial results whole: XLA's partitioner follows a reduce-scatter in a branch with
-    # an all-gather and a slice back to the same layout (3,072 B more on the Megatron MLP of
-    # tests/e2e/search/test_branch_bodies.py, which no plan priced; the same reduce-scatter outside a branch
-    # compiles as planned), so the branch all-reduces, moving what the reduce-scatter and that gather move
-    scattered, strats = (scattered_reductions(body, found.strategies, params) if te.eqn.primitive.name != "cond"
-                         else ({}, found.strategies))
+    found, scattered, strats, inner = _follow_body(body, te, params, base)
+    moved = {oid: strats[oid] for oid, b in inner.items() if b.moved}
+    if moved:                        # a loop inside the body moved its boundary: the body follows it there
+        for oid, s in moved.items():
+            body.graph.ops[oid].fixed = s
+        found, scattered, strats, inner = _follow_body(body, te, params, base)
     laid, eqn_out, eqn_in = emit_layouts(body, strats, base, scattered)
     infos = [InputInfo("data", body.graph.tensors[body.graph.ops[i].outputs[0]].shape, body.graph.ops[i].name)
              for i in body.input_ops]
     c = build_plan(body, strats, found, params, mesh, infos, base, [], "follow_operands", scattered, roles,
-                   manual=False).cost
+                   bodies={oid: b.cost for oid, b in inner.items()}, manual=False).cost
+    eqn_scatter = {item.key: axes_by_name(item.target, mesh) for item in scattered.values()}
+    marks = dict(laid.marks)
+    nested: dict = {}
+    for inner_te in body.eqns:       # the loops inside the body: their layouts, under their own paths
+        if (b := inner.get(inner_te.op)) is not None:
+            eqn_out.update(b.eqn_out)
+            eqn_in.update(b.eqn_in)
+            eqn_scatter.update(b.eqn_scatter)
+            for k, lay in b.marks.items():
+                marks.setdefault(k, lay)
+            nested[(*eqn_key(inner_te)[0], id(inner_te.eqn))] = (b.inputs, b.outputs)
+            nested.update(b.nested)
     n = te.eqn.params["length"] if length is None else length
     cost = Cost(c.compute * n, {k: v * n for k, v in c.communication.items()}, c.comm_time * n, c.memory,
                 c.total * n)
@@ -241,8 +253,24 @@ def _plan_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph_me
     made = [() if not outvars[j].aval.shape else None if (k := sinks.get(f"scan_out{j}")) is None
             else operand_layout(k, strats[k.id], 0) for j in range(len(out_fixed))]
     left = [None if lay is None or want is None else axes_by_name(lay, mesh) for lay, want in zip(made, out_fixed)]
-    return ScanBody(eqn_out, eqn_in, {item.key: axes_by_name(item.target, mesh) for item in scattered.values()},
-                    [axes_by_name(x, mesh) for x in in_fixed], left, cost, laid.marks), made
+    return ScanBody(eqn_out, eqn_in, eqn_scatter, [axes_by_name(x, mesh) for x in in_fixed], left, cost, marks,
+                    nested=nested), made
+
+
+def _follow_body(body: TraceResult, te, params: CostParams, base: RegionLayouts):
+    """A body's graph laid out by semi_auto's follow, its partial sums reduce-scattered where read split, and the
+    loops inside it planned as bodies of their own (:func:`plan_scan_bodies`, recursively). -> (the follow's
+    result, scattered, strategies, op id -> the inner loop's body)."""
+    found = SEARCHERS["follow_operands"].search(body.graph, params, {})
+    # a cond's branch sums its partial results whole: XLA's partitioner follows a reduce-scatter in a branch with
+    # an all-gather and a slice back to the same layout (3,072 B more on the Megatron MLP of
+    # tests/e2e/search/test_branch_bodies.py, which no plan priced; the same reduce-scatter outside a branch
+    # compiles as planned), so the branch all-reduces, moving what the reduce-scatter and that gather move
+    scattered, strats = (scattered_reductions(body, found.strategies, params) if te.eqn.primitive.name != "cond"
+                         else ({}, found.strategies))
+    strats = dict(strats)
+    inner = plan_scan_bodies(body, strats, params, base, [])
+    return found, scattered, strats, inner
 
 
 # the control flow whose bodies are planned like a scan's (their rules: jaxpr/rules.py while_carry_rule,

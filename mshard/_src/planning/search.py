@@ -169,6 +169,7 @@ def search_region(closed: jcore.ClosedJaxpr, inputs: Sequence[InputInfo], *, ctx
             for k, lay in body.marks.items():      # a mark inside the body: where the body's plan lays it out
                 layouts.marks.setdefault(k, lay)
             body_layouts[(*eqn_key(te)[0], id(te.eqn))] = (body.inputs, body.outputs)
+            body_layouts.update(body.nested)          # the loops inside it
     return Planned(plan, layouts, eqn_out, eqn_in, eqn_scatter, eqn_joined, body_layouts)
 
 
