@@ -7,6 +7,10 @@ The user's Megatron MLP (MindSpore's tutorial strategies: the first MatMul ((2, 
 were gathered whole for the loop or the branch (125,952 B of all-gather per device beside the MLP's own 6,144 B
 all-reduce), and the plan priced a gather but not the body.
 
+Also: a differentiated cond (its forward's residuals, its transposed branches), a scan of layers inside a decode
+loop (a loop planned inside a loop's body), and a training step through a branch (every parameter after 2 SGD
+steps against float64 numpy).
+
 Expected bytes come from the model, not from the plan: the second MatMul is row parallel, so each device holds a
 partial sum of its 16 rows x 64 columns of float32 (4,096 B), all-reduced over the 4 model-parallel devices
 (ring: 2 S (k - 1) / k = 6,144 B), once per iteration. The HLO is read without mshard's code (tests/helpers.py
@@ -16,12 +20,13 @@ partial sum of its 16 rows x 64 columns of float32 (4,096 B), all-reduced over t
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from helpers import trip_moved
 
 import mshard as ms
-from mshard import ops
+from mshard import nn, ops
 
 R = np.random.default_rng(7)
 X = jnp.asarray(R.normal(size=(32, 64)), jnp.float32)
@@ -177,3 +182,37 @@ def test_a_scan_of_layers_inside_a_decode_loop_is_planned_and_priced(outer):
     # every iteration all-reduces its row-parallel output. Before the inner loop was planned the plan said 0 B and
     # the program gathered the carry into the rows at every layer (18,432 B)
     assert moved == {"all-reduce": ROW_PARALLEL_AR * 2 * STEPS, "all-gather": X_TO_ROWS}
+
+
+class _BranchNet(nn.Cell):
+    def __init__(self):
+        self.w1, self.w2 = nnx.Param(W1), nnx.Param(W2)
+        self.mlp = _mlp()
+
+    def __call__(self, x, p, y):
+        out = jax.lax.cond(p, lambda: jnp.tanh(x), lambda: self.mlp(x, self.w1[...], self.w2[...]))
+        return jnp.mean((out - y) ** 2)
+
+
+def test_a_training_step_through_a_branch_equals_one_device_on_every_parameter():
+    net = _BranchNet()
+    step = nn.TrainOneStepCell(net, optax.sgd(0.1))
+    y = jnp.full((32, 64), 0.1, jnp.float32)
+    args = (X, jnp.bool_(False), y)
+    moved = _assert_plan_is_program(step, *args)
+    for _ in range(2):
+        step(*args)
+    x, w1, w2, t = _np64(X, W1, W2, y)
+    for _ in range(2):                  # float64 numpy SGD on the MLP's branch, written out
+        h = x @ w1
+        dy = 2 * (np.maximum(h, 0) @ w2 - t) / t.size
+        w1, w2 = w1 - 0.1 * x.T @ ((dy @ w2.T) * (h > 0)), w2 - 0.1 * np.maximum(h, 0).T @ dy
+    for got, want in ((net.w1, w1), (net.w2, w2)):
+        # SGD steps of 0.1 x gradients summed over 32 rows: the float32 forward's relative error (TOL) on updates
+        # that change the weights by about 1e-3 of their size
+        np.testing.assert_allclose(np.asarray(got[...]), want, rtol=1e-5, atol=1e-6)
+    # the MLP's own step: its row-parallel all-reduce, each weight's gradient over the 2 data-parallel devices
+    # (2 x 16,384 B), the loss's mean (4 B over 8 devices: 2 x 4 x 7/8 = 7 B); x arrives split over the 8 devices
+    # (dataset_strategy) and is gathered into the MLP's 2 row blocks (X_TO_ROWS). Before: 214,016 B of all-gather
+    # (the weights whole for the branch)
+    assert moved == {"all-reduce": ROW_PARALLEL_AR + 2 * 16_384 + 7, "all-gather": X_TO_ROWS}
