@@ -480,7 +480,7 @@ def jaxpr_to_graph(closed_jaxpr, mesh: DeviceMesh, input_kinds: Sequence[str],
 
 
 def scan_body_graph(eqn, path: tuple, mesh: DeviceMesh, in_fixed: Sequence, out_fixed: Sequence,
-                    stored: Sequence[bool] = (), body: Any = None) -> TraceResult:
+                    stored: Sequence[bool] = (), body: Any = None, scalars: bool = False) -> TraceResult:
     """The graph of one step of a ``scan``'s body, to plan it as a region of its own: each body input is a source
     fixed to the layout the body reads it in (``in_fixed``, a strategy per input: the constants' and the carry's
     layouts, a scanned input's without its scanned dim), and each result is read by a ``writeback`` op fixed to the
@@ -488,6 +488,8 @@ def scan_body_graph(eqn, path: tuple, mesh: DeviceMesh, in_fixed: Sequence, out_
     None: where the body makes it). ``stored[k]``: body input k is stored state (a weight), a ``param`` source.
     The body's equations carry ``path + (eqn,)``, the emitter's keys inside the body. ``body``: another body of
     the same eqn to trace (a ``while``'s body jaxpr, one branch of a ``cond``), the ``scan``'s by default.
+    ``scalars``: a scalar result is read by a write-back too (a while's condition, whose one result is its test);
+    else it has none.
 
     >>> import jax, jax.numpy as jnp
     >>> cj = jax.make_jaxpr(lambda h, w: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, w))(
@@ -516,7 +518,7 @@ def scan_body_graph(eqn, path: tuple, mesh: DeviceMesh, in_fixed: Sequence, out_
     outs = []
     for j, (v, fixed) in enumerate(zip(body.jaxpr.outvars, out_fixed, strict=True)):
         tid = t.read(v, env, "scan_out", j)
-        if not t.graph.tensors[tid].shape:
+        if not t.graph.tensors[tid].shape and not scalars:
             continue
         t.identity(f"scan_out{j}", "writeback", [tid], fixed=None if fixed is None else tuple(tuple(a) for a in fixed))
         outs.append(t.graph.ops[-1].outputs[0])

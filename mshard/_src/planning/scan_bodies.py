@@ -205,8 +205,8 @@ def _per_tensor(op, s) -> bool:
 
 
 def _plan_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph_mesh: DeviceMesh,
-               region: RegionLayouts, kept: list[bool], jaxpr=None, length: int | None = None
-               ) -> tuple[ScanBody, list]:
+               region: RegionLayouts, kept: list[bool], jaxpr=None, length: int | None = None,
+               scalars: bool = False) -> tuple[ScanBody, list]:
     """One step of a scan's body (``op_graph.scan_body_graph``, its boundary fixed as given), every op computed
     where its operands arrive (semi_auto's follow, ``searchers.follow``), partial sums reduce-scattered where they
     are read split (``scattered_sums``), priced as :func:`build_plan` prices a region, times the scan's length.
@@ -214,7 +214,7 @@ def _plan_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph_me
     -> (the body, the layout each result is left in)."""
     mesh = region.mesh
     jaxpr = te.eqn.params["jaxpr"] if jaxpr is None else jaxpr
-    body = scan_body_graph(te.eqn, te.path, graph_mesh, in_fixed, out_fixed, kept, jaxpr)
+    body = scan_body_graph(te.eqn, te.path, graph_mesh, in_fixed, out_fixed, kept, jaxpr, scalars)
     mark_recomputed(body)
     base = RegionLayouts(mesh, [()] * len(body.input_ops), dict(region.marks), region.op_names)
     fix_marks(body, base)            # the user's strategies inside the loop
@@ -336,6 +336,8 @@ def _plan_branched(te, op, strategies, params: CostParams, graph, base: RegionLa
         notes.append(f"{te.name}: its {'body' if nk else 'branches'} left to XLA's partitioner, unpriced")
         return None
     new, body = best
+    if nk:
+        _with_condition(te, op, new, body, params, graph, base, stored, trips)
     if new != tuple(s):
         strategies[op.id] = new
         body.moved = True
@@ -348,6 +350,29 @@ def _plan_branched(te, op, strategies, params: CostParams, graph, base: RegionLa
                                    f"its {len(bodies)} branches are planned as regions of their own, priced as the "
                                    f"costlier (one runs)"))
     return body
+
+
+def _with_condition(te, op, strategy, body: ScanBody, params: CostParams, graph, base: RegionLayouts, stored,
+                    trips: int | None) -> None:
+    """A while's condition planned as a region of its own (:func:`_plan_body`), added to ``body``: it reads its
+    constants and the carry where the loop holds them (``strategy``), and runs once per test: the trip count plus
+    one where it is known, once otherwise. A condition that reduces a split carry (an all-done flag over a batch
+    split over the devices) sums its partial result every test."""
+    p = te.eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    read = list(range(nc)) + list(range(nc + nb, len(op.inputs)))
+    ins = [tuple(map(tuple, operand_layout(op, strategy, i))) for i in read]
+    cond, _ = _plan_body(te, ins, [()] * len(p["cond_jaxpr"].jaxpr.outvars), params, graph.mesh, base,
+                         [op.inputs[i] in stored for i in read], p["cond_jaxpr"],
+                         1 if trips is None else trips + 1, scalars=True)
+    body.cost = body.cost + cond.cost
+    body.eqn_out.update(cond.eqn_out)
+    body.eqn_in.update(cond.eqn_in)
+    body.eqn_scatter.update(cond.eqn_scatter)
+    for k, lay in cond.marks.items():
+        body.marks.setdefault(k, lay)
+    body.nested[(*eqn_key(te)[0], id(te.eqn), "cond")] = (cond.inputs, [None] * len(cond.outputs))
+    body.nested.update(cond.nested)
 
 
 def _branched_boundary(te, bodies: list, ins: list, outs: list, nk: int, params: CostParams, graph_mesh,

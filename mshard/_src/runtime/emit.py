@@ -263,6 +263,9 @@ class Emitter:
             if prim.name in BRANCHED and inner in self.bodies:     # a planned while body or cond's branches
                 params = dict(params, **{BRANCHED[prim.name]: self.rewrite(params[BRANCHED[prim.name]], inner,
                                                                             body=self.bodies[inner])})
+                if (*inner, "cond") in self.bodies:                # a planned while's condition
+                    params["cond_jaxpr"] = self.rewrite(params["cond_jaxpr"], inner,
+                                                        body=self.bodies[(*inner, "cond")])
             elif has and (prim.name in REBUILD or any(_has_marks(j) for j in jaxpr_params(params))):
                 params = {k: self.rewrite(v, inner) for k, v in params.items()}
         key = (path, id(eqn))
