@@ -461,7 +461,8 @@ class TrainOneStepCell(Cell):
         network: the network with loss; ``network(*data)`` returns the scalar loss.
         optimizer: an optimizer Cell (``nn.SGD``, ``nn.Momentum``, ``nn.Adam``, ``nn.AdamWeightDecay``) over some or
             all of the network's ``nnx.Param``s, or an ``optax.GradientTransformation`` (e.g. ``optax.adamw(1e-3)``)
-            applied to every ``nnx.Param``.
+            applied to every ``nnx.Param``; an ``optax.MultiSteps`` runs as its ``gradient_transformation()``
+            (the step accumulates, and applies every k calls).
         sens: the factor the gradients are scaled by (MindSpore's loss-scale sensitivity).
 
     >>> import jax.numpy as jnp, optax, mshard as ms
@@ -476,13 +477,16 @@ class TrainOneStepCell(Cell):
     >>> ms.reset_auto_parallel_context()
     """
 
-    def __init__(self, network: nnx.Module, optimizer: Optimizer | optax.GradientTransformation, sens: float = 1.0):
+    def __init__(self, network: nnx.Module, optimizer: Optimizer | optax.GradientTransformation | optax.MultiSteps,
+                 sens: float = 1.0):
         if isinstance(optimizer, Optimizer):
             optimizer = _optimizer_cell_tx(network, optimizer)
+        elif isinstance(optimizer, optax.MultiSteps):     # optax's accumulation wrapper: its transformation
+            optimizer = optimizer.gradient_transformation()
         elif not isinstance(optimizer, optax.GradientTransformation):
             raise CellTypeError(f"TrainOneStepCell: optimizer must be an optimizer Cell (e.g. "
-                                f"nn.Momentum(net.trainable_params(), 0.01, 0.9)) or an optax GradientTransformation "
-                                f"(e.g. optax.adamw(1e-3)), got {type(optimizer).__name__}.")
+                                f"nn.Momentum(net.trainable_params(), 0.01, 0.9)), an optax GradientTransformation "
+                                f"(e.g. optax.adamw(1e-3)) or an optax.MultiSteps, got {type(optimizer).__name__}.")
         self.network = network
         # flax creates moments that copy a parameter's sharding names under a mesh: the parameters' own, where
         # none is set around this call
