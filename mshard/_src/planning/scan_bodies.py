@@ -7,6 +7,7 @@ branch)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from jax.extend import core as jcore
@@ -204,6 +205,16 @@ def _per_tensor(op, s) -> bool:
     return all(len(used := [a for axes in lay for a in axes]) == len(set(used)) for lay in lays)
 
 
+# a region's planned bodies by their boundary (_plan_body): the boundaries tried for a loop or a branch, and the
+# second search after a loop moved, plan the same body at the same boundary again. Cleared per region (clear_bodies)
+_PLANNED: dict = {}
+
+
+def clear_bodies() -> None:
+    """Forget the bodies planned so far (a new region's planning starts)."""
+    _PLANNED.clear()
+
+
 def _plan_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph_mesh: DeviceMesh,
                region: RegionLayouts, kept: list[bool], jaxpr=None, length: int | None = None,
                scalars: bool = False) -> tuple[ScanBody, list]:
@@ -211,9 +222,27 @@ def _plan_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph_me
     where its operands arrive (semi_auto's follow, ``searchers.follow``), partial sums reduce-scattered where they
     are read split (``scattered_sums``), priced as :func:`build_plan` prices a region, times the scan's length.
     ``jaxpr``/``length``: another body of the eqn and its count (a ``while``'s body, a ``cond``'s branch, once).
-    -> (the body, the layout each result is left in)."""
-    mesh = region.mesh
+    -> (the body, the layout each result is left in). The same body at the same boundary is planned once per
+    region (a copy is returned: callers change the bodies they keep)."""
     jaxpr = te.eqn.params["jaxpr"] if jaxpr is None else jaxpr
+    norm = lambda lays: tuple(None if x is None else tuple(map(tuple, x)) for x in lays)
+    key = (id(te.eqn), id(jaxpr), norm(in_fixed), norm(out_fixed), tuple(kept), length, scalars, id(region),
+           id(params), id(graph_mesh))
+    hit = _PLANNED.get(key)
+    if hit is None or hit[0] is not te.eqn or hit[1] is not jaxpr or hit[2] is not region:
+        hit = _PLANNED[key] = (te.eqn, jaxpr, region, *_planned_body(
+            te, in_fixed, out_fixed, params, graph_mesh, region, kept, jaxpr, length, scalars))
+    body, made = hit[3], hit[4]
+    return dataclasses.replace(body, eqn_out=dict(body.eqn_out), eqn_in=dict(body.eqn_in),
+                               eqn_scatter=dict(body.eqn_scatter), marks=dict(body.marks),
+                               nested=dict(body.nested)), list(made)
+
+
+def _planned_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph_mesh: DeviceMesh,
+                  region: RegionLayouts, kept: list[bool], jaxpr, length: int | None, scalars: bool
+                  ) -> tuple[ScanBody, list]:
+    """:func:`_plan_body`, planned."""
+    mesh = region.mesh
     body = scan_body_graph(te.eqn, te.path, graph_mesh, in_fixed, out_fixed, kept, jaxpr, scalars)
     mark_recomputed(body)
     base = RegionLayouts(mesh, [()] * len(body.input_ops), dict(region.marks), region.op_names)
@@ -307,10 +336,13 @@ def _plan_branched(te, op, strategies, params: CostParams, graph, base: RegionLa
     whole = [((),) * len(lay) if i < n else lay for i, lay in enumerate(arrive)]
     best, cost = None, None
     try:
-        for start in (searched_in, arrive, whole):
+        starts = [[tuple(map(tuple, x)) for x in xs] for xs in (searched_in, arrive, whole)]
+        for k, start in enumerate(starts):
+            if k > 1 and start == starts[1]:      # nothing to gather: the operands arrive whole
+                continue
             for ins, outs, body in _branched_boundary(te, bodies, [tuple(map(tuple, x)) for x in start],
                                                       searched_out, nk, params, graph.mesh, base, kept,
-                                                      start is not searched_in, trips or 1):
+                                                      k > 0, trips or 1):
                 where = dict(zip(op.dims, s))
                 for i, lay in enumerate(ins):
                     for d, lab in enumerate(op.in_dims[skip + i]):

@@ -50,7 +50,7 @@ from mshard._src.planning.prepare import (
     mark_recomputed,
     strategy_from_layout,
 )
-from mshard._src.planning.scan_bodies import plan_scan_bodies
+from mshard._src.planning.scan_bodies import clear_bodies, plan_scan_bodies
 from mshard._src.planning.scattered_sums import mark_scatter, scattered_reductions
 from mshard._src.values import context as ctxmod
 from mshard._src.values.errors import ContextError, StrategyIgnoredWarning
@@ -279,6 +279,7 @@ def _searched(searcher, trace: TraceResult, params: CostParams, opts: dict, inpu
     it: the region is searched once more with those loops fixed there, so the ops after a loop read its results
     where it leaves them. -> (result, scattered, strategies, joined, bodies)."""
     graph = trace.graph
+    clear_bodies()
     wide = _wide_loops(graph)
     if wide:
         notes.append(f"{len(wide)} loop(s) with more strategies than a searcher enumerates (a loop over a whole "
@@ -287,6 +288,7 @@ def _searched(searcher, trace: TraceResult, params: CostParams, opts: dict, inpu
     try:
         return _searched_loops(searcher, trace, params, opts, inputs, base, hold, roles, notes, wide, kept)
     finally:
+        clear_bodies()
         for oid in set(wide) - kept:
             graph.ops[oid].fixed = None
 
