@@ -264,6 +264,11 @@ BUGS = [
         "    if nk:\n        _with_condition(",
         "    if False:\n        _with_condition(",
         ("tests/e2e/search/test_branch_bodies.py",)),
+    Bug("wide_conds_enumerated", "a cond with thousands of strategies is enumerated by the searchers (only a wide "
+        "scan is searched whole)", "mshard/_src/planning/search.py",
+        "        if op.kind not in OPAQUE_KINDS or op.fixed is not None:\n",
+        "        if op.kind != \"scan\" or op.fixed is not None:\n",
+        ("tests/e2e/search/test_branch_bodies.py",)),
     Bug("dataset_off_by_one", "each device's rows of a host batch are the next device's (the last keeps its own)",
         "mshard/_src/runtime/dataset.py",
         "        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])\n",

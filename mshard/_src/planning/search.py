@@ -58,7 +58,7 @@ from mshard._src.values.layout import DimAxes, axes_by_index, axes_by_name, dims
 from mshard._src.values.plan import Plan, load_plan
 from searchers import DeviceMesh
 from searchers.cost import CostParams, graph_cost
-from searchers.graph import operand_tied_strategy, result_layout, tied_strategy
+from searchers.graph import OPAQUE_KINDS, operand_tied_strategy, result_layout, tied_strategy
 from searchers.protocol import SEARCHERS, register
 from searchers.strategies import is_legal
 
@@ -296,17 +296,20 @@ def _searched(searcher, trace: TraceResult, params: CostParams, opts: dict, inpu
 # A scan op's strategies are every placement of the mesh axes on its loop dims, one set per operand (its constants
 # and carry are independent tensors): (D + 1) ** axes for D loop dims. A gradient accumulation over a network reads
 # every parameter and carries every gradient (a 2-block GPT: 142 dims, 2.9 million strategies on a (2, 2, 2) mesh,
-# which took the searchers minutes and GBs to price). Past this many, the loop is searched whole and its boundary is
+# which took the searchers minutes and GBs to price). A while's or a cond's the same (each operand and result its
+# own dims): the transposed cond of a differentiated branch reads every residual (about 20 dims on a 2-layer MLP;
+# dynamic_programming took 311 s). Past this many, the loop is searched whole and its boundary is
 # set after the search (scan_bodies._boundary_where_made tries where its operands arrive, whole, and the user's
 # layouts), as for any loop.
 _WIDE = 4096
 
 
 def _wide_loops(graph) -> list[int]:
-    """The unfixed scan ops with more than ``_WIDE`` strategies, fixed whole for the search (their id list)."""
+    """The unfixed loops and conditionals (scan, while, cond) with more than ``_WIDE`` strategies, fixed whole for
+    the search (their id list)."""
     out = []
     for op in graph.ops:
-        if op.kind != "scan" or op.fixed is not None:
+        if op.kind not in OPAQUE_KINDS or op.fixed is not None:
             continue
         free = sum(d not in op.unsplittable for d in op.dims)
         if (free + 1) ** len(graph.mesh.shape) > _WIDE:
