@@ -42,6 +42,16 @@ class ScanBody:
     moved: bool = False  # its loop's boundary set where the body reads and leaves it (_boundary_where_made)
     nested: dict = field(default_factory=dict)   # a loop's path inside the body -> (its body's input, result layouts)
 
+    def absorb(self, other: ScanBody) -> None:
+        """Take ``other``'s layouts too (another branch of the same cond, a while's condition, a loop inside this
+        body): its equations' layouts, its marks where this body has none, the loops inside it."""
+        self.eqn_out.update(other.eqn_out)
+        self.eqn_in.update(other.eqn_in)
+        self.eqn_scatter.update(other.eqn_scatter)
+        for k, lay in other.marks.items():
+            self.marks.setdefault(k, lay)
+        self.nested.update(other.nested)
+
 
 def plan_scan_bodies(trace: TraceResult, strategies, params: CostParams, base: RegionLayouts, notes: list[str]
                      ) -> dict[int, ScanBody]:
@@ -261,17 +271,6 @@ def _planned_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph
     c = build_plan(body, strats, found, params, mesh, infos, base, [], "follow_operands", scattered, roles,
                    bodies={oid: b.cost for oid, b in inner.items()}, manual=False).cost
     eqn_scatter = {item.key: axes_by_name(item.target, mesh) for item in scattered.values()}
-    marks = dict(laid.marks)
-    nested: dict = {}
-    for inner_te in body.eqns:       # the loops inside the body: their layouts, under their own paths
-        if (b := inner.get(inner_te.op)) is not None:
-            eqn_out.update(b.eqn_out)
-            eqn_in.update(b.eqn_in)
-            eqn_scatter.update(b.eqn_scatter)
-            for k, lay in b.marks.items():
-                marks.setdefault(k, lay)
-            nested[(*eqn_key(inner_te)[0], id(inner_te.eqn))] = (b.inputs, b.outputs)
-            nested.update(b.nested)
     n = te.eqn.params["length"] if length is None else length
     cost = Cost(c.compute * n, {k: v * n for k, v in c.communication.items()}, c.comm_time * n, c.memory,
                 c.total * n)
@@ -282,8 +281,13 @@ def _planned_body(te, in_fixed: list, out_fixed: list, params: CostParams, graph
     made = [() if not outvars[j].aval.shape else None if (k := sinks.get(f"scan_out{j}")) is None
             else operand_layout(k, strats[k.id], 0) for j in range(len(out_fixed))]
     left = [None if lay is None or want is None else axes_by_name(lay, mesh) for lay, want in zip(made, out_fixed)]
-    return ScanBody(eqn_out, eqn_in, eqn_scatter, [axes_by_name(x, mesh) for x in in_fixed], left, cost, marks,
-                    nested=nested), made
+    planned = ScanBody(eqn_out, eqn_in, eqn_scatter, [axes_by_name(x, mesh) for x in in_fixed], left, cost,
+                       dict(laid.marks))
+    for inner_te in body.eqns:       # the loops inside the body: their layouts, under their own paths
+        if (b := inner.get(inner_te.op)) is not None:
+            planned.absorb(b)
+            planned.nested[(*eqn_key(inner_te)[0], id(inner_te.eqn))] = (b.inputs, b.outputs)
+    return planned, made
 
 
 def _follow_body(body: TraceResult, te, params: CostParams, base: RegionLayouts):
@@ -317,8 +321,9 @@ def _plan_branched(te, op, strategies, params: CostParams, graph, base: RegionLa
     the operands other than a while's carry read whole (a weight split on a dim the body contracts: gathered once
     rather than summed every iteration). With the last two, the results are left where the bodies leave them (a
     while's carry where its body leaves it step after step, 3 tries; a cond's results where one of its branches
-    leaves them, each branch tried). The searchers price no body and give each loop dim one mesh axis, so a Megatron layer's two
-    weights, split over one axis on different dims, were gathered for a decode loop or a branch that reads them.
+    leaves them, each branch tried). The searchers price no body and give each loop dim one mesh axis, so a
+    Megatron layer's two weights, split over one axis on different dims, were gathered for a decode loop or a
+    branch that reads them.
     The op's strategy is set to the kept boundary (``ScanBody.moved`` where that is not the search's)."""
     first, bodies_of = BRANCHED[te.eqn.primitive.name]
     skip, bodies = first(te.eqn.params), bodies_of(te.eqn.params)
@@ -398,13 +403,8 @@ def _with_condition(te, op, strategy, body: ScanBody, params: CostParams, graph,
                          [op.inputs[i] in stored for i in read], p["cond_jaxpr"],
                          1 if trips is None else trips + 1, scalars=True)
     body.cost = body.cost + cond.cost
-    body.eqn_out.update(cond.eqn_out)
-    body.eqn_in.update(cond.eqn_in)
-    body.eqn_scatter.update(cond.eqn_scatter)
-    for k, lay in cond.marks.items():
-        body.marks.setdefault(k, lay)
+    body.absorb(cond)
     body.nested[(*eqn_key(te)[0], id(te.eqn), "cond")] = (cond.inputs, [None] * len(cond.outputs))
-    body.nested.update(cond.nested)
 
 
 def _branched_boundary(te, bodies: list, ins: list, outs: list, nk: int, params: CostParams, graph_mesh,
@@ -441,11 +441,7 @@ def _branched_boundary(te, bodies: list, ins: list, outs: list, nk: int, params:
         body = max(planned, key=lambda b: b.cost.total)
         for other in planned:
             if other is not body:
-                body.eqn_out.update(other.eqn_out)
-                body.eqn_in.update(other.eqn_in)
-                body.eqn_scatter.update(other.eqn_scatter)
-                for k, lay in other.marks.items():
-                    body.marks.setdefault(k, lay)
+                body.absorb(other)
         out.append((ins, outs, body))
     return out
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import test_plan_program
 from flax import nnx
 from helpers import time_limit, trip_moved
 
@@ -235,23 +236,18 @@ class _LoopedBranch(nnx.Module):
 
 
 @pytest.mark.parametrize("mode", ["sharding_propagation", "dynamic_programming"])
-def test_a_searched_plan_with_a_branch_in_a_loop_replays_from_its_strategy_file(mode, tmp_path):
+def test_a_searched_plan_with_a_branch_in_a_loop_replays_from_its_strategy_file(mode, tmp_path, monkeypatch):
     """Issue 40's exact replay with control flow: the searched plan, saved and loaded in semi_auto, compiles to the
     same collectives one by one, and both programs equal one device on the output and every gradient. The
     differentiated cond reads every residual (about 20 loop dims): dynamic_programming took 311 s to enumerate its
     strategies, and moved 89,088 B, until such an op was searched whole and its boundary set after (search.py
     ``_wide_loops``); now about 2 s and 7,168 B. 60 s separates the two on a loaded machine."""
-    from test_plan_program import MODELS, search_and_replay
-    MODELS["looped_branch"] = _LoopedBranch
-    try:
-        import test_plan_program
-        inputs = test_plan_program.inputs
-        test_plan_program.inputs = lambda model: (X, jnp.bool_(False)) if model == "looped_branch" else inputs(model)
-        with time_limit(60, f"{mode} searching and replaying a branch in a loop"):
-            plan, _ = search_and_replay("looped_branch", mode, tmp_path)
-        # the input x gathered whole from its data-parallel rows for the loop (32 x 64 floats x 7/8); the weights
-        # are whole (no strategy, and the loop reads them whole), so nothing else moves
-        assert plan.cost.communication == {"all-gather": 32 * 64 * 4 * 7 / 8}
-    finally:
-        MODELS.pop("looped_branch", None)
-        test_plan_program.inputs = inputs
+    monkeypatch.setitem(test_plan_program.MODELS, "looped_branch", _LoopedBranch)
+    inputs = test_plan_program.inputs
+    monkeypatch.setattr(test_plan_program, "inputs",
+                        lambda model: (X, jnp.bool_(False)) if model == "looped_branch" else inputs(model))
+    with time_limit(60, f"{mode} searching and replaying a branch in a loop"):
+        plan, _ = test_plan_program.search_and_replay("looped_branch", mode, tmp_path)
+    # the input x gathered whole from its data-parallel rows for the loop (32 x 64 floats x 7/8); the weights
+    # are whole (no strategy, and the loop reads them whole), so nothing else moves
+    assert plan.cost.communication == {"all-gather": 32 * 64 * 4 * 7 / 8}
